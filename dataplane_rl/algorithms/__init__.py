@@ -1,0 +1,1 @@
+"""RL algorithms: the policy-gradient loss and GRPO advantages."""

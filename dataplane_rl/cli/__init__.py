@@ -1,0 +1,1 @@
+"""The `dataplane-rl` command line."""

@@ -1,0 +1,50 @@
+"""`dataplane-rl`: train, inspect schemas, configs and live stores, benchmark.
+
+Each command lives in its own module with `add_parser(subparsers)`; heavy imports happen inside the
+command so `dataplane-rl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dataplane_rl.errors import DataPlaneError
+
+# module name -> its add_parser registers one top-level command
+COMMANDS = ("train_cmd", "schema_cmd", "config_cmd", "store_cmd", "bench_cmd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dataplane-rl",
+        description="A columnar data plane for RL post-training, with a GRPO pipeline on top.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"dataplane_rl.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"dataplane_rl.cli.{name}":
+                continue  # command not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DataPlaneError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""`dataplane-rl schema show|validate`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("schema", help="show the declared columns or validate a file of columns")
+    ssub = p.add_subparsers(dest="schema_command", required=True, metavar="ACTION")
+    show = ssub.add_parser("show", help="list columns: name, dtype, kind, writer, field sets, alias")
+    show.add_argument("--schema", default="grpo", help="built-in schema name or YAML path (default: grpo)")
+    show.add_argument("--field-set", help="only the columns of this field set, in its order")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.set_defaults(func=show_cmd)
+    val = ssub.add_parser("validate", help="check a Parquet or Arrow IPC file of columns against the schema")
+    val.add_argument("file", type=Path)
+    val.add_argument("--schema", default="grpo", help="built-in schema name or YAML path (default: grpo)")
+    val.add_argument("--writer", default="rollout",
+                     help="columns that must be present: those of this writer (rollout, driver, policy, reference) or 'all'")
+    val.set_defaults(func=validate_cmd)
+
+
+def show_cmd(args) -> int:
+    from dataplane_rl.schema import load_schema
+
+    schema = load_schema(args.schema)
+    names = schema.field_set(args.field_set) if args.field_set else schema.names
+    rows = []
+    for name in names:
+        c = schema.column(name)
+        rows.append({"name": c.name, "dtype": c.dtype, "kind": c.kind, "writer": c.writer,
+                     "field_sets": schema.sets_of(c.name), "alias": schema.aliases.get(c.name), "doc": c.doc})
+    if args.json:
+        json.dump({"schema": schema.name, "version": schema.version, "source": schema.source,
+                   "columns": rows, "field_sets": {k: list(v) for k, v in schema.field_sets.items()},
+                   "aliases": schema.aliases}, sys.stdout, indent=2)
+        print()
+        return 0
+    header = ("name", "dtype", "kind", "writer", "field sets", "alias")
+    table = [(r["name"], r["dtype"], r["kind"], r["writer"], ",".join(r["field_sets"]) or "-", r["alias"] or "-")
+             for r in rows]
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
+    title = f"schema {schema.name} v{schema.version} ({schema.source})"
+    print(title + (f", field set {args.field_set}" if args.field_set else ""))
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for t in table:
+        print("  ".join(v.ljust(w) for v, w in zip(t, widths)))
+    return 0
+
+
+def read_columns(path: Path):
+    """Read a Parquet or Arrow IPC (file or stream) table."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    from dataplane_rl.errors import SchemaError
+
+    if not path.is_file():
+        raise SchemaError(f"file '{path}' not found")
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    try:
+        if magic[:4] == b"PAR1":
+            return pq.read_table(path)
+        if magic == b"ARROW1":
+            return ipc.open_file(path).read_all()
+        return ipc.open_stream(pa.memory_map(str(path))).read_all()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SchemaError(f"file '{path}' is neither Parquet nor Arrow IPC: {e}") from None
+
+
+def validate_cmd(args) -> int:
+    from dataplane_rl.schema import Violation, load_schema
+
+    schema = load_schema(args.schema)
+    table = read_columns(args.file)
+    found = schema.violations(table)
+    required = schema.names if args.writer == "all" else [c.name for c in schema.columns if c.writer == args.writer]
+    if not required and args.writer != "all":
+        print(f"error: --writer '{args.writer}' writes no column; use one of rollout, driver, policy, reference, all",
+              file=sys.stderr)
+        return 2
+    for name in required:
+        if name not in table.column_names:
+            found.append(Violation(name, f"declared column (writer {schema.column(name).writer}) missing from the file; "
+                                         "write it or pass --writer to check another writer's columns"))
+    if not found:
+        print(f"{args.file}: {table.num_rows} rows, {table.num_columns} columns match schema '{schema.name}'")
+        return 0
+    print(f"{args.file}: {len(found)} violation(s) of schema '{schema.name}':", file=sys.stderr)
+    for v in found:
+        print(f"  {v}", file=sys.stderr)
+    return 1

@@ -1,0 +1,22 @@
+"""Find the files shipped with the package (schemas, configs) from a checkout or an installed wheel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def data_dir(kind: str) -> Path:
+    """The folder holding `kind` ("schema" or "configs").
+
+    A wheel carries them under dataplane_rl/_data/ (see pyproject's force-include); a checkout or an
+    editable install reads the top-level folders of the repository.
+    """
+    for candidate in (_PACKAGE / "_data" / kind, _PACKAGE.parent / kind):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        f"dataplane-rl data folder '{kind}' not found next to {_PACKAGE}; reinstall the package "
+        "(pip install dataplane-rl) or run from a full checkout"
+    )

@@ -1,0 +1,316 @@
+"""The declared column schema: typed objects loaded from schema/*.yaml, Arrow types, batch validation.
+
+`schema/grpo.yaml` is the single source of truth. `DP_TRAIN_FIELDS` and the alias map are read from it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Literal, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dataplane_rl.errors import SchemaError, format_rows
+from dataplane_rl.resources import data_dir
+
+# Arrow type names a column may declare. Fixed-width types convert to numpy/torch without a copy.
+ARROW_DTYPES: dict[str, pa.DataType] = {
+    "bool": pa.bool_(),
+    "int8": pa.int8(),
+    "int16": pa.int16(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "uint8": pa.uint8(),
+    "float16": pa.float16(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "string": pa.string(),
+}
+WRITERS = ("rollout", "driver", "policy", "reference")
+
+
+def _closest(word: str, choices: Iterable[str]) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+class Column(BaseModel):
+    """One declared column."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    dtype: str = Field(description="Arrow type name of one value")
+    kind: Literal["token", "sample"] = Field(description="token: one value per token; sample: one per row")
+    writer: Literal["rollout", "driver", "policy", "reference"]
+    doc: str = ""
+
+    @model_validator(mode="after")
+    def _check_dtype(self) -> "Column":
+        if self.dtype not in ARROW_DTYPES:
+            raise ValueError(
+                f"column '{self.name}' has unknown dtype '{self.dtype}'{_closest(self.dtype, ARROW_DTYPES)}; "
+                f"use one of {', '.join(ARROW_DTYPES)}"
+            )
+        if self.kind == "token" and self.dtype == "string":
+            raise ValueError(f"column '{self.name}': a token column cannot be a string; use an integer or float dtype")
+        return self
+
+    @property
+    def value_type(self) -> pa.DataType:
+        return ARROW_DTYPES[self.dtype]
+
+    @property
+    def arrow_type(self) -> pa.DataType:
+        """The stored Arrow type: list<dtype> for token columns, dtype for sample columns."""
+        return pa.list_(self.value_type) if self.kind == "token" else self.value_type
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One reason a batch does not match the schema."""
+
+    column: str
+    message: str
+    rows: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        where = f" rows {format_rows(self.rows)}" if self.rows else ""
+        return f"column '{self.column}'{where}: {self.message}"
+
+
+class Schema(BaseModel):
+    """A declared set of columns, named field sets and aliases."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    version: int = 1
+    length_column: str = "input_lengths"
+    columns: tuple[Column, ...]
+    field_sets: dict[str, tuple[str, ...]] = {}
+    aliases: dict[str, str] = {}
+    source: str = Field(default="<memory>", exclude=True, description="file the schema was loaded from")
+
+    @model_validator(mode="after")
+    def _check_references(self) -> "Schema":
+        seen: set[str] = set()
+        for col in self.columns:
+            if col.name in seen:
+                raise ValueError(f"duplicate column '{col.name}'; each column is declared once")
+            seen.add(col.name)
+        length = next((c for c in self.columns if c.name == self.length_column), None)
+        has_tokens = any(c.kind == "token" for c in self.columns)
+        if has_tokens and (length is None or length.kind != "sample" or not length.dtype.startswith("int")):
+            raise ValueError(
+                f"length_column '{self.length_column}' must be a declared integer sample column "
+                "when the schema has token columns"
+            )
+        for set_name, fields in self.field_sets.items():
+            for f in fields:
+                if f not in seen:
+                    raise ValueError(
+                        f"field set '{set_name}' names undeclared column '{f}'{_closest(f, seen)}; "
+                        "declare it under columns or remove it from the set"
+                    )
+            if len(set(fields)) != len(fields):
+                raise ValueError(f"field set '{set_name}' lists a column twice")
+        for storage, alias in self.aliases.items():
+            if storage not in seen:
+                raise ValueError(
+                    f"alias '{storage}: {alias}' names undeclared column '{storage}'{_closest(storage, seen)}"
+                )
+            if alias in seen:
+                raise ValueError(f"alias '{storage}: {alias}' shadows the declared column '{alias}'")
+        return self
+
+    # ---- lookups ------------------------------------------------------------------------------
+    @cached_property
+    def by_name(self) -> dict[str, Column]:
+        return {c.name: c for c in self.columns}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    def column(self, name: str) -> Column:
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise SchemaError(
+                f"schema '{self.name}' has no column '{name}'{_closest(name, self.by_name)}; "
+                f"declared columns: {', '.join(self.names)}"
+            ) from None
+
+    def field_set(self, name: str) -> tuple[str, ...]:
+        try:
+            return self.field_sets[name]
+        except KeyError:
+            raise SchemaError(
+                f"schema '{self.name}' has no field set '{name}'{_closest(name, self.field_sets)}; "
+                f"field sets: {', '.join(self.field_sets)}"
+            ) from None
+
+    def sets_of(self, column: str) -> list[str]:
+        return [s for s, fields in self.field_sets.items() if column in fields]
+
+    def arrow_schema(self, fields: Sequence[str] | None = None) -> pa.Schema:
+        """The Arrow schema of `fields` (all columns by default), in the given order."""
+        fields = self.names if fields is None else fields
+        return pa.schema([pa.field(f, self.column(f).arrow_type, nullable=False) for f in fields])
+
+    def apply_aliases(self, batch: Mapping[str, object]) -> dict[str, object]:
+        """Rename storage names to the names the loss sees (total_reward -> rewards)."""
+        return {self.aliases.get(k, k): v for k, v in batch.items()}
+
+    def storage_name(self, loss_name: str) -> str:
+        """The stored column behind a loss-side name ('rewards' -> 'total_reward')."""
+        for storage, alias in self.aliases.items():
+            if alias == loss_name:
+                return storage
+        return loss_name
+
+    # ---- validation ---------------------------------------------------------------------------
+    def violations(
+        self,
+        batch: Mapping[str, pa.Array | pa.ChunkedArray] | pa.Table,
+        lengths: np.ndarray | None = None,
+    ) -> list[Violation]:
+        """Every way `batch` breaks the schema: unknown columns, dtypes, row counts, token lengths.
+
+        `lengths` gives the per-row token counts when the batch itself has no length column (e.g. a
+        put of prev_logprobs checked against input_lengths already in the store).
+        """
+        if isinstance(batch, pa.Table):
+            batch = {name: batch.column(name) for name in batch.column_names}
+        out: list[Violation] = []
+        counts = {name: len(arr) for name, arr in batch.items()}
+        for name, arr in batch.items():
+            if name not in self.by_name:
+                out.append(Violation(name, f"not declared in schema '{self.name}'{_closest(name, self.by_name)}; "
+                                           "declare it in the schema file or drop it"))
+                continue
+            col = self.by_name[name]
+            if arr.type != col.arrow_type:
+                out.append(Violation(name, f"has Arrow type {arr.type}, declared {col.arrow_type} "
+                                           f"(dtype {col.dtype}, kind {col.kind}); cast it before writing"))
+            elif arr.null_count:
+                nulls = np.flatnonzero(np.asarray(arr.is_null()))
+                out.append(Violation(name, "has null values; every cell must hold a value", tuple(nulls.tolist())))
+        if len(set(counts.values())) > 1:
+            desc = ", ".join(f"{k}={v}" for k, v in counts.items())
+            out.append(Violation("*", f"columns have different row counts ({desc}); every column must cover the same rows"))
+            return out
+        if lengths is None and self.length_column in batch:
+            arr = batch[self.length_column]
+            if arr.type == self.by_name[self.length_column].arrow_type and not arr.null_count:
+                lengths = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
+        if lengths is not None:
+            bad = np.flatnonzero(lengths < 0)
+            if bad.size:
+                out.append(Violation(self.length_column, "negative length", tuple(bad.tolist())))
+        for name, arr in batch.items():
+            col = self.by_name.get(name)
+            if col is None or col.kind != "token" or arr.type != col.arrow_type:
+                continue
+            if lengths is None:
+                out.append(Violation(name, f"token column written without '{self.length_column}'; "
+                                           f"write {self.length_column} first or in the same put"))
+                continue
+            got = token_lengths(arr)
+            if len(got) == len(lengths):
+                bad = np.flatnonzero(got != lengths)
+                if bad.size:
+                    r = int(bad[0])
+                    out.append(Violation(name, f"token lengths differ from {self.length_column} "
+                                               f"(row {r}: {int(got[r])} values, {self.length_column}={int(lengths[r])})",
+                                         tuple(bad.tolist())))
+        return out
+
+    def check(self, batch, lengths: np.ndarray | None = None, *, where: str = "") -> None:
+        """Raise SchemaError listing every violation of `batch` (see `violations`)."""
+        found = self.violations(batch, lengths)
+        if found:
+            from dataplane_rl.errors import AlignmentError
+
+            prefix = f"{where}: " if where else ""
+            detail = "; ".join(str(v) for v in found[:8]) + (f"; ... {len(found) - 8} more" if len(found) > 8 else "")
+            cls = AlignmentError if any(v.column == "*" for v in found) else SchemaError
+            raise cls(f"{prefix}{detail}")
+
+
+def token_lengths(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Per-row value counts of a list column, from its offsets (no copy of the values)."""
+    if isinstance(arr, pa.ChunkedArray):
+        parts = [token_lengths(c) for c in arr.chunks]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    offsets = np.asarray(arr.offsets)
+    return np.diff(offsets).astype(np.int64)
+
+
+def schema_path(name_or_path: str | Path) -> Path:
+    """Resolve a schema name ('grpo') or a file path to a file, with a clear error if missing."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists() or "/" in str(name_or_path):
+        if not p.is_file():
+            raise SchemaError(f"schema file '{p}' not found; pass an existing YAML file or a built-in name "
+                              f"({', '.join(available_schemas())})")
+        return p
+    candidate = data_dir("schema") / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        raise SchemaError(f"no built-in schema '{name_or_path}'{_closest(str(name_or_path), available_schemas())}; "
+                          f"built-in: {', '.join(available_schemas())}, or pass a path to a YAML file")
+    return candidate
+
+
+def available_schemas() -> list[str]:
+    return sorted(p.stem for p in data_dir("schema").glob("*.yaml"))
+
+
+def load_schema(name_or_path: str | Path = "grpo") -> Schema:
+    """Load and validate a schema by built-in name or path. Errors name the file and the fix."""
+    if isinstance(name_or_path, Schema):
+        return name_or_path
+    path = schema_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SchemaError(f"schema file '{path}' is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise SchemaError(f"schema file '{path}' must hold a mapping with 'name' and 'columns'")
+    try:
+        return Schema(**raw, source=str(path))
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            msgs.append(f"{loc}: {msg}" if loc else msg)
+        raise SchemaError(f"schema file '{path}': " + "; ".join(msgs)) from None
+    except TypeError as e:
+        raise SchemaError(f"schema file '{path}': {e}") from None
+
+
+GRPO_SCHEMA: Schema = load_schema("grpo")
+DP_TRAIN_FIELDS: tuple[str, ...] = GRPO_SCHEMA.field_set("DP_TRAIN_FIELDS")
+LOGPROB_SEED_FIELDS: tuple[str, ...] = GRPO_SCHEMA.field_set("LOGPROB_SEED_FIELDS")
+DRIVER_FIELDS: tuple[str, ...] = GRPO_SCHEMA.field_set("DRIVER_FIELDS")
+ALIASES: dict[str, str] = dict(GRPO_SCHEMA.aliases)
+
+
+def apply_aliases(batch: Mapping[str, object], schema: Schema = GRPO_SCHEMA) -> dict[str, object]:
+    """Rename storage names to loss names using `schema`'s alias map."""
+    return schema.apply_aliases(batch)
+
+
+__all__ = [
+    "ALIASES", "ARROW_DTYPES", "Column", "DP_TRAIN_FIELDS", "DRIVER_FIELDS", "GRPO_SCHEMA",
+    "LOGPROB_SEED_FIELDS", "Schema", "Violation", "apply_aliases", "available_schemas", "load_schema",
+    "token_lengths",
+]
