@@ -1,13 +1,25 @@
 """Clipped policy-gradient loss with KL penalty and VAPO positive-example NLL (DESIGN §5).
 
-Placeholder module holding LossConfig until the loss lands; see issue 4.
+The loss is a pure function of tensors and explicit global counts: it reads no process group and no
+global state. The counts (`N_tok`, `N_seq`, `N_pos`, `D`) are all-reduced once per optimizer step by
+`dataplane_rl.train.counts`, next to the training loop.
+
+Scaling, so that the training loop only sums and DDP only averages:
+- the returned loss carries a factor `D`: DDP divides the summed rank gradients by `D`, so the final
+  gradient is the gradient of the global-batch loss, whatever the microbatch size or number of ranks;
+- every metric is divided by its global count and NOT multiplied by `D`: summing a metric over the
+  microbatches of every rank gives the exact global value.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from dataclasses import dataclass
+from typing import Literal, Mapping, Optional
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dataplane_rl.errors import MissingColumnError, SchemaError
 
 
 class LossConfig(BaseModel):
@@ -25,3 +37,205 @@ class LossConfig(BaseModel):
     token_level_loss: bool = Field(True, description="True: mean over all valid tokens of the global batch; False: per-sequence token means averaged over sequences.")
     positive_example_nll_weight: float = Field(0.0, ge=0.0, description="mu: weight of the VAPO NLL on tokens of samples with reward > 0; needs the rewards column in the train fields.")
     use_importance_sampling_correction: bool = Field(False, description="Multiply the per-token PG and KL terms by the detached weight exp(prev - generation log-prob).")
+
+
+METRIC_NAMES: tuple[str, ...] = (
+    "loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
+    "probs_ratio_mean", "approx_entropy", "num_valid_tokens",
+)
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """The loss normalisers of one optimizer step, summed over every microbatch of every rank.
+
+    tokens = N_tok = sum(token_mask * sample_mask); sequences = N_seq = sum(sample_mask);
+    positive_tokens = N_pos = sum(token_mask * sample_mask * [rewards > 0]); dp_size = D, the number
+    of data-parallel ranks whose gradients DDP averages. Build them with
+    `dataplane_rl.train.counts.local_counts` + `all_reduce_counts`.
+    """
+
+    tokens: int
+    sequences: int
+    positive_tokens: int
+    dp_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tokens", "sequences", "positive_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GlobalCounts.{name}={getattr(self, name)} must be >= 0")
+        if self.dp_size < 1:
+            raise ValueError(f"GlobalCounts.dp_size={self.dp_size} must be >= 1")
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _require(batch: Mapping[str, torch.Tensor], key: str, why: str) -> torch.Tensor:
+    if key not in batch or batch[key] is None:
+        raise MissingColumnError(f"loss batch lacks '{key}', which {why}; batch has {sorted(batch)}")
+    return batch[key]
+
+
+def _check_shape(name: str, t: torch.Tensor, want: list[int], what: str) -> None:
+    if _shape(t) != want:
+        raise SchemaError(f"{name} has shape {_shape(t)} but must be {what} = {want}")
+
+
+def batch_masks(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(valid [B, T], sample_mask [B], positive [B, T] or None) as bool tensors, shapes checked.
+
+    valid = token_mask * sample_mask; positive = valid * [rewards > 0], None without `rewards`.
+    Masks may be int8, bool or float: any nonzero entry counts as 1.
+    """
+    token_mask = _require(batch, "token_mask", "marks the trained tokens")
+    sample_mask = _require(batch, "sample_mask", "marks the trained samples")
+    if token_mask.dim() != 2:
+        raise SchemaError(f"token_mask has shape {_shape(token_mask)} but must be [B, T]")
+    B = token_mask.shape[0]
+    _check_shape("sample_mask", sample_mask, [B], "[B] with B from token_mask")
+    sample = sample_mask != 0  # [B]
+    valid = (token_mask != 0) & sample[:, None]  # [B, T]
+    rewards = batch.get("rewards")
+    if rewards is None:
+        return valid, sample, None
+    _check_shape("rewards", rewards, [B], "[B] with B from token_mask")
+    return valid, sample, valid & (rewards > 0)[:, None]  # [B, T]
+
+
+def kl_estimate(lp: torch.Tensor, lp_ref: torch.Tensor, kind: str, input_clamp: float, output_clamp: float) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimate (Schulman's k1/k2/k3), d = lp_ref - lp clamped on both sides."""
+    d = (lp_ref - lp).clamp(-input_clamp, input_clamp)  # [B, T]
+    if kind == "k1":
+        kl = -d
+    elif kind == "k2":
+        kl = 0.5 * d * d
+    elif kind == "k3":
+        # expm1 keeps k3 accurate when d is tiny (policy close to the reference)
+        kl = torch.expm1(d) - d
+    else:
+        raise ValueError(f"unknown KL type {kind!r}; use k1, k2 or k3")
+    return kl.clamp(-output_clamp, output_clamp)  # [B, T]
+
+
+class ClippedPGLoss:
+    """Clipped PG + beta * KL + mu * positive-example NLL over one microbatch, globally normalised.
+
+    `loss, metrics = ClippedPGLoss(cfg)(curr_logprobs, batch, counts)`:
+    - `curr_logprobs` [B, T]: entry t is log p(token t | tokens < t) under the current policy;
+      position 0 (no prediction) and padding must be masked out by `token_mask`.
+    - `batch`: `prev_logprobs` [B, T], `advantages` [B] or [B, T], `token_mask` [B, T],
+      `sample_mask` [B]; `reference_policy_logprobs` [B, T] when beta > 0; `generation_logprobs`
+      [B, T] with importance-sampling correction; `rewards` [B] when mu > 0.
+    - `counts`: the global `GlobalCounts` of the whole optimizer step.
+
+    Returns the loss (0-dim tensor with grad, carrying the factor `counts.dp_size`) and a dict of
+    0-dim detached tensors named in `METRIC_NAMES`. Each metric is this microbatch's share of the
+    global value: its sum over all microbatches of all ranks is the global-batch value. `loss` is
+    the returned loss divided by `dp_size`; `kl_penalty` and `positive_nll_loss` are unweighted by
+    beta and mu, so loss = pg_loss + beta * kl_penalty + mu * positive_nll_loss.
+    """
+
+    def __init__(self, cfg: Optional[LossConfig] = None):
+        self.cfg = cfg if cfg is not None else LossConfig()
+
+    def __call__(
+        self, curr_logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], counts: GlobalCounts
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        beta, mu = cfg.reference_policy_kl_penalty, cfg.positive_example_nll_weight
+        if not isinstance(counts, GlobalCounts):
+            raise TypeError(f"counts must be a GlobalCounts, got {type(counts).__name__}; "
+                            "build it with dataplane_rl.train.counts.all_reduce_counts")
+        valid, sample, positive = batch_masks(batch)
+        B, T = valid.shape
+        _check_shape("curr_logprobs", curr_logprobs, [B, T], "[B, T] as token_mask")
+        if mu > 0 and positive is None:
+            raise MissingColumnError(
+                f"loss_fn.positive_example_nll_weight={mu} needs 'rewards' in the loss batch; the train fields "
+                "must carry the column aliased to 'rewards' (total_reward), or set the weight to 0")
+
+        def token_input(key: str, why: str) -> torch.Tensor:
+            t = _require(batch, key, why)
+            _check_shape(key, t, [B, T], "[B, T] as curr_logprobs")
+            return t
+
+        # Upcast: the ratio exp(lp - lp_old) of bf16 log-probs is too coarse to clip meaningfully.
+        dtype = torch.promote_types(curr_logprobs.dtype, torch.float32)
+        zero = curr_logprobs.new_zeros((), dtype=dtype)
+
+        def clean(t: torch.Tensor) -> torch.Tensor:
+            # Select, never multiply: masked entries (position 0, padding) may hold -inf or NaN, and
+            # 0 * inf would leak NaN into the loss and its gradient.
+            return torch.where(valid, t.to(dtype), zero)  # [B, T]
+
+        lp = clean(curr_logprobs)  # [B, T]
+        lp_old = clean(token_input("prev_logprobs", "the PPO ratio needs"))  # [B, T]
+        adv = _require(batch, "advantages", "the policy gradient needs")
+        if adv.dim() == 1:
+            _check_shape("advantages", adv, [B], "[B] (or [B, T]) with B from token_mask")
+            adv = adv[:, None].expand(B, T)  # [B, T]
+        else:
+            _check_shape("advantages", adv, [B, T], "[B] or [B, T] as token_mask")
+        adv = clean(adv)  # [B, T]
+        m = valid.to(dtype)  # [B, T]
+
+        # Clipped surrogate; pessimistic max of unclipped and clipped (both are losses).
+        ratio = torch.exp(lp - lp_old)  # [B, T]
+        pg_unclipped = -adv * ratio  # [B, T]
+        pg_clipped = -adv * ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)  # [B, T]
+        pg = torch.maximum(pg_unclipped, pg_clipped)  # [B, T]
+        clipped = (pg_clipped > pg_unclipped) & valid  # [B, T]
+        if cfg.ratio_clip_c is not None:
+            cap = -cfg.ratio_clip_c * adv  # [B, T]
+            dual = (adv < 0) & (pg > cap) & valid  # [B, T]
+            pg = torch.where(dual, cap, pg)  # [B, T]
+        else:
+            dual = torch.zeros_like(valid)  # [B, T]
+
+        if beta > 0:
+            lp_ref = clean(token_input("reference_policy_logprobs", f"the KL penalty (loss_fn.reference_policy_kl_penalty={beta}) needs"))
+            kl = kl_estimate(lp, lp_ref, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)  # [B, T]
+        else:
+            kl = torch.zeros_like(lp)  # [B, T]
+
+        if cfg.use_importance_sampling_correction:
+            lp_gen = clean(token_input("generation_logprobs", "loss_fn.use_importance_sampling_correction needs"))
+            # Detached: w corrects the sampling distribution, it is not a function of the policy.
+            weight = torch.exp(lp_old - lp_gen).detach() * m  # [B, T]
+        else:
+            weight = m  # [B, T]
+
+        n_tok = max(counts.tokens, 1)
+        if cfg.token_level_loss:
+            pg_term = (weight * pg).sum() / n_tok
+            kl_term = (weight * kl).sum() / n_tok
+        else:
+            # A sequence never straddles microbatches, so its local token count is its full count.
+            seq_len = m.sum(dim=1).clamp(min=1.0)  # [B]
+            n_seq = max(counts.sequences, 1)
+            pg_term = ((weight * pg).sum(dim=1) / seq_len).sum() / n_seq
+            kl_term = ((weight * kl).sum(dim=1) / seq_len).sum() / n_seq
+
+        if positive is not None:
+            nll_term = torch.where(positive, -lp, zero).sum() / max(counts.positive_tokens, 1)
+        else:
+            nll_term = zero
+        global_loss = pg_term + beta * kl_term + mu * nll_term
+        # DDP averages gradients over D ranks; the factor D turns that average into the global sum.
+        loss = counts.dp_size * global_loss
+
+        with torch.no_grad():
+            metrics = {
+                "loss": global_loss,
+                "pg_loss": pg_term,
+                "kl_penalty": kl_term,
+                "positive_nll_loss": nll_term,
+                "clip_fraction": clipped.sum().to(dtype) / n_tok,
+                "dual_clip_fraction": dual.sum().to(dtype) / n_tok,
+                "probs_ratio_mean": (ratio * m).sum() / n_tok,
+                "approx_entropy": (-lp * m).sum() / n_tok,
+                "num_valid_tokens": m.sum(),
+            }
+        return loss, {k: v.detach() for k, v in metrics.items()}

@@ -1,0 +1,1 @@
+"""Training: the data-parallel group, global loss counts and the microbatch loop."""
