@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dataplane_rl.algorithms.loss import LossConfig
 from dataplane_rl.errors import ConfigError
@@ -91,12 +91,13 @@ class DataPlaneConfig(_Section):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
-    @model_validator(mode="after")
-    def _check_backend(self) -> "DataPlaneConfig":
-        scheme = self.backend.split("://", 1)[0] if "://" in self.backend else ""
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, url: str) -> str:
+        scheme = url.split("://", 1)[0] if "://" in url else ""
         if scheme not in ("shm", "memory", "mooncake", "ray"):
-            raise ValueError(f"backend '{self.backend}' is not a store URL; use shm://, mooncake://HOST:PORT, memory:// or ray://")
-        return self
+            raise ValueError(f"'{url}' is not a store URL; use shm://, mooncake://HOST:PORT, memory:// or ray://")
+        return url
 
 
 class TaskConfig(_Section):

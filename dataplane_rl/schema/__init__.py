@@ -198,7 +198,7 @@ class Schema(BaseModel):
                 continue
             col = self.by_name[name]
             if arr.type != col.arrow_type:
-                out.append(Violation(name, f"has Arrow type {arr.type}, declared {col.arrow_type} "
+                out.append(Violation(name, f"has type {type_name(arr.type)}, declared {type_name(col.arrow_type)} "
                                            f"(dtype {col.dtype}, kind {col.kind}); cast it before writing"))
             elif arr.null_count:
                 nulls = np.flatnonzero(np.asarray(arr.is_null()))
@@ -243,6 +243,16 @@ class Schema(BaseModel):
             detail = "; ".join(str(v) for v in found[:8]) + (f"; ... {len(found) - 8} more" if len(found) > 8 else "")
             cls = AlignmentError if any(v.column == "*" for v in found) else SchemaError
             raise cls(f"{prefix}{detail}")
+
+
+_NAMES = {t: n for n, t in ARROW_DTYPES.items()}
+
+
+def type_name(t: pa.DataType) -> str:
+    """Arrow type in the schema's words: float32, list<int32>."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"list<{type_name(t.value_type)}>"
+    return _NAMES.get(t, str(t))
 
 
 def token_lengths(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
