@@ -248,6 +248,13 @@ class ColumnStore(ABC):
     def _close(self) -> None:
         """Release backend resources."""
 
+    def _encode(self, pid: str, name: str, array: pa.Array, rows: np.ndarray) -> tuple[ChunkRef, Any]:
+        """One column of a put as (ref, payload for `_write_chunks`). A backend may override this to
+        serialize straight into its storage (then the payload may be None); whatever it stored must be
+        removable by `_discard(pid, [ref])`, and it must clean up itself if it raises."""
+        buf = encode_chunk(name, array)
+        return ChunkRef(name, rows, f"{pid}/{name}/{uuid.uuid4().hex}", buf.size, checksum(buf)), buf
+
     # -- public API ------------------------------------------------------------------------------
     def create_partition(self, pid: str, schema: str | Schema = "grpo", num_rows: int = 0) -> None:
         """Create partition `pid` of `num_rows` rows following `schema` (a name, path or Schema)."""
@@ -288,17 +295,14 @@ class ColumnStore(ABC):
         committed = self._chunks(pid)
         for name in arrays:
             self._raise_if_written(pid, meta, committed, name, rows)
-        chunks = []
-        for name, arr in arrays.items():
-            buf = encode_chunk(name, arr)
-            ref = ChunkRef(name, rows, f"{pid}/{name}/{uuid.uuid4().hex}", buf.size, checksum(buf))
-            chunks.append((ref, buf))
-        refs = [r for r, _ in chunks]
+        chunks: list[tuple[ChunkRef, Any]] = []
         try:
+            for name, arr in arrays.items():
+                chunks.append(self._encode(pid, name, arr, rows))
             self._write_chunks(pid, chunks)
-            self._commit(pid, refs)
+            self._commit(pid, [r for r, _ in chunks])
         except BaseException:
-            self._discard(pid, refs)
+            self._discard(pid, [r for r, _ in chunks])
             raise
 
     def get(self, pid: str, fields: str | Sequence[str], rows: Any = None) -> pa.Table:
