@@ -414,7 +414,7 @@ def check_loop_matches(cfg: LossConfig, batch: dict, lp_values: torch.Tensor):
     ref_loss, ref_metrics = loop_loss(cfg, lp_loop, batch, counts)
     if torch.is_tensor(ref_loss) and ref_loss.requires_grad:
         ref_loss.backward()
-    close(loss, float(ref_loss))
+    close(loss, ref_metrics["loss"])
     for k in METRIC_NAMES:
         close(metrics[k], ref_metrics[k])
     close(lp_vec.grad, lp_loop.grad if lp_loop.grad is not None else torch.zeros_like(lp_values))
