@@ -1,0 +1,28 @@
+"""`dataplane-rl train [--config F] [k=v ...]`: GRPO on the embedded tiny config by default."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="run GRPO (default: the embedded tiny config, no download)")
+    p.add_argument("--config", help="YAML config (default: the embedded configs/grpo_tiny.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data_plane.enabled=true grpo.max_num_steps=5")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dataplane_rl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # fails here, before anything starts, on a bad key
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one progress bar: ours
+    from dataplane_rl.train.loop import train
+
+    summary = train(cfg)
+    print(json.dumps({k: summary[k] for k in ("status", "steps_completed", "reward_first_quarter",
+                                              "reward_last_quarter", "run_dir")}), file=sys.stderr)
+    return 0

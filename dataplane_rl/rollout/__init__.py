@@ -1,0 +1,1 @@
+"""Rollout: generation engines and the Ray actors that generate, score and write samples."""

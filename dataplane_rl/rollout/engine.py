@@ -1,0 +1,101 @@
+"""Generation engines behind one interface. Hugging Face is the zero-install default.
+
+Every sample draws its randomness from its own seed, derived from (run seed, step, round, prompt,
+sample), so a rollout does not depend on how samples are batched or spread over actors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+def sample_seed(seed: int, step: int, round_: int, prompt: int, sample: int) -> int:
+    """A stable 63-bit seed per sample (Python's hash() is salted per process, so use blake2b)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{round_}/{prompt}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class Generation:
+    """One sampled response: its token ids, their log-probs from the sampling pass, and truncation."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    truncated: bool
+
+
+class GenerationEngine(Protocol):
+    def generate(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, temperature: float,
+                 top_k: int) -> list[Generation]:
+        ...
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        ...
+
+
+class HFEngine:
+    """Batched sampling with a Hugging Face causal LM and its KV cache.
+
+    Sampling is Gumbel-max with per-row noise from the row's own generator; the log-prob of each sampled
+    token comes from the same forward pass, at the temperature-scaled full distribution (what the trainer
+    recomputes), not the top-k renormalised one.
+    """
+
+    def __init__(self, model, eos_token_id: int | None, pad_token_id: int) -> None:
+        self.model = model.eval()
+        self.eos = eos_token_id
+        self.pad = pad_token_id
+        self.device = next(model.parameters()).device
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0):
+        B = len(prompts)
+        if B == 0:
+            return []
+        P = max(len(p) for p in prompts)
+        ids = torch.full((B, P), self.pad, dtype=torch.long)  # [B, P] left-padded
+        attn = torch.zeros((B, P), dtype=torch.long)  # [B, P]
+        for i, p in enumerate(prompts):
+            ids[i, P - len(p):] = torch.tensor(p)
+            attn[i, P - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        logits, past = out.logits[:, -1], out.past_key_values  # [B, V]
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            logp = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()  # [B, V]
+            scores = logp.clone()
+            if top_k and top_k < scores.shape[-1]:
+                kth = scores.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
+                scores[scores < kth] = float("-inf")
+            V = scores.shape[-1]
+            u = torch.stack([torch.rand(V, generator=g, dtype=torch.float64) for g in gens])  # [B, V]
+            gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+            nxt = (scores.double() + gumbel).argmax(-1)  # [B]
+            for i in range(B):
+                if not done[i]:
+                    t = int(nxt[i])
+                    tokens[i].append(t)
+                    logps[i].append(float(logp[i, t]))
+                    if t == self.eos:
+                        done[i] = True
+            if bool(done.all()):
+                break
+            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=self.device)], dim=1)  # [B, P+t]
+            pos = pos[:, -1:] + 1  # [B, 1]
+            out = self.model(input_ids=nxt[:, None].to(self.device), attention_mask=attn, position_ids=pos,
+                             past_key_values=past, use_cache=True)
+            logits, past = out.logits[:, -1], out.past_key_values
+        return [Generation(tokens[i], logps[i], truncated=not (tokens[i] and tokens[i][-1] == self.eos))
+                for i in range(B)]

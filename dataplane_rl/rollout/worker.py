@@ -1,0 +1,125 @@
+"""The rollout actor: generate and score its rows, then write them to the store or return them."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+
+@dataclass
+class RolloutJob:
+    """Rows [row_start, row_start + len(prompt_ids) * G) of partition `pid`, whole groups."""
+
+    pid: str
+    step: int
+    round: int
+    row_start: int
+    group_ids: list[int]       # one per prompt (the prompt's index in the round)
+    prompts: list[str]
+
+
+def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int) -> pa.Table:
+    """The rollout writer's columns for a job, in row order (prompt-major, then sample)."""
+    ids, mask, glp, lengths, rewards, groups, trunc, ptext, rtext = [], [], [], [], [], [], [], [], []
+    for p_i, (gid, prompt) in enumerate(zip(job.group_ids, job.prompts)):
+        p = prompt_ids[p_i]
+        for s in range(G):
+            g = gens[p_i * G + s]
+            response = tokenizer.decode(g.tokens, skip_special_tokens=True)
+            n = len(p) + len(g.tokens)
+            ids.append(np.asarray(p + g.tokens, dtype=np.int32))
+            mask.append(np.concatenate([np.zeros(len(p), np.int8), np.ones(len(g.tokens), np.int8)]))
+            glp.append(np.concatenate([np.zeros(len(p), np.float32), np.asarray(g.logprobs, np.float32)]))
+            lengths.append(n)
+            rewards.append(task.reward(prompt, response))
+            groups.append(gid)
+            trunc.append(g.truncated)
+            ptext.append(prompt)
+            rtext.append(response)
+
+    def tok(parts, t):
+        offsets = np.zeros(len(parts) + 1, dtype=np.int32)
+        np.cumsum([len(x) for x in parts], out=offsets[1:])
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(parts), type=t))
+
+    return pa.table({
+        "input_ids": tok(ids, pa.int32()),
+        "input_lengths": pa.array(np.asarray(lengths, np.int32)),
+        "token_mask": tok(mask, pa.int8()),
+        "generation_logprobs": tok(glp, pa.float32()),
+        "total_reward": pa.array(np.asarray(rewards, np.float32)),
+        "group_id": pa.array(np.asarray(groups, np.int64)),
+        "truncated": pa.array(trunc, type=pa.bool_()),
+        "prompt_text": pa.array(ptext, type=pa.string()),
+        "response_text": pa.array(rtext, type=pa.string()),
+    })
+
+
+class RolloutWorker:
+    """One Ray actor: an engine, the task's reward function and (data plane on) a store client."""
+
+    def __init__(self, cfg: dict, model_folder: str, store_url: str | None, threads: int) -> None:
+        import torch
+
+        from dataplane_rl.config import Config
+        from dataplane_rl.rollout.engine import HFEngine
+        from dataplane_rl.tasks import get_task
+        from dataplane_rl.train.model import load_model, load_tokenizer, pick_device
+
+        torch.set_num_threads(threads)
+        self.cfg = Config.model_validate(cfg)
+        gen = self.cfg.generation
+        if gen.backend != "hf":
+            from dataplane_rl.errors import ConfigError
+
+            raise ConfigError(f"generation.backend={gen.backend} is not available in this build; use hf")
+        self.tokenizer = load_tokenizer(model_folder)
+        model = load_model(model_folder, pick_device(self.cfg.policy.device))
+        self.engine = HFEngine(model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        self.task = get_task(self.cfg.task.name, self.cfg.task.path)
+        self.store = None
+        if store_url:
+            from dataplane_rl.store import open_store
+
+            self.store = open_store(store_url)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def load_weights(self, state_dict) -> None:
+        self.engine.load_weights(state_dict)
+
+    def encode(self, prompt: str) -> list[int]:
+        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if bos is not None else []) + list(ids)
+
+    def generate(self, job: RolloutJob):
+        """Generate G samples per prompt of the job. Data plane on: put them and return a receipt.
+        Off: return (table, receipt) so the driver can hold the columns."""
+        from dataplane_rl.rollout.engine import sample_seed
+
+        gen, G, seed = self.cfg.generation, self.cfg.grpo.num_generations_per_prompt, self.cfg.grpo.seed
+        t0 = time.perf_counter()
+        prompt_ids = [self.encode(p) for p in job.prompts]
+        flat = [p for p in prompt_ids for _ in range(G)]
+        seeds = [sample_seed(seed, job.step, job.round, gid, s) for gid in job.group_ids for s in range(G)]
+        gens = self.engine.generate(flat, seeds, gen.max_new_tokens, gen.temperature, gen.top_k)
+        table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G)
+        receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "bytes_written": 0, "put_s": 0.0}
+        if self.store is None:
+            return table, receipt
+        t1 = time.perf_counter()
+        rows = range(job.row_start, job.row_start + table.num_rows)
+        self.store.put(job.pid, {n: table.column(n) for n in table.column_names}, rows)
+        receipt.update(bytes_written=table.nbytes, put_s=time.perf_counter() - t1)
+        return None, receipt
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None

@@ -1,0 +1,115 @@
+"""Row sets, column movement and THE train-batch builder (one place, driven by the schema).
+
+A row set is a list of (partition, rows) segments: rows are identities, so a batch is named by the rows
+it holds, never by position in some array. `fetch`/`write` move a row set's columns through any store;
+the driver's in-memory store (data plane off) and the real stores (data plane on) use the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from dataplane_rl.schema import Schema
+from dataplane_rl.store import ColumnStore, pad_tokens, to_numpy
+
+RowSet = list[tuple[str, np.ndarray]]  # [(partition id, rows)]
+
+
+def rowset_size(rs: RowSet) -> int:
+    return sum(len(r) for _, r in rs)
+
+
+def fetch(store: ColumnStore, rs: RowSet, fields: Sequence[str]) -> pa.Table:
+    """The fields of a row set, in row-set order (zero-copy chunks where the store allows)."""
+    tables = [store.get(pid, fields, rows) for pid, rows in rs if len(rows)]
+    if len(tables) == 1:
+        return tables[0]
+    return pa.concat_tables(tables) if tables else pa.table({})
+
+
+def write(store: ColumnStore, rs: RowSet, table: pa.Table) -> int:
+    """Put a table whose rows follow the row set; returns bytes written."""
+    start = 0
+    for pid, rows in rs:
+        part = table.slice(start, len(rows))
+        store.put(pid, {name: part.column(name) for name in part.column_names}, rows)
+        start += len(rows)
+    if start != table.num_rows:
+        raise ValueError(f"write: table has {table.num_rows} rows, the row set {start}")
+    return table.nbytes
+
+
+def shard_balanced(lengths: np.ndarray, num_shards: int) -> list[np.ndarray]:
+    """Split positions 0..n-1 into `num_shards` equal-count shards with balanced token totals.
+
+    Greedy longest-first onto the lightest shard that still has room; deterministic. Each shard's
+    positions are returned sorted, so shards read contiguous runs where they can.
+    """
+    n = lengths.size
+    if n % num_shards:
+        raise ValueError(f"{n} rows do not split evenly over {num_shards} ranks")
+    cap = n // num_shards
+    load = np.zeros(num_shards, dtype=np.int64)
+    members: list[list[int]] = [[] for _ in range(num_shards)]
+    for i in np.argsort(-lengths, kind="stable"):
+        open_ = [s for s in range(num_shards) if len(members[s]) < cap]
+        s = min(open_, key=lambda k: (load[k], k))
+        members[s].append(int(i))
+        load[s] += int(lengths[i])
+    return [np.array(sorted(m), dtype=np.int64) for m in members]
+
+
+def select(rs: RowSet, positions: np.ndarray) -> RowSet:
+    """The sub-row-set at flat positions (sorted), keeping segment boundaries."""
+    out: RowSet = []
+    start = 0
+    for pid, rows in rs:
+        mine = positions[(positions >= start) & (positions < start + len(rows))] - start
+        if mine.size:
+            out.append((pid, rows[mine]))
+        start += len(rows)
+    return out
+
+
+def build_train_batch(table: pa.Table, schema: Schema, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Tensors for the loss from a table of train fields: aliases applied (total_reward -> rewards),
+    token columns right-padded to [B, T], sample columns [B], plus attention_mask [B, T].
+
+    Every train path, with the data plane on or off, goes through here.
+    """
+    out: dict[str, torch.Tensor] = {}
+    T = None
+    for name in table.column_names:
+        col = schema.column(name)
+        data = table.column(name)
+        if col.kind == "token":
+            values, mask = pad_tokens(data, pad_value=0)
+            T = values.shape[1]
+            t = values.long() if name == "input_ids" else values.float()  # [B, T]
+            out[name] = t
+            out.setdefault("attention_mask", mask.long())  # [B, T]
+        else:
+            arr = to_numpy(data)
+            t = torch.tensor(arr)  # [B]; a copy: store buffers are read-only
+            out[name] = t.long() if np.issubdtype(arr.dtype, np.integer) and name != "sample_mask" else t.float()  # [B]
+    if T is not None and schema.length_column in out:
+        if int(out[schema.length_column].max()) != T:
+            raise ValueError("token columns are not as long as input_lengths")  # the store already checks this
+    return {k: v.to(device) for k, v in schema.apply_aliases(out).items()}
+
+
+def microbatches(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    """Split along rows; each microbatch is trimmed to its own longest row."""
+    B = next(iter(batch.values())).shape[0]
+    out = []
+    for s in range(0, B, size):
+        mb = {k: v[s:s + size] for k, v in batch.items()}
+        T = int(mb["attention_mask"].sum(-1).max()) if "attention_mask" in mb else None
+        if T is not None:
+            mb = {k: (v[:, :T] if v.dim() == 2 else v) for k, v in mb.items()}
+        out.append(mb)
+    return out

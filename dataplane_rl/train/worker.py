@@ -1,0 +1,179 @@
+"""The training worker: one torch.distributed rank as a Ray actor.
+
+It computes its shard's policy and reference log-probs (written back as columns), then runs the
+microbatch loop: global counts all-reduced once per optimizer step, ClippedPGLoss, gradients averaged
+over ranks as DDP does, norm clipping, AdamW.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from datetime import timedelta
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+
+from dataplane_rl.train.batch import RowSet, build_train_batch, fetch, microbatches, write
+
+
+class TrainWorker:
+    def __init__(self, cfg: dict, model_folder: str, store_url: str | None, rank: int, world: int,
+                 threads: int) -> None:
+        from dataplane_rl.algorithms.loss import ClippedPGLoss
+        from dataplane_rl.config import Config
+        from dataplane_rl.schema import load_schema
+        from dataplane_rl.train.model import load_model, pick_device
+
+        torch.set_num_threads(threads)
+        self.cfg = Config.model_validate(cfg)
+        self.schema = load_schema(self.cfg.data_plane.schema_name)
+        self.train_fields = self.cfg.train_fields(self.schema)
+        self.rank, self.world = rank, world
+        self.device = pick_device(self.cfg.policy.device)
+        torch.manual_seed(self.cfg.grpo.seed)
+        self.model = load_model(model_folder, self.device)
+        self.ref = None
+        if self.cfg.loss_fn.reference_policy_kl_penalty > 0:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        p = self.cfg.policy
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=p.learning_rate, weight_decay=p.weight_decay)
+        self.loss_fn = ClippedPGLoss(self.cfg.loss_fn)
+        self.store = None
+        if store_url:
+            from dataplane_rl.store import open_store
+
+            self.store = open_store(store_url)
+        self.io = {"bytes_read": 0, "bytes_written": 0, "get_s": 0.0, "put_s": 0.0}
+
+    def address(self) -> str:
+        """tcp://IP:PORT on this actor's node, for rank 0 to host the process-group rendezvous."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def init_dist(self, init_method: str) -> int:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world,
+                                timeout=timedelta(minutes=10))
+        return os.getpid()
+
+    # -- column movement: the store (data plane on) or tables handed over by the driver (off) --------
+    def _fetch(self, rs: RowSet, fields, table: pa.Table | None) -> pa.Table:
+        if table is None:
+            t0 = time.perf_counter()
+            table = fetch(self.store, rs, fields)
+            self.io["get_s"] += time.perf_counter() - t0
+            self.io["bytes_read"] += table.nbytes
+        return table.select(list(fields))
+
+    def _emit(self, rs: RowSet, table: pa.Table) -> pa.Table | None:
+        if self.store is None:
+            return table
+        t0 = time.perf_counter()
+        self.io["bytes_written"] += write(self.store, rs, table)
+        self.io["put_s"] += time.perf_counter() - t0
+        return None
+
+    def take_io(self) -> dict:
+        out, self.io = self.io, {k: 0 * v for k, v in self.io.items()}
+        return out
+
+    # -- log-prob pass ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, rs: RowSet, table: pa.Table | None = None) -> pa.Table | None:
+        """prev_logprobs (policy before this step) and reference_policy_logprobs for the shard."""
+        from dataplane_rl.train.model import token_logprobs
+
+        seed_fields = self.schema.field_set("LOGPROB_SEED_FIELDS")
+        table = self._fetch(rs, seed_fields, table)
+        batch = build_train_batch(table, self.schema, self.device)
+        lengths = batch["input_lengths"].cpu().numpy()
+        models = {"prev_logprobs": self.model}
+        if self.ref is not None:
+            models["reference_policy_logprobs"] = self.ref
+        out = {}
+        temp = self.cfg.generation.temperature
+        self.model.eval()
+        for name, model in models.items():
+            parts = []
+            for mb in microbatches(batch, self.cfg.policy.train_micro_batch_size):
+                parts.append(token_logprobs(model, mb["input_ids"], mb["attention_mask"], temp).float().cpu())  # [b, t]
+            rows = [row for part in parts for row in part.numpy()]  # padded, in batch order
+            flat = np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)])
+            offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            out[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.float32()))
+        return self._emit(rs, pa.table(out))
+
+    # -- train pass ---------------------------------------------------------------------------------
+    def train(self, steps: list[RowSet], tables: list[pa.Table] | None = None) -> dict:
+        """One optimizer step per row set (this rank's shard of each global batch); global metrics."""
+        from dataplane_rl.train.counts import all_reduce_counts, local_counts, reduce_metrics
+        from dataplane_rl.train.model import token_logprobs
+
+        p = self.cfg.policy
+        self.model.train()
+        history = []
+        mismatch = torch.zeros(2, dtype=torch.float64)  # [sum |gen - prev| over valid tokens, count]
+        for i, rs in enumerate(steps):
+            table = self._fetch(rs, self.train_fields, tables[i] if tables is not None else None)
+            batch = build_train_batch(table, self.schema, self.device)
+            counts = all_reduce_counts(local_counts(batch))
+            if "generation_logprobs" in batch:
+                m = batch["token_mask"] * batch["sample_mask"][:, None]  # [B, T]
+                mismatch[0] += float(((batch["generation_logprobs"] - batch["prev_logprobs"]).abs() * m).sum())
+                mismatch[1] += float(m.sum())
+            self.opt.zero_grad(set_to_none=True)
+            per_mb = []
+            for mb in microbatches(batch, p.train_micro_batch_size):
+                lp = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.generation.temperature)
+                loss, metrics = self.loss_fn(lp, mb, counts)
+                loss.backward()
+                per_mb.append(metrics)
+            self._average_gradients()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
+            self.opt.step()
+            metrics = reduce_metrics(per_mb)  # sums this rank's microbatches, all-reduces over ranks
+            metrics["grad_norm"] = float(grad_norm)
+            metrics["global_valid_toks"] = float(counts.tokens)
+            history.append(metrics)
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(mismatch)
+        out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+        out["logprob_mismatch"] = float(mismatch[0] / max(float(mismatch[1]), 1.0))
+        out["optimizer_steps"] = len(history)
+        return out
+
+    def _average_gradients(self) -> None:
+        """Sum over ranks / D: what DDP does. The loss carries the factor D, so this is the global gradient."""
+        if self.world == 1:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        start = 0
+        for g in grads:
+            g.copy_(flat[start:start + g.numel()].view_as(g))
+            start += g.numel()
+
+    def state_dict(self) -> dict:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
