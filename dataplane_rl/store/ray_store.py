@@ -1,0 +1,228 @@
+"""`ray://[HOST:PORT][/NAME]`: columns in the Ray object store, the baseline users would otherwise pick.
+
+`ray://` joins the running Ray (the one this process is in, else a cluster found by address="auto",
+else a local one it starts); `ray://HOST:PORT` joins that cluster. NAME (default "default") picks a
+catalog, so several stores can share one cluster.
+
+Chunk bytes are Ray objects. A named, detached catalog actor (`dataplane-rl-catalog-NAME` in namespace
+`dataplane-rl`) holds partition metas, committed refs and the ObjectRefs of their bytes.
+
+Ownership: a Ray object dies with the process that owns it (the one that called ray.put), and writers
+(rollout workers, a CLI) come and go. Ray 2.56 removed `ray.put(_owner=...)`, so the catalog copies each
+committed chunk into an object it owns itself: writer-owned bytes live only until the commit, and the
+data then lives as long as the catalog actor, freed when the partition is dropped.
+
+Commit is a compare-and-swap on the partition's version: the writer checks conflicts (ColumnStore's
+`_conflicts`) against the refs it read, and the catalog accepts only if no other put committed since;
+otherwise the writer re-checks against the refs the catalog returns. The catalog is one single-threaded
+actor: every committed byte passes through it, which is part of why this is a baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import ray
+
+from dataplane_rl.errors import (
+    ConfigError,
+    PartitionExistsError,
+    PartitionNotFoundError,
+    StoreUnavailableError,
+)
+from dataplane_rl.store.base import ChunkRef, ColumnStore, PartitionMeta
+
+NAMESPACE = "dataplane-rl"
+_TIMEOUT_S = 300.0
+
+
+class _Catalog:
+    """The catalog actor: partition metas, committed refs (JSON) and the ObjectRefs it owns."""
+
+    def __init__(self) -> None:
+        self.metas: dict[str, str] = {}
+        self.refs: dict[str, list[dict]] = {}
+        self.version: dict[str, int] = {}
+        self.objs: dict[str, dict[str, Any]] = {}  # pid -> chunk key -> ObjectRef owned here
+
+    def create(self, pid: str, meta_json: str) -> bool:
+        if pid in self.metas:
+            return False
+        self.metas[pid], self.refs[pid], self.version[pid], self.objs[pid] = meta_json, [], 0, {}
+        return True
+
+    def meta(self, pid: str) -> str | None:
+        return self.metas.get(pid)
+
+    def chunks(self, pid: str) -> tuple[int, list[dict]] | None:
+        return (self.version[pid], self.refs[pid]) if pid in self.metas else None
+
+    def commit(self, pid: str, version: int, refs: list[dict], objs: list) -> tuple[str, int, list[dict]]:
+        """'ok', 'retry' (someone committed since `version`; re-check against the refs returned) or
+        'gone'. `objs` arrive nested in a list, so as ObjectRefs owned by the writer."""
+        if pid not in self.metas:
+            return "gone", 0, []
+        if version != self.version[pid]:
+            return "retry", self.version[pid], self.refs[pid]
+        owned = [ray.put(v) for v in ray.get(objs)]  # the writer-owned bytes die with the writer
+        for ref, obj in zip(refs, owned):
+            self.objs[pid][ref["key"]] = obj
+        self.refs[pid] = self.refs[pid] + refs
+        self.version[pid] += 1
+        return "ok", self.version[pid], []
+
+    def objects(self, pid: str, keys: list[str]) -> list | None:
+        if pid not in self.metas:
+            return None
+        return [self.objs[pid].get(k) for k in keys]
+
+    def drop(self, pid: str) -> bool:
+        if pid not in self.metas:
+            return False
+        for table in (self.metas, self.refs, self.version, self.objs):
+            del table[pid]  # the last owned reference goes: Ray frees the bytes
+        return True
+
+    def list(self) -> list[str]:
+        return list(self.metas)
+
+    def corrupt(self, pid: str, key: str, lose: bool) -> None:
+        """Test-only: flip a byte of a stored chunk, or lose it as an eviction would."""
+        if lose:
+            self.objs[pid].pop(key)
+            return
+        data = bytearray(ray.get(self.objs[pid][key]).tobytes())
+        data[len(data) // 2] ^= 0xFF
+        self.objs[pid][key] = ray.put(np.frombuffer(bytes(data), dtype=np.uint8))
+
+
+def _connect(address: str | None) -> None:
+    if ray.is_initialized():
+        return  # inside a Ray worker or a driver that already joined: use that cluster
+    quiet = dict(logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        if address:
+            ray.init(address=address, **quiet)
+            return
+        try:
+            ray.init(address="auto", **quiet)
+        except ConnectionError:  # no running cluster: start a local one
+            ray.init(include_dashboard=False, **quiet)
+    except Exception as e:
+        raise StoreUnavailableError(f"cannot connect to Ray at {address or 'auto/local'}: {e}; start one with "
+                                    "`ray start --head` or use ray:// for a local one") from e
+
+
+class RayStore(ColumnStore):
+    scheme = "ray"
+
+    def __init__(self, address: str | None = None, name: str = "default") -> None:
+        super().__init__()
+        if not name or "/" in name:
+            raise ConfigError(f"ray store name {name!r} is invalid; use ray://[HOST:PORT][/NAME] with a plain NAME")
+        _connect(address)
+        self._name = name
+        self._address = ray.get_runtime_context().gcs_address
+        actor_name = f"dataplane-rl-catalog-{name}"
+        try:
+            cls = ray.remote(num_cpus=0, max_restarts=0)(_Catalog)
+            self._catalog = cls.options(name=actor_name, namespace=NAMESPACE, lifetime="detached",
+                                        get_if_exists=True).remote()
+        except Exception as e:
+            raise StoreUnavailableError(f"cannot start the catalog actor {actor_name}: {e}") from e
+        self._pending: dict[str, Any] = {}  # chunk key -> writer-owned ObjectRef until committed
+
+    @classmethod
+    def from_url(cls, rest: str, **options: Any) -> "RayStore":
+        address, _, name = rest.partition("/")
+        return cls(address or None, name or "default", **options)
+
+    @property
+    def url(self) -> str:
+        return f"ray://{self._address}/{self._name}"
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self._catalog, method).remote(*args), timeout=_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise StoreUnavailableError(f"the catalog of {self.url} is unreachable ({type(e).__name__}); its "
+                                        "partitions are lost if the actor died: re-create them") from e
+
+    def _not_found(self, pid: str) -> PartitionNotFoundError:
+        live = sorted(self._call("list")) or "none"
+        return PartitionNotFoundError(f"partition {pid} is unknown or dropped in {self.url}; live partitions: {live}")
+
+    # -- catalog hooks ---------------------------------------------------------------------------
+    def _create(self, meta: PartitionMeta) -> None:
+        if not self._call("create", meta.pid, meta.to_json()):
+            raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it first or "
+                                       "use a new id")
+
+    def _meta(self, pid: str) -> PartitionMeta:
+        text = self._call("meta", pid)
+        if text is None:
+            raise self._not_found(pid)
+        return PartitionMeta.from_json(text)
+
+    def _fetch(self, pid: str) -> tuple[int, list[ChunkRef]]:
+        got = self._call("chunks", pid)
+        if got is None:
+            raise self._not_found(pid)
+        return got[0], [ChunkRef.from_json(d) for d in got[1]]
+
+    def _chunks(self, pid: str) -> list[ChunkRef]:
+        return self._fetch(pid)[1]
+
+    def _write_chunks(self, pid: str, chunks: list[tuple[ChunkRef, Any]]) -> None:
+        for ref, buf in chunks:
+            self._pending[ref.key] = ray.put(np.frombuffer(buf, dtype=np.uint8))
+
+    def _commit(self, pid: str, refs: list[ChunkRef]) -> None:
+        meta = self._meta(pid)
+        version, committed = self._fetch(pid)
+        payload = [r.to_json() for r in refs]
+        objs = [self._pending[r.key] for r in refs]
+        while True:
+            err = self._conflicts(meta, committed, refs)
+            if err:
+                raise err
+            status, version, current = self._call("commit", pid, version, payload, objs)
+            if status == "gone":
+                raise self._not_found(pid)
+            if status == "ok":
+                break
+            committed = [ChunkRef.from_json(d) for d in current]
+        for r in refs:
+            self._pending.pop(r.key, None)
+
+    def _discard(self, pid: str, refs: list[ChunkRef]) -> None:
+        for r in refs:
+            self._pending.pop(r.key, None)  # the writer-owned object goes with its last reference
+
+    def _read_chunks(self, pid: str, refs: list[ChunkRef]) -> list[Any]:
+        objs = self._call("objects", pid, [r.key for r in refs])
+        if objs is None:
+            raise self._not_found(pid)
+        out: list[Any] = []
+        for obj in objs:
+            try:
+                out.append(b"" if obj is None else ray.get(obj, timeout=_TIMEOUT_S))
+            except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
+                out.append(b"")  # lost or evicted: the checksum check reports it as missing
+        return out
+
+    def _drop(self, pid: str) -> None:
+        if not self._call("drop", pid):
+            raise self._not_found(pid)
+
+    def _list(self) -> list[str]:
+        return self._call("list")
+
+    def _close(self) -> None:
+        # The catalog and its data outlive this handle (it is detached); other processes may still read.
+        self._pending.clear()
+
+    def _corrupt_for_test(self, pid: str, ref: ChunkRef, lose: bool = False) -> None:
+        self._call("corrupt", pid, ref.key, lose)
