@@ -37,12 +37,12 @@ class GRPOConfig(_Section):
 class PolicyConfig(_Section):
     """`policy.*`: the trained model and its optimizer."""
 
-    model: str = Field("tiny", description="'tiny' builds a ~0.4M-parameter Qwen2-style model locally from the seed; otherwise a local Hugging Face folder.")
+    model: str = Field("tiny", description="'tiny' builds a ~0.3M-parameter Qwen2-style model locally from the seed; otherwise a local Hugging Face folder.")
     model_cache_dir: Optional[str] = Field(None, description="Where the tiny model and tokenizer are cached; default ~/.cache/dataplane-rl.")
-    train_global_batch_size: int = Field(64, ge=1, description="Samples per optimizer step, over all ranks.")
+    train_global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, over all ranks.")
     train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward on one rank; does not change the numbers, only memory.")
     dp_size: int = Field(1, ge=1, description="Data-parallel training workers (torch.distributed ranks).")
-    learning_rate: float = Field(3e-3, gt=0.0, description="AdamW learning rate.")
+    learning_rate: float = Field(1e-2, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
@@ -103,7 +103,7 @@ class DataPlaneConfig(_Section):
 class TaskConfig(_Section):
     """`task.*`: the prompts and the reward function."""
 
-    name: str = Field("count", description="Registered task (see dataplane_rl.tasks): count, math_jsonl.")
+    name: str = Field("repeat", description="Registered task (see dataplane_rl.tasks): repeat, count, math_jsonl.")
     path: Optional[str] = Field(None, description="Data file for file-based tasks (math_jsonl: JSONL with question and answer fields).")
 
 

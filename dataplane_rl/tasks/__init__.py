@@ -27,27 +27,46 @@ class Task(Protocol):
 
 
 @dataclass
-class CountTask:
-    """Count up from the prompt's digit: prompt '7' -> best response '890123' (mod 10).
-
-    Reward is the fraction of the first `length` characters that are right, so it is dense and the tiny
-    model learns it in a few minutes on 2 CPU cores (each next digit is a bigram of the previous one).
-    """
+class DigitTask:
+    """The prompt is one digit; the response's first `length` characters are scored against a target
+    string made from it. The reward is the fraction that are right: dense, in [0, 1]."""
 
     length: int = 6
-    name: str = "count"
+    name: str = "digits"
 
     def prompts(self, seed: int, step: int, round_: int, n: int) -> list[str]:
-        rng = random.Random(f"count/{seed}/{step}/{round_}")
+        rng = random.Random(f"{self.name}/{seed}/{step}/{round_}")
         return [str(rng.randrange(10)) for _ in range(n)]
 
     def target(self, prompt: str) -> str:
-        d = int(prompt.strip()[-1])
-        return "".join(str((d + i + 1) % 10) for i in range(self.length))
+        raise NotImplementedError
 
     def reward(self, prompt: str, response: str) -> float:
         target = self.target(prompt)
         return sum(a == b for a, b in zip(response, target)) / self.length
+
+
+@dataclass
+class RepeatTask(DigitTask):
+    """Repeat the prompt's digit: '7' -> '777777'. The default: the tiny model's mean reward climbs from
+    ~0.03 to ~0.4 within the default 30 steps on 2 CPU cores."""
+
+    name: str = "repeat"
+
+    def target(self, prompt: str) -> str:
+        return prompt.strip()[-1] * self.length
+
+
+@dataclass
+class CountTask(DigitTask):
+    """Count up from the prompt's digit: '7' -> '890123' (mod 10). Harder than repeat: the tiny model
+    tends to lock onto one digit after the first, so it needs more steps."""
+
+    name: str = "count"
+
+    def target(self, prompt: str) -> str:
+        d = int(prompt.strip()[-1])
+        return "".join(str((d + i + 1) % 10) for i in range(self.length))
 
 
 @dataclass
@@ -100,6 +119,7 @@ class MathJsonlTask:
 
 
 TASKS: dict[str, Callable[..., Task]] = {
+    "repeat": lambda path=None: RepeatTask(),
     "count": lambda path=None: CountTask(),
     "math_jsonl": lambda path=None: MathJsonlTask(path or str(Path(__file__).parent / "math_sample.jsonl")),
 }

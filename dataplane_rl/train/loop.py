@@ -67,6 +67,7 @@ class GRPOTrainer:
         self.task = get_task(cfg.task.name, cfg.task.path)
         self.model_folder = str(resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir))
         self.store = None
+        self.store_url: str | None = None
         self.rollout: list = []
         self.workers: list = []
         self._ray_started = False
@@ -311,5 +312,5 @@ def train(cfg: Config) -> dict:
         try:
             trainer.close()
         finally:
-            summary = run.finish(status, error, {"run_dir": str(run.path)})
+            summary = run.finish(status, error, {"run_dir": str(run.path), "store_url": trainer.store_url})
     return summary

@@ -1,0 +1,173 @@
+"""GRPO end to end: real Ray actors, real stores, the tiny model. Parity, dynamic sampling, refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dataplane_rl.config import load_config
+from dataplane_rl.tasks import get_task
+
+SMALL = ["grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=1",
+         "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4", "generation.max_new_tokens=6",
+         "logger.progress=false"]
+TRAIN_KEYS = ("train/loss", "train/pg_loss", "train/kl_penalty", "train/positive_nll_loss", "train/clip_fraction",
+              "train/grad_norm", "train/global_valid_toks", "train/reward", "train/filtered_reward",
+              "train/probs_ratio_mean", "train/approx_entropy", "train/logprob_mismatch")
+
+
+def run(tmp_path: Path, name: str, *overrides: str):
+    from dataplane_rl.train.loop import train
+
+    run_dir = tmp_path / name
+    summary = train(load_config(None, [*SMALL, f"logger.run_dir={run_dir}", *overrides]))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    data = {p.name: [json.loads(x) for x in p.read_text().splitlines()] for p in sorted((run_dir / "train_data").iterdir())}
+    return summary, metrics, data
+
+
+def assert_close(a: dict, b: dict, rel=1e-5, abs_=1e-7):
+    for k in TRAIN_KEYS:
+        assert math.isclose(a[k], b[k], rel_tol=rel, abs_tol=abs_), f"{k}: {a[k]} vs {b[k]}"
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, ray_session):
+    """Data plane on (shm), dp 1, micro 4, with the VAPO NLL term on."""
+    return run(tmp_path_factory.mktemp("e2e"), "base", "data_plane.enabled=true",
+               "loss_fn.positive_example_nll_weight=0.1")
+
+
+def test_data_plane_path_trains_with_nll(baseline):
+    summary, metrics, data = baseline
+    m = metrics[0]
+    assert summary["status"] == "completed"
+    assert m["data_plane/enabled"] is True and m["data_plane/bytes_written"] > 0 and m["data_plane/bytes_read"] > 0
+    assert m["train/positive_nll_loss"] > 0, "the VAPO term must see the rewards column on the data-plane path"
+    # the driver reads per-sample scalars and texts only: far less than the token columns moved
+    assert 0 < m["data_plane/driver_bytes_read"] < m["data_plane/bytes_read"]
+    assert m["train/optimizer_steps"] == 2 and m["train/logprob_mismatch"] < 1e-4
+    assert len(data["step_000001.jsonl"]) == 32
+
+
+def test_parity_data_plane_off(baseline, tmp_path):
+    _, base_m, base_d = baseline
+    _, m, d = run(tmp_path, "off", "data_plane.enabled=false", "loss_fn.positive_example_nll_weight=0.1")
+    assert d == base_d, "rollouts differ between data plane on and off"
+    assert_close(base_m[0], m[0], rel=0, abs_=0)  # same numbers, bit for bit
+    assert m[0]["data_plane/enabled"] is False
+
+
+@pytest.mark.parametrize("override", ["policy.train_micro_batch_size=1", "policy.dp_size=2"])
+def test_parity_micro_batch_and_ranks(baseline, tmp_path, override):
+    _, base_m, base_d = baseline
+    _, m, d = run(tmp_path, "p", "data_plane.enabled=true", "loss_fn.positive_example_nll_weight=0.1", override)
+    assert d == base_d
+    assert_close(base_m[0], m[0])
+
+
+def test_dynamic_sampling_keeps_whole_informative_groups(tmp_path, ray_session):
+    G = 4
+    _, metrics, data = run(tmp_path, "dyn", "grpo.use_dynamic_sampling=true", "grpo.max_gen_batches=10",
+                           "grpo.max_num_steps=2", "data_plane.enabled=true")
+    assert max(m["train/generation_rounds"] for m in metrics) >= 2, "this seed should need extra rounds"
+    task = get_task("repeat")
+    for rows in data.values():
+        assert len(rows) == 32
+        groups: dict[tuple, list] = {}
+        for r in rows:
+            assert r["total_reward"] == pytest.approx(task.reward(r["prompt"], r["response"]), abs=1e-6)
+            partition = r["sample_id"].split("/")[0]
+            groups.setdefault((partition, r["group_id"]), []).append(r)
+        for members in groups.values():
+            assert len(members) == G, "groups must be kept whole"
+            assert len({m["total_reward"] for m in members}) > 1, "kept groups have non-equal rewards"
+            assert len({m["prompt"] for m in members}) == 1
+    m = metrics[0]
+    assert m["train/filtered_reward"] != m["train/reward"] or m["train/generation_rounds"] == 1
+
+
+def test_dynamic_sampling_gives_up_clearly(tmp_path, ray_session):
+    from dataplane_rl.train.loop import DynamicSamplingError
+
+    with pytest.raises(DynamicSamplingError, match="max_gen_batches=1"):
+        run(tmp_path, "dyn_fail", "grpo.use_dynamic_sampling=true", "grpo.max_gen_batches=1",
+            "grpo.num_prompts_per_step=16")
+    summary = json.loads((tmp_path / "dyn_fail" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "max_gen_batches" in summary["error"]
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", *args], capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def test_refuses_nll_without_rewards_before_starting(tmp_path):
+    fields = "[input_ids,input_lengths,token_mask,sample_mask,prev_logprobs,reference_policy_logprobs,advantages]"
+    t0 = time.monotonic()
+    p = cli("train", "loss_fn.positive_example_nll_weight=0.1", f"data_plane.train_fields={fields}",
+            f"logger.run_dir={tmp_path / 'never'}")
+    assert p.returncode == 2 and "rewards" in p.stderr and "total_reward" in p.stderr
+    assert not (tmp_path / "never").exists(), "nothing may start before the config is valid"
+    assert time.monotonic() - t0 < 60
+
+
+def test_train_cli_writes_the_run_folder(tmp_path):
+    run_dir = tmp_path / "cli"
+    p = cli("train", *SMALL, "grpo.max_num_steps=2", f"logger.run_dir={run_dir}", "data_plane.enabled=true")
+    assert p.returncode == 0, p.stderr[-3000:]
+    for f in ("config.yaml", "metrics.jsonl", "reward.png", "summary.json", "train_data/step_000001.jsonl",
+              "train_data/step_000002.jsonl"):
+        assert (run_dir / f).is_file(), f
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    for key in (*TRAIN_KEYS, "data_plane/bytes_written", "data_plane/driver_bytes_read", "timing/step"):
+        assert key in lines[0], key
+    sample = json.loads((run_dir / "train_data/step_000001.jsonl").read_text().splitlines()[0])
+    assert set(sample) == {"sample_id", "group_id", "prompt", "response", "total_reward", "advantage", "sample_mask"}
+    assert load_config(run_dir / "config.yaml").grpo.max_num_steps == 2  # the resolved config reloads
+    store_url = json.loads((run_dir / "summary.json").read_text())["store_url"]
+    assert store_url.startswith("shm:///") and not Path(store_url[len("shm://"):]).exists(), \
+        "the run's own shm folder must be freed at the end"
+
+
+def test_ctrl_c_leaves_a_consistent_run_folder(tmp_path):
+    run_dir = tmp_path / "int"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "grpo.max_num_steps=200",
+                             f"logger.run_dir={run_dir}", "data_plane.enabled=true"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    lines = metrics.read_text().splitlines()
+    assert summary["steps_completed"] == len(lines) >= 2
+    for line in lines:
+        json.loads(line)  # every line whole
+    assert len(list((run_dir / "train_data").glob("step_*.jsonl"))) == len(lines)
+    assert not list(run_dir.rglob("*.tmp*"))
+
+
+@pytest.mark.slow
+def test_default_config_learns(tmp_path):
+    """The README's promise: the default run raises the reward clearly."""
+    run_dir = tmp_path / "learn"
+    p = cli("train", f"logger.run_dir={run_dir}", "logger.progress=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rewards = [json.loads(x)["train/reward"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1 and last > 2 * first, f"reward did not rise: first 5 {first:.3f}, last 5 {last:.3f}"
