@@ -78,6 +78,9 @@ def pick_device(device: str = "auto") -> torch.device:
 
 def load_model(folder: Path, device: torch.device):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per actor per load is noise in the driver's console
 
     # fp32 everywhere on CPU: the log-prob parity checks compare engines at 1e-5
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -1,0 +1,1 @@
+"""Benchmarks reachable as `dataplane-rl bench ...`; the scripts in benchmarks/ call these."""
