@@ -21,6 +21,7 @@ actor: every committed byte passes through it, which is part of why this is a ba
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 import numpy as np
@@ -98,12 +99,37 @@ class _Catalog:
         self.objs[pid][key] = ray.put(np.frombuffer(bytes(data), dtype=np.uint8))
 
 
+def _on_this_machine(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))  # succeeds only for an address of this machine
+        return True
+    except OSError:
+        return False
+
+
+def _use_local_token() -> None:
+    """Ray quirk: a local cluster turns token auth on, and ray.init(address="auto") then sends the local
+    token (~/.ray/auth_token), but ray.init(address=HOST:PORT) never does, so a second process could not
+    join by URL. Do what "auto" does, only for a cluster on this machine."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token auth
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
 def _connect(address: str | None) -> None:
     if ray.is_initialized():
         return  # inside a Ray worker or a driver that already joined: use that cluster
     quiet = dict(logging_level=logging.WARNING, log_to_driver=False)
     try:
         if address:
+            if _on_this_machine(address):
+                _use_local_token()
             ray.init(address=address, **quiet)
             return
         try:

@@ -278,7 +278,7 @@ class ShmStore(ColumnStore):
         live: dict[str, list[ChunkRef]] = {}
         try:
             for n in sorted(os.listdir(refs_dir)):
-                if n.endswith(".json"):  # refs files never change once renamed in: parse each once
+                if n[0] != "." and n.endswith(".json"):  # never change once renamed in: parse each once
                     live[n] = known.get(n) or self._load_refs(os.path.join(refs_dir, n))
         except (FileNotFoundError, NotADirectoryError):
             raise self._not_found(pid) from None
@@ -435,9 +435,13 @@ class ShmStore(ColumnStore):
         """Bytes of dropped chunk files held for reuse (counted in /dev/shm usage)."""
         return sum(cap for _, cap in self._pool())
 
-    def _corrupt_for_test(self, pid: str, ref: ChunkRef) -> None:
-        """Flip one stored byte of `ref`'s chunk: the fault a checksum must catch."""
-        with open(os.path.join(self._pdir(pid), "chunks", ref.key), "r+b") as f:
+    def _corrupt_for_test(self, pid: str, ref: ChunkRef, lose: bool = False) -> None:
+        """Flip one stored byte of `ref`'s chunk, or delete it: faults a checksum must catch."""
+        path = os.path.join(self._pdir(pid), "chunks", ref.key)
+        if lose:
+            os.unlink(path)
+            return
+        with open(path, "r+b") as f:
             f.seek(ref.nbytes // 2)
             b = f.read(1)
             f.seek(ref.nbytes // 2)

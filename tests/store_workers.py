@@ -1,0 +1,159 @@
+"""Deterministic test columns, and the functions store tests run in other processes.
+
+Every value is a function of (row, seed), so any process can write or check any subset of rows without
+shipping data around. Worker functions open the store by URL, as a real writer or reader would.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from dataplane_rl.errors import DuplicateWriteError
+from dataplane_rl.schema import ARROW_DTYPES, GRPO_SCHEMA, Column, Schema
+
+ROLLOUT_FIELDS = tuple(c.name for c in GRPO_SCHEMA.columns if c.writer == "rollout")
+
+
+def row_len(r: int, seed: int = 0) -> int:
+    return 1 + (int(r) * 7 + seed) % 11
+
+
+def _token(name: str, r: int, n: int, seed: int) -> np.ndarray:
+    base = np.arange(n, dtype=np.int64) + int(r) * 100 + seed
+    if name == "input_ids":
+        return base.astype(np.int32)
+    if name == "token_mask":
+        return (base % 2).astype(np.int8)
+    return (-(base % 97) / np.float32(8)).astype(np.float32)  # log-prob-like, exact in float32
+
+
+def _sample(name: str, rows: np.ndarray, seed: int):
+    if name == "input_lengths":
+        return np.array([row_len(r, seed) for r in rows], dtype=np.int32)
+    if name in ("total_reward", "advantages"):
+        return (rows * 0.5 + seed - (5 if name == "advantages" else 0)).astype(np.float32)
+    if name == "group_id":
+        return (rows // 4 + seed).astype(np.int64)
+    if name == "truncated":
+        return (rows + seed) % 3 == 0
+    if name == "sample_mask":
+        return ((rows + seed) % 5 != 0).astype(np.int8)
+    return [f"{name} {r} seed {seed} ✓" for r in rows]  # prompt_text, response_text
+
+
+def grpo_columns(rows: Iterable[int], fields: Sequence[str] | None = None, seed: int = 0) -> dict:
+    """GRPO columns for `rows`, in the given row order."""
+    rows = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
+    out = {}
+    for name in fields or GRPO_SCHEMA.names:
+        col = GRPO_SCHEMA.by_name[name]
+        if col.kind == "token":
+            out[name] = [_token(name, r, row_len(r, seed), seed) for r in rows]
+        else:
+            out[name] = _sample(name, rows, seed)
+    return out
+
+
+def all_dtypes_schema() -> Schema:
+    """A schema with one sample column per dtype and one token column per non-string dtype."""
+    cols = [Column(name="input_lengths", dtype="int32", kind="sample", writer="rollout")]
+    for dt in ARROW_DTYPES:
+        cols.append(Column(name=f"s_{dt}", dtype=dt, kind="sample", writer="driver"))
+        if dt != "string":
+            cols.append(Column(name=f"t_{dt}", dtype=dt, kind="token", writer="policy"))
+    return Schema(name="all_dtypes", columns=tuple(cols))
+
+
+def all_dtypes_columns(rows: Sequence[int], seed: int = 0) -> dict:
+    rows = np.asarray(rows, dtype=np.int64)
+    lengths = np.array([row_len(r, seed) for r in rows], dtype=np.int32)
+    out: dict = {"input_lengths": lengths}
+    for dt, at in ARROW_DTYPES.items():
+        if dt == "string":
+            out[f"s_{dt}"] = [f"row {r} ✓ {seed}" for r in rows]
+            continue
+        np_dt = np.dtype(at.to_pandas_dtype())
+        out[f"s_{dt}"] = ((rows + seed) % 2 == 0) if dt == "bool" else ((rows * 3 + seed) % 100).astype(np_dt)
+        out[f"t_{dt}"] = [((np.arange(n) + r + seed) % (2 if dt == "bool" else 100)).astype(np_dt)
+                          for r, n in zip(rows, lengths)]
+    return out
+
+
+def as_lists(data) -> list:
+    """Plain Python values of user data or of an Arrow column, for comparisons."""
+    if hasattr(data, "to_pylist"):
+        return data.to_pylist()
+    if isinstance(data, np.ndarray):
+        return data.tolist()
+    return [x.tolist() if isinstance(x, np.ndarray) else x for x in data]
+
+
+# ---- run in other processes -------------------------------------------------------------------------
+_STORES: dict = {}
+
+
+def _store(url: str):
+    """Stores whose clients are slow to start (ray, mooncake) are kept per process; shm opens are cheap."""
+    from dataplane_rl.store import open_store
+
+    if url.startswith("shm://"):
+        return open_store(url)
+    if url not in _STORES:
+        _STORES[url] = open_store(url)
+    return _STORES[url]
+
+
+def _done(store, url: str) -> None:
+    if url.startswith("shm://"):
+        store.close()
+
+
+def write(url: str, pid: str, rows: Sequence[int], fields: Sequence[str] = ROLLOUT_FIELDS, seed: int = 0,
+          puts: int = 1) -> int:
+    """Write `fields` for `rows` in `puts` puts; returns this process id."""
+    store = _store(url)
+    for part in np.array_split(np.asarray(rows, dtype=np.int64), puts):
+        store.put(pid, grpo_columns(part, fields, seed), part)
+    _done(store, url)
+    return os.getpid()
+
+
+def check(url: str, pid: str, rows: Sequence[int], fields: Sequence[str], seed: int = 0, repeat: int = 3) -> int:
+    """Read `fields` for `rows` `repeat` times and compare with the expected values; returns rows checked."""
+    store = _store(url)
+    want = {k: as_lists(v) for k, v in grpo_columns(rows, fields, seed).items()}
+    for _ in range(repeat):
+        table = store.get(pid, fields, rows)
+        for f in fields:
+            assert table.column(f).to_pylist() == want[f], f"{f} differs in process {os.getpid()}"
+    _done(store, url)
+    return len(rows) * repeat
+
+
+def race(url: str, pids: Sequence[str], rows: Sequence[int], seed: int) -> list[str]:
+    """Try to write the same cells as a competing process: 'ok' or 'dup' per partition."""
+    store = _store(url)
+    out = []
+    for pid in pids:
+        try:
+            store.put(pid, grpo_columns(rows, ("input_lengths", "total_reward"), seed), rows)
+            out.append("ok")
+        except DuplicateWriteError:
+            out.append("dup")
+    _done(store, url)
+    return out
+
+
+def die_before_commit(url: str, pid: str, rows: Sequence[int]) -> None:
+    """Write chunk bytes, then die the hard way just before the commit (exit code 17)."""
+    store = _store(url)
+
+    def _commit(*args, **kwargs):
+        os._exit(17)
+
+    store._commit = _commit
+    store.put(pid, grpo_columns(rows, ROLLOUT_FIELDS), rows)
+    os._exit(0)  # not reached

@@ -1,0 +1,503 @@
+"""The column-store contract (DESIGN §4), run against every backend: memory, shm, ray, mooncake.
+
+The semantics live once in ColumnStore; these tests pin them down on each backend's storage, including
+across processes where a backend supports it (CAPABILITIES in conftest.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import re
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataplane_rl.errors import (
+    AlignmentError,
+    CorruptChunkError,
+    DataPlaneError,
+    DuplicateWriteError,
+    MissingColumnError,
+    PartitionExistsError,
+    PartitionNotFoundError,
+    SchemaError,
+    StoreUnavailableError,
+    format_rows,
+)
+from dataplane_rl.schema import GRPO_SCHEMA
+from dataplane_rl.store import MemoryStore, open_store
+from store_workers import (
+    ROLLOUT_FIELDS,
+    all_dtypes_columns,
+    all_dtypes_schema,
+    as_lists,
+    check,
+    die_before_commit,
+    grpo_columns,
+    race,
+    write,
+)
+
+N = 12
+
+
+@pytest.fixture
+def part(store) -> str:
+    """A fresh GRPO partition of N rows."""
+    pid = f"step-{uuid.uuid4().hex[:8]}"
+    store.create_partition(pid, "grpo", N)
+    return pid
+
+
+def assert_rows(store, pid, rows, fields, seed=0):
+    table = store.get(pid, fields, rows)
+    assert table.column_names == list(fields)
+    want = grpo_columns(rows, fields, seed)
+    for f in fields:
+        assert table.column(f).to_pylist() == as_lists(want[f]), f
+
+
+def corrupt(store, pid: str, column: str, lose: bool = False) -> None:
+    """Damage the stored bytes of `column`'s first chunk through the backend's own storage."""
+    ref = next(r for r in store._chunks(pid) if r.column == column)
+    if isinstance(store, MemoryStore):
+        data = bytearray(store._blobs[ref.key].to_pybytes())
+        data[len(data) // 2] ^= 0xFF
+        store._blobs[ref.key] = pa.py_buffer(b"" if lose else bytes(data))
+    elif hasattr(store, "_corrupt_for_test"):
+        store._corrupt_for_test(pid, ref, lose=lose)
+    else:
+        pytest.skip(f"{type(store).__name__} has no _corrupt_for_test(pid, ref, lose) hook")
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+def test_round_trip_every_dtype_and_kind(store):
+    schema = all_dtypes_schema()
+    store.create_partition("p", schema, 7)
+    cols = all_dtypes_columns(range(7))
+    store.put("p", cols, range(7))
+    table = store.get("p", list(cols))
+    for name, data in cols.items():
+        assert table.column(name).type == schema.by_name[name].arrow_type
+        assert table.column(name).to_pylist() == as_lists(data), name
+    assert store.schema("p").name == "all_dtypes"
+
+
+def test_round_trip_grpo_in_writer_stages(store, part):
+    store.put(part, grpo_columns(range(N), ROLLOUT_FIELDS), range(N))
+    driver = [c.name for c in GRPO_SCHEMA.columns if c.writer == "driver"]
+    store.put(part, grpo_columns(range(N), driver), range(N))
+    for writer in ("policy", "reference"):
+        fields = [c.name for c in GRPO_SCHEMA.columns if c.writer == writer]
+        store.put(part, grpo_columns(range(N), fields), np.arange(N))
+    assert_rows(store, part, range(N), GRPO_SCHEMA.names)
+    assert store.status(part).complete(GRPO_SCHEMA.names)
+
+
+@pytest.mark.parametrize("form", ["range", "list", "numpy", "reversed", "shuffled", "slice"])
+def test_rows_forms(store, part, form):
+    order = {"range": range(N), "list": list(range(N)), "numpy": np.arange(N, dtype=np.int32),
+             "reversed": range(N - 1, -1, -1), "shuffled": np.random.default_rng(1).permutation(N),
+             "slice": slice(None)}[form]
+    rows = np.arange(N)[order] if form == "slice" else np.asarray(list(order))
+    store.put(part, grpo_columns(rows, ["input_lengths", "input_ids", "prompt_text"]), order)
+    assert_rows(store, part, range(N), ["input_ids", "prompt_text", "input_lengths"])
+    assert_rows(store, part, rows, ["input_ids"])  # read back in the order written
+
+
+def test_get_subsets_reordered_and_repeated_rows(store, part):
+    fields = ["input_lengths", "token_mask", "total_reward"]
+    for rows in ([5, 1, 9], [0, 2, 4, 6], [3, 7, 8, 10, 11]):  # three puts, interleaved rows
+        store.put(part, grpo_columns(rows, fields), rows)
+    assert_rows(store, part, [11, 0, 5, 5, 2, 9], fields)
+    assert_rows(store, part, range(2, 9), ["token_mask"])
+    assert_rows(store, part, [], fields)
+    assert store.get(part, "total_reward").num_rows == N  # default: every row
+
+
+def test_get_returns_zero_copy_arrow(store, part):
+    store.put(part, grpo_columns(range(N), ["input_lengths", "prev_logprobs"]), range(N))
+    table = store.get(part, ["prev_logprobs", "input_lengths"])
+    assert table.schema == GRPO_SCHEMA.arrow_schema(["prev_logprobs", "input_lengths"])
+    from dataplane_rl.store import pad_tokens, to_numpy
+
+    padded, mask = pad_tokens(table.column("prev_logprobs"), torch=False)
+    assert padded.shape == (N, int(to_numpy(table.column("input_lengths")).max()))
+    assert mask.sum() == to_numpy(table.column("input_lengths")).sum()
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def test_unknown_column(store, part):
+    with pytest.raises(SchemaError, match=rf"partition {part} put rows 0-1.*'total_rewards'.*did you mean 'total_reward'"):
+        store.put(part, {"total_rewards": np.zeros(2, np.float32)}, [0, 1])
+    with pytest.raises(SchemaError, match="no column 'nope'"):
+        store.get(part, ["nope"])
+
+
+def test_wrong_dtype(store, part):
+    with pytest.raises(SchemaError, match=rf"partition {part}.*'total_reward' has dtype float64, declared float32"):
+        store.put(part, {"total_reward": np.zeros(3)}, range(3))
+    with pytest.raises(SchemaError, match="Arrow type int64, declared int32"):
+        store.put(part, {"input_lengths": pa.array([1, 2, 3])}, range(3))
+    with pytest.raises(SchemaError, match="pass one 1-D array per row"):
+        store.put(part, {"input_lengths": np.ones(2, np.int32), "input_ids": np.ones((2, 1), np.int32)}, [0, 1])
+
+
+def test_token_length_must_match_input_lengths(store, part):
+    cols = grpo_columns([0, 1, 2], ["input_lengths", "input_ids"])
+    cols["input_ids"][1] = cols["input_ids"][1][:-1]
+    with pytest.raises(SchemaError, match=r"'input_ids' rows 1: token lengths differ from input_lengths"):
+        store.put(part, cols, [0, 1, 2])
+    store.put(part, grpo_columns([0, 1, 2], ["input_lengths"]), [0, 1, 2])
+    short = grpo_columns([0, 1, 2], ["prev_logprobs"])
+    short["prev_logprobs"][2] = np.zeros(99, np.float32)
+    with pytest.raises(SchemaError, match=r"'prev_logprobs' rows 2: token lengths differ"):
+        store.put(part, short, [0, 1, 2])  # checked against the stored input_lengths
+
+
+def test_token_column_before_input_lengths(store, part):
+    with pytest.raises(MissingColumnError, match=rf"partition {part} column 'input_lengths' rows 0-2 not written "
+                                                 r"\(writer: rollout\).*write input_lengths first"):
+        store.put(part, grpo_columns(range(3), ["prev_logprobs"]), range(3))
+
+
+def test_different_row_counts_in_one_put(store, part):
+    cols = grpo_columns(range(4), ["total_reward", "group_id"])
+    cols["group_id"] = cols["group_id"][:3]
+    with pytest.raises(AlignmentError, match=r"'group_id' has 3 values for 4 rows"):
+        store.put(part, cols, range(4))
+
+
+@pytest.mark.parametrize("second", [[3, 4, 5], [5, 6, 7], [0, 9, 4]], ids=["same", "partial", "scattered"])
+def test_second_write_of_a_cell(store, part, second):
+    store.put(part, grpo_columns(range(6), ["total_reward"]), range(6))
+    text = re.escape(format_rows(r for r in second if r < 6))
+    with pytest.raises(DuplicateWriteError, match=rf"partition {part} column 'total_reward' rows {text} "
+                                                  r"already written \(writer: rollout\)"):
+        store.put(part, grpo_columns(second, ["total_reward"], seed=1), second)
+    assert_rows(store, part, range(6), ["total_reward"])  # the old values stay
+
+
+def test_out_of_range_and_repeated_rows(store, part):
+    with pytest.raises(AlignmentError, match=rf"partition {part}: rows 12 out of range"):
+        store.put(part, grpo_columns([11, 12], ["total_reward"]), [11, 12])
+    with pytest.raises(AlignmentError, match="out of range"):
+        store.put(part, grpo_columns([0], ["total_reward"]), [-1])
+    with pytest.raises(AlignmentError, match="out of range"):
+        store.get(part, ["total_reward"], range(N + 1))
+    with pytest.raises(AlignmentError, match=r"rows 2 given more than once"):
+        store.put(part, grpo_columns([2, 3, 2], ["total_reward"]), [2, 3, 2])
+    with pytest.raises(AlignmentError, match="integer indices"):
+        store.get(part, ["total_reward"], [0.5])
+
+
+def test_reading_unwritten_cells(store, part):
+    store.put(part, grpo_columns(range(4), ["input_lengths", "input_ids"]), range(4))
+    with pytest.raises(MissingColumnError, match=rf"partition {part} column 'prev_logprobs' rows 0-3 not "
+                                                 r"written \(writer: policy\)"):
+        store.get(part, ["input_ids", "prev_logprobs"], range(4))
+    with pytest.raises(MissingColumnError, match=r"column 'input_ids' rows 4-5,9 \(3 rows\) not written"):
+        store.get(part, ["input_ids"], [0, 4, 5, 9])
+    assert_rows(store, part, [3, 0], ["input_ids"])
+
+
+def test_unknown_and_dropped_partition(store, part):
+    for op in (lambda p: store.get(p, ["total_reward"]), lambda p: store.status(p),
+               lambda p: store.put(p, grpo_columns([0], ["total_reward"]), [0]), store.drop_partition):
+        with pytest.raises(PartitionNotFoundError, match=r"partition nope .*(unknown|dropped)"):
+            op("nope")
+    store.drop_partition(part)
+    with pytest.raises(PartitionNotFoundError, match=rf"partition {part} is unknown or dropped"):
+        store.get(part, ["total_reward"])
+    with pytest.raises(PartitionNotFoundError):
+        store.drop_partition(part)
+
+
+def test_partition_exists_and_bad_ids(store, part):
+    with pytest.raises(PartitionExistsError, match=rf"partition {part} already exists"):
+        store.create_partition(part, "grpo", 3)
+    for bad in ("", "../etc", ".hidden", "a/b", "x" * 200):
+        with pytest.raises(SchemaError, match="partition id"):
+            store.create_partition(bad, "grpo", 3)
+    with pytest.raises(SchemaError, match="num_rows"):
+        store.create_partition("ok", "grpo", -1)
+    assert store.num_rows(part) == N
+
+
+def test_closed_store(store, caps):
+    s = open_store(store.url) if caps["cross_process"] else store
+    s.close()
+    s.close()  # idempotent
+    for op in (lambda: s.list_partitions(), lambda: s.create_partition("p", "grpo", 1),
+               lambda: s.get("p", ["total_reward"]), lambda: s.status("p")):
+        with pytest.raises(StoreUnavailableError, match="is closed"):
+            op()
+
+
+# ---- all or nothing ------------------------------------------------------------------------------
+def _dup(store, pid):
+    store.put(pid, grpo_columns([0, 1], ["total_reward", "group_id"], seed=3), [0, 1])  # total_reward 0 is taken
+
+
+def _dtype(store, pid):
+    cols = grpo_columns([2, 3], ["total_reward", "group_id"])
+    cols["group_id"] = cols["group_id"].astype(np.int32)
+    store.put(pid, cols, [2, 3])
+
+
+def _tokens(store, pid):
+    cols = grpo_columns([2, 3], ["input_lengths", "input_ids"])
+    cols["input_ids"][0] = cols["input_ids"][0][1:]
+    store.put(pid, cols, [2, 3])
+
+
+def _lengths(store, pid):
+    cols = grpo_columns([2, 3], ["total_reward", "group_id"])
+    cols["total_reward"] = cols["total_reward"][:1]
+    store.put(pid, cols, [2, 3])
+
+
+def _commit_fails(store, pid):
+    def boom(*a, **k):
+        raise RuntimeError("injected commit failure")
+
+    store._commit = boom
+    try:
+        store.put(pid, grpo_columns([2, 3], ["total_reward", "group_id", "input_ids", "input_lengths"]), [2, 3])
+    finally:
+        del store._commit
+
+
+def _second_chunk_fails(store, pid):
+    real, calls = store._encode, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected encode failure")
+        return real(*a, **k)
+
+    store._encode = flaky
+    try:
+        store.put(pid, grpo_columns([2, 3], ["total_reward", "group_id", "prompt_text"]), [2, 3])
+    finally:
+        del store._encode
+
+
+@pytest.mark.parametrize("fail", [_dup, _dtype, _tokens, _lengths, _commit_fails, _second_chunk_fails],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_failed_put_changes_nothing(store, part, fail):
+    store.put(part, grpo_columns([0], ["total_reward"]), [0])
+    before = store.status(part)
+    with pytest.raises((DataPlaneError, RuntimeError)):
+        fail(store, part)
+    assert store.status(part) == before
+    if hasattr(store, "path"):  # shm: no stray chunk file either
+        assert len(os.listdir(store.path / part / "chunks")) == 1
+    store.put(part, grpo_columns([2, 3], ["total_reward", "group_id", "input_lengths", "input_ids"]), [2, 3])
+    assert_rows(store, part, [0, 2, 3], ["total_reward"])
+    assert_rows(store, part, [2, 3], ["group_id", "input_ids"])
+
+
+# ---- status, listing, dropping, damage -------------------------------------------------------------
+def test_status_and_list(store):
+    assert store.list_partitions() == []
+    for pid in ("b", "a"):
+        store.create_partition(pid, "grpo", 8)
+    store.put("a", grpo_columns(range(5), ["input_lengths", "input_ids"]), range(5))
+    st_a = store.status("a")
+    assert (st_a.pid, st_a.schema, st_a.num_rows) == ("a", "grpo", 8)
+    assert st_a.rows_written["input_ids"] == 5 and st_a.rows_written["total_reward"] == 0
+    assert st_a.nbytes["input_ids"] > 4 * sum(len(x) for x in grpo_columns(range(5), ["input_ids"])["input_ids"])
+    assert not st_a.complete(["input_ids"])
+    assert store.list_partitions() == ["a", "b"]
+
+
+def test_drop_frees_and_id_can_be_reused(store, caps):
+    store.create_partition("p", "grpo", 4)
+    store.put("p", grpo_columns(range(4), ["input_lengths", "input_ids"]), range(4))
+    store.drop_partition("p")
+    assert store.list_partitions() == []
+    if hasattr(store, "path"):
+        assert not (store.path / "p").exists()  # shm: the folder is gone
+    store.create_partition("p", "grpo", 2)
+    assert store.status("p").rows_written["input_ids"] == 0
+    with pytest.raises(MissingColumnError):
+        store.get("p", ["input_ids"])
+
+
+def test_arrays_stay_valid_after_drop_and_reuse(store):
+    """Zero-copy data a reader holds must not change when its partition is dropped and memory reused."""
+    fields = ["input_lengths", "prev_logprobs", "total_reward"]
+    store.create_partition("old", "grpo", N)
+    store.put("old", grpo_columns(range(N), fields, seed=1), range(N))
+    held = store.get("old", fields)
+    store.drop_partition("old")
+    store.create_partition("new", "grpo", N)
+    store.put("new", grpo_columns(range(N), fields, seed=2), range(N))  # same shapes: shm reuses files
+    want = grpo_columns(range(N), fields, seed=1)
+    for f in fields:
+        assert held.column(f).to_pylist() == as_lists(want[f])
+    assert_rows(store, "new", range(N), fields, seed=2)
+
+
+@pytest.mark.parametrize("lose", [False, True], ids=["corrupt", "lost"])
+def test_damaged_chunk_is_an_error(store, part, lose):
+    store.put(part, grpo_columns(range(N), ["input_lengths", "input_ids"]), range(N))
+    corrupt(store, part, "input_ids", lose=lose)
+    what = "missing" if lose else "corrupt"
+    with pytest.raises(CorruptChunkError, match=rf"partition {part} column 'input_ids' rows 0-11: stored chunk .* {what}"):
+        store.get(part, ["input_lengths", "input_ids"])
+    assert_rows(store, part, range(N), ["input_lengths"])
+
+
+def test_url_reopens_the_same_store(store, part, caps):
+    if not caps["cross_process"]:
+        pytest.skip("store is private to its process")
+    store.put(part, grpo_columns(range(3), ["total_reward"]), range(3))
+    other = open_store(store.url)
+    try:
+        assert part in other.list_partitions()
+        assert_rows(other, part, range(3), ["total_reward"])
+        other.put(part, grpo_columns([3], ["total_reward"]), [3])
+    finally:
+        other.close()
+    assert store.status(part).rows_written["total_reward"] == 4
+
+
+# ---- property-based ------------------------------------------------------------------------------
+@st.composite
+def plans(draw):
+    n = draw(st.integers(1, 30))
+    fields = draw(st.lists(st.sampled_from(GRPO_SCHEMA.names), min_size=1, unique=True))
+    if any(GRPO_SCHEMA.by_name[f].kind == "token" for f in fields) and "input_lengths" not in fields:
+        fields.append("input_lengths")
+    order = draw(st.permutations(range(n)))
+    cuts = sorted(draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=4, unique=True)))
+    puts = [order[a:b] for a, b in zip([0, *cuts], [*cuts, n]) if order[a:b]]
+    reads = draw(st.lists(st.integers(0, n - 1), max_size=2 * n))
+    return n, fields, puts, reads, draw(st.integers(0, 1000))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=plans())
+def test_property_round_trip(store, plan):
+    n, fields, puts, reads, seed = plan
+    pid = f"prop-{uuid.uuid4().hex[:8]}"
+    store.create_partition(pid, "grpo", n)
+    try:
+        for rows in puts:
+            store.put(pid, grpo_columns(rows, fields, seed), rows)
+        assert all(store.status(pid).rows_written[f] == n for f in fields)
+        assert_rows(store, pid, reads, fields, seed)
+        assert_rows(store, pid, range(n), fields[::-1], seed)
+    finally:
+        store.drop_partition(pid)
+
+
+# ---- across processes ----------------------------------------------------------------------------
+@pytest.fixture
+def shared(store, caps):
+    if not caps["cross_process"]:
+        pytest.skip("store is private to its process")
+    return store
+
+
+def test_one_writer_two_readers(shared, store_pool):
+    shared.create_partition("p", "grpo", 40)
+    store_pool.apply(write, (shared.url, "p", range(40), ROLLOUT_FIELDS, 0, 4))
+    shared.put("p", grpo_columns(range(40), ["advantages", "sample_mask"]), range(40))
+    fields = ["input_ids", "generation_logprobs", "advantages", "prompt_text"]
+    jobs = [store_pool.apply_async(check, (shared.url, "p", rows, fields)) for rows in (range(40), range(39, -1, -3))]
+    assert [j.get(timeout=120) for j in jobs] == [120, 42]
+
+
+def test_concurrent_writers_of_disjoint_rows(shared, store_pool):
+    shared.create_partition("p", "grpo", 64)
+    shared.put("p", grpo_columns(range(64), ["input_lengths"]), range(64))
+    jobs = [store_pool.apply_async(write, (shared.url, "p", range(i, 64, 2), ["input_ids", "total_reward"], 0, 8))
+            for i in (0, 1)]
+    for j in jobs:
+        j.get(timeout=120)
+    assert_rows(shared, "p", range(64), ["input_ids", "total_reward", "input_lengths"])
+
+
+def test_racing_writers_of_the_same_cells(shared, store_pool):
+    pids = [f"race-{i}" for i in range(8)]
+    for pid in pids:
+        shared.create_partition(pid, "grpo", 16)
+    jobs = [store_pool.apply_async(race, (shared.url, pids, range(16), seed)) for seed in (1, 2)]
+    a, b = (j.get(timeout=120) for j in jobs)
+    for pid, ra, rb in zip(pids, a, b):
+        assert sorted([ra, rb]) == ["dup", "ok"], (pid, ra, rb)
+        winner = 1 if ra == "ok" else 2
+        assert_rows(shared, pid, range(16), ["input_lengths", "total_reward"], seed=winner)
+
+
+def test_writer_killed_before_commit_leaves_nothing(shared):
+    shared.create_partition("p", "grpo", 8)
+    proc = mp.get_context("spawn").Process(target=die_before_commit, args=(shared.url, "p", range(8)))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 17
+    st_ = shared.status("p")
+    assert sum(st_.rows_written.values()) == 0 and st_.total_bytes == 0
+    with pytest.raises(MissingColumnError):
+        shared.get("p", ["input_ids"])
+    shared.put("p", grpo_columns(range(8), ROLLOUT_FIELDS), range(8))
+    assert_rows(shared, "p", range(8), ROLLOUT_FIELDS)
+
+
+# ---- shm specifics -------------------------------------------------------------------------------
+def test_shm_auto_folder_lives_with_its_store(tmp_path):
+    auto = open_store("shm://")
+    assert auto.url.startswith("shm:///") and auto.path.is_dir()
+    other = open_store(auto.url)
+    other.create_partition("p", "grpo", 1)
+    other.close()
+    assert auto.list_partitions() == ["p"]  # closing a store opened on an existing folder keeps it
+    auto.close()
+    assert not auto.path.exists()
+    named = open_store(f"shm://{tmp_path}/s")
+    named.close()
+    assert (tmp_path / "s").is_dir()
+
+
+def test_shm_refuses_foreign_folders(tmp_path):
+    from dataplane_rl.errors import ConfigError
+    from dataplane_rl.store.shm import ShmStore
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not a dataplane-rl store"):
+        open_store(f"shm://{tmp_path}")
+    with pytest.raises(StoreUnavailableError, match="no shm store"):
+        ShmStore(tmp_path / "missing", create=False)
+    with pytest.raises(ConfigError, match="pool_bytes"):
+        open_store(f"shm://{tmp_path}/x?pool=1")
+
+
+def test_shm_pool_reuses_dropped_files():
+    store = open_store("shm://")
+    try:
+        fields = ["input_lengths", "input_ids", "total_reward"]
+        store.create_partition("a", "grpo", 64)
+        store.put("a", grpo_columns(range(64), fields, seed=1), range(64))
+        assert_rows(store, "a", range(64), fields, seed=1)  # no array kept: nothing maps "a" afterwards
+        store.drop_partition("a")
+        pooled = store.pool_bytes()
+        assert pooled >= store_bytes_floor(64)
+        store.create_partition("b", "grpo", 64)
+        store.put("b", grpo_columns(range(64), fields, seed=2), range(64))
+        assert store.pool_bytes() < pooled  # the put took files from the pool
+        assert_rows(store, "b", range(64), fields, seed=2)
+    finally:
+        store.close()
+
+
+def store_bytes_floor(n: int) -> int:
+    return 4 * n  # at least the input_lengths values
