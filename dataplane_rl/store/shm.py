@@ -156,6 +156,9 @@ class ShmStore(ColumnStore):
                  create: bool = True) -> None:
         super().__init__()
         self._auto = not path
+        if self._auto and not create:
+            raise ConfigError("shm:// without a folder makes a new, empty store; to open an existing one give its "
+                              "folder: shm:///dev/shm/dataplane-rl-...")
         if self._auto:
             root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             path = os.path.join(root, f"dataplane-rl-{uuid.uuid4().hex[:12]}")

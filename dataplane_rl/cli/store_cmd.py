@@ -1,0 +1,154 @@
+"""`dataplane-rl store ls|show`: look into a live column store by URL."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+SHOW_DEFAULT_ROWS = "0-9"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("store", help="inspect a live column store (shm://DIR, mooncake://HOST:PORT, ray://...)")
+    ssub = p.add_subparsers(dest="store_command", required=True, metavar="ACTION")
+    ls = ssub.add_parser("ls", help="partitions, columns, rows written of total, bytes")
+    ls.add_argument("url", help="store URL, e.g. shm:///dev/shm/dataplane-rl-1234 or mooncake://127.0.0.1:50051")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(func=ls_cmd)
+    show = ssub.add_parser("show", help="print rows of a partition (token columns abbreviated)")
+    show.add_argument("url", help="store URL")
+    show.add_argument("partition", help="partition id, e.g. step-000042")
+    show.add_argument("--rows", default=SHOW_DEFAULT_ROWS, help=f"rows like 0-9,12 (default {SHOW_DEFAULT_ROWS})")
+    show.add_argument("--fields", help="comma-separated columns (default: every column with rows written)")
+    show.set_defaults(func=show_cmd)
+
+
+def _open(url: str):
+    from dataplane_rl.store import open_store
+
+    # looking must not create: a mistyped shm:// folder is an error, not a new empty store
+    return open_store(url, create=False) if url.startswith("shm://") else open_store(url)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def parse_rows(text: str) -> list[int]:
+    """'0-9,12' -> [0, ..., 9, 12]."""
+    from dataplane_rl.errors import ConfigError
+
+    rows: list[int] = []
+    for part in text.split(","):
+        a, sep, b = part.strip().partition("-")
+        try:
+            rows.extend(range(int(a), int(b) + 1) if sep else [int(a)])
+        except ValueError:
+            raise ConfigError(f"--rows {text!r}: '{part}' is not a row or a range like 0-9") from None
+    return rows
+
+
+def describe(store) -> dict:
+    out = {"url": store.url, "partitions": []}
+    for pid in store.list_partitions():
+        st = store.status(pid)
+        schema = store.schema(pid)
+        cols = {c: {"rows_written": st.rows_written[c], "nbytes": st.nbytes[c], "writer": schema.by_name[c].writer}
+                for c in schema.names}
+        out["partitions"].append({"partition": pid, "schema": st.schema, "num_rows": st.num_rows,
+                                  "nbytes": st.total_bytes, "columns": cols})
+    return out
+
+
+def ls_cmd(args) -> int:
+    store = _open(args.url)
+    try:
+        doc = describe(store)
+    finally:
+        store.close()
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        print()
+        return 0
+    parts = doc["partitions"]
+    print(f"store {doc['url']}: {len(parts)} partition(s), {human_bytes(sum(p['nbytes'] for p in parts))}")
+    for p in parts:
+        print(f"\n{p['partition']}  schema {p['schema']}  {p['num_rows']} rows  {human_bytes(p['nbytes'])}")
+        width = max(len(c) for c in p["columns"])
+        for name, c in p["columns"].items():
+            written = f"{c['rows_written']}/{p['num_rows']}"
+            mark = "" if c["rows_written"] == p["num_rows"] else ("  (none)" if not c["rows_written"] else "  (partial)")
+            print(f"  {name.ljust(width)}  {written:>13}  {human_bytes(c['nbytes']):>10}  {c['writer']}{mark}")
+    return 0
+
+
+def _cell(value, token: bool) -> str:
+    if value is _MISSING:
+        return repr(value)
+    if token:
+        head = ", ".join(_scalar(v) for v in value[:4])
+        tail = f", …, {_scalar(value[-1])}" if len(value) > 5 else "".join(f", {_scalar(v)}" for v in value[4:])
+        return f"[{head}{tail}] ({len(value)} tokens)"
+    return _scalar(value)
+
+
+def _scalar(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, str):
+        return repr(v if len(v) <= 60 else v[:57] + "...")
+    return str(v)
+
+
+def _cell_or_missing(store, pid: str, field: str, row: int):
+    from dataplane_rl.errors import MissingColumnError
+
+    try:
+        return store.get(pid, [field], [row]).column(0)[0].as_py()
+    except MissingColumnError:
+        return _MISSING
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(not written)"
+
+
+_MISSING = _Missing()
+
+
+def show_cmd(args) -> int:
+    from dataplane_rl.errors import MissingColumnError, format_rows
+
+    store = _open(args.url)
+    try:
+        status = store.status(args.partition)
+        schema = store.schema(args.partition)
+        rows = [r for r in parse_rows(args.rows) if r < status.num_rows] if args.rows == SHOW_DEFAULT_ROWS \
+            else parse_rows(args.rows)
+        if args.fields:
+            fields = [f.strip() for f in args.fields.split(",") if f.strip()]
+            table = store.get(args.partition, fields, rows)  # an unwritten field is an error, as in the API
+            columns = {f: table.column(f).to_pylist() for f in fields}
+        else:
+            columns = {}
+            for f in (c for c in schema.names if status.rows_written[c]):
+                try:
+                    columns[f] = store.get(args.partition, [f], rows).column(0).to_pylist()
+                except MissingColumnError as e:  # partly written: show the written cells, mark the rest
+                    print(f"# {e}", file=sys.stderr)
+                    columns[f] = [_cell_or_missing(store, args.partition, f, r) for r in rows]
+    finally:
+        store.close()
+    print(f"partition {args.partition}: schema {status.schema}, {status.num_rows} rows; showing rows "
+          f"{format_rows(rows)}")
+    width = max((len(f) for f in columns), default=0)
+    for i, r in enumerate(rows):
+        print(f"row {r}")
+        for f, values in columns.items():
+            print(f"  {f.ljust(width)}  {_cell(values[i], schema.by_name[f].kind == 'token')}")
+    return 0

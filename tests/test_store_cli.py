@@ -1,0 +1,99 @@
+"""Smoke tests of `dataplane-rl store ls|show` in a subprocess, against live stores."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dataplane_rl.store import open_store
+from store_workers import ROLLOUT_FIELDS, grpo_columns
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "store", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def fill(store):
+    store.create_partition("step-000001", "grpo", 16)
+    store.put("step-000001", grpo_columns(range(16), ROLLOUT_FIELDS), range(16))
+    store.put("step-000001", grpo_columns(range(4), ["advantages"]), range(4))
+    store.create_partition("step-000002", "grpo", 8)
+
+
+@pytest.fixture
+def shm_url():
+    store = open_store("shm://")
+    fill(store)
+    yield store.url
+    store.close()
+
+
+def test_ls_table_and_json(shm_url):
+    p = run("ls", shm_url)
+    assert p.returncode == 0, p.stderr
+    assert f"store {shm_url}: 2 partition(s)" in p.stdout
+    assert "step-000001  schema grpo  16 rows" in p.stdout
+    first = p.stdout.split("\nstep-000002")[0]
+    lines = {line.split()[0]: line for line in first.splitlines() if line.startswith("  ")}
+    assert "16/16" in lines["input_ids"] and lines["input_ids"].split()[-2] in ("B", "KiB")
+    assert "4/16" in lines["advantages"] and "(partial)" in lines["advantages"]
+    doc = json.loads(run("ls", shm_url, "--json").stdout)
+    part = doc["partitions"][0]
+    assert doc["url"] == shm_url and [p["partition"] for p in doc["partitions"]] == ["step-000001", "step-000002"]
+    assert part["columns"]["input_ids"]["rows_written"] == 16 and part["columns"]["prev_logprobs"]["rows_written"] == 0
+    assert part["nbytes"] == sum(c["nbytes"] for c in part["columns"].values()) > 0
+
+
+def test_show_rows_and_fields(shm_url):
+    p = run("show", shm_url, "step-000001", "--rows", "2-3,15", "--fields", "input_ids,total_reward,prompt_text")
+    assert p.returncode == 0, p.stderr
+    assert "showing rows 2-3,15 (3 rows)" in p.stdout
+    assert [line for line in p.stdout.splitlines() if line.startswith("row ")] == ["row 2", "row 3", "row 15"]
+    assert "input_ids     [200, 201, 202, 203] (4 tokens)" in p.stdout  # grpo_columns: r*100 + position
+    assert "[1500, 1501, 1502, 1503, …, 1506] (7 tokens)" in p.stdout  # abbreviated
+    assert "prompt_text   'prompt_text 15 seed 0 ✓'" in p.stdout
+    default = run("show", shm_url, "step-000001")
+    assert default.returncode == 0 and "row 9" in default.stdout and "row 10" not in default.stdout
+    assert "column 'advantages' rows 4-9 not written" in default.stderr
+    adv = [line.split(None, 1)[1] for line in default.stdout.splitlines() if line.startswith("  advantages")]
+    assert adv[3] == "-3.5" and adv[4:] == ["(not written)"] * 6  # written cells shown, the rest marked
+
+
+def test_errors_name_the_problem(shm_url, tmp_path):
+    p = run("show", shm_url, "step-000001", "--fields", "prev_logprobs")
+    assert p.returncode == 2 and "MissingColumnError" in p.stderr and "(writer: policy)" in p.stderr
+    p = run("show", shm_url, "nope")
+    assert p.returncode == 2 and "partition nope is unknown" in p.stderr
+    p = run("ls", f"shm://{tmp_path}/missing")
+    assert p.returncode == 2 and "no shm store" in p.stderr and not (tmp_path / "missing").exists()
+    p = run("show", shm_url, "step-000001", "--rows", "a-b")
+    assert p.returncode == 2 and "--rows" in p.stderr
+
+
+def test_ls_ray(ray_store_url):
+    store = open_store(ray_store_url)
+    try:
+        fill(store)
+        p = run("ls", ray_store_url, "--json")
+        assert p.returncode == 0, p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["partitions"][0]["columns"]["input_ids"]["rows_written"] == 16
+    finally:
+        for pid in store.list_partitions():
+            store.drop_partition(pid)
+        store.close()
+
+
+def test_ls_mooncake(mooncake_store):
+    fill(mooncake_store)
+    try:
+        p = run("ls", mooncake_store.url)
+        assert p.returncode == 0, p.stderr
+        assert "step-000001  schema grpo  16 rows" in p.stdout and "16/16" in p.stdout
+    finally:
+        for pid in mooncake_store.list_partitions():
+            mooncake_store.drop_partition(pid)
