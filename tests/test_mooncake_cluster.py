@@ -6,8 +6,11 @@ if an upgrade changes one, the test that fails names the assumption that broke.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import signal
+import sys
 import time
 import uuid
 
@@ -148,6 +151,22 @@ def test_zero_copy_roundtrip(mooncake_client, arena):
     assert [client.get_size(k) for k in keys] == sizes
     assert client.batch_is_exist(keys) == [1] * len(keys)
     assert client.batch_remove(keys, force=True) == [0] * len(keys)
+
+
+def test_quirk_thousands_of_keys_in_one_batch(mooncake_client, arena):
+    """512 samples x 9 columns as one key per cell: above ~2100 keys per call Mooncake's default TCP
+    admission limit stalls the call for 60 s and wedges the client; connect_client raises the limit."""
+    client, n, size = mooncake_client, 4608, 400
+    assert int(os.environ.get("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "0")) > n  # set by connect_client
+    keys = [_uid("many") for _ in range(n)]
+    arena.buf[:n * size] = np.arange(n * size, dtype=np.uint64).astype(np.uint8)
+    t0 = time.monotonic()
+    assert client.batch_put_from(keys, [arena.ptr(i * size) for i in range(n)], [size] * n) == [0] * n
+    dst = 2 << 20
+    assert client.batch_get_into(keys, [arena.ptr(dst + i * size) for i in range(n)], [size] * n) == [size] * n
+    assert time.monotonic() - t0 < 30
+    assert np.array_equal(arena.buf[dst:dst + n * size], arena.buf[:n * size])
+    assert client.batch_remove(keys, force=True) == [0] * n
 
 
 def test_quirk_put_of_existing_key_returns_ok_and_keeps_old_value(mooncake_client, arena):
@@ -325,3 +344,24 @@ def test_dead_master_is_detected():
         c.master.wait(5)
         with pytest.raises(StoreUnavailableError, match="mooncake_master .* exited"):
             c.check()
+
+
+# ---- the raw reference benchmark ---------------------------------------------------------------
+def test_raw_mooncake_benchmark_runs(mooncake_cluster):
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "raw_mooncake.py"
+    spec = importlib.util.spec_from_file_location("raw_mooncake", path)
+    raw = importlib.util.module_from_spec(spec)
+    sys.modules["raw_mooncake"] = raw  # spawned workers import it by this name
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(raw)
+        bufs = raw.synthetic_buffers(32, layout="per-column")
+        res = raw.raw_mooncake_roundtrip(mooncake_cluster, [memoryview(b) for b in bufs], repeats=2, readers=2,
+                                         shard="bytes", warmup=0)
+    finally:
+        sys.path.remove(str(path.parent))
+    assert res["bytes"] == 32 * sum(raw.DEFAULT_COLUMN_BYTES) and res["keys"] == 9 and res["readers"] == 2
+    for k in ("write_gbps", "read_gbps", "e2e_gbps"):
+        assert 0 < res[k]["min"] <= res[k]["median"] <= res[k]["max"]
+    assert len(res["read_s"]) == 2 and len(res["per_reader_read_s"][0]) == 2
+    assert mooncake_cluster.list_keys("raw-mooncake-") == []  # each repeat cleans up after itself

@@ -81,6 +81,14 @@ ERROR_NAMES: dict[int, str] = {
 }
 MIN_SEGMENT_SIZE = 16 << 20  # a holder's setup() fails with INVALID_PARAMS below this
 
+# Environment every Mooncake process we make gets, unless already set (read at setup()). The TCP transport
+# queues at most MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER (default 1024, max 65535) transfers per peer beyond
+# its connection lanes: a batch call with more small keys than that (~2100 by default) stalls 60 s, fails
+# with TRANSFER_FAIL (-800), and can leave the client unable to reach that holder ever again (every later
+# transfer: -800 after 1 s). 16384 moves the cliff to ~16000 keys per call.
+CLIENT_ENV_DEFAULTS = {"MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "16384"}  # max 65535, default 1024
+MAX_KEYS_PER_BATCH = 1024  # what we recommend per batch_* call, well inside the limit above
+
 OK = 0
 NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
@@ -250,12 +258,16 @@ def connect_client(master_address: str, local_buffer_size: int, protocol: str = 
     With local_buffer_size=0, `get()` returns b"" even for keys that exist.
 
     The master is probed first: Mooncake's own setup() against a dead address blocks for ~90 s.
+    Sets CLIENT_ENV_DEFAULTS in os.environ (if unset) first, so big batch calls do not wedge the client;
+    still keep each batch call to about MAX_KEYS_PER_BATCH keys.
     `close()` on the returned client takes about 1 s.
     """
     store_mod = import_mooncake_store()
     if not port_open(master_address, timeout=connect_timeout):
         raise StoreUnavailableError(f"Mooncake master at {master_address} is not accepting connections "
                                     f"(waited {connect_timeout}s); start one with MooncakeCluster or check the address")
+    for k, v in CLIENT_ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
     client = store_mod.MooncakeDistributedStore()
     rc = client.setup(local_hostname, metadata_server, 0, int(local_buffer_size), protocol, device_name,
                       master_address)
@@ -349,7 +361,7 @@ class MooncakeCluster:
         self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
         self.extra_master_flags = list(extra_master_flags)
         self.python = python or sys.executable
-        self.env = {**os.environ, **(env or {})}  # for the master and holders (e.g. MC_* variables)
+        self.env = {**CLIENT_ENV_DEFAULTS, **os.environ, **(env or {})}  # for the master and holders
         self._requested_port = rpc_port
         self._master_binary = master_binary
         self._own_log_dir = log_dir is None
@@ -479,7 +491,8 @@ class MooncakeCluster:
             os.unlink(ready)
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(self._holder_cmd(index, ready), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent, start_new_session=True)
+                                    stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent,
+                                    start_new_session=True)
         self._holder_procs.append(proc)
         return index, proc, ready, log_path
 
@@ -626,7 +639,8 @@ class MooncakeCluster:
                 f"{state})")
 
 
-__all__ = ["ERROR_NAMES", "HolderInfo", "INSTALL_HINT", "MooncakeCluster", "connect_client",
+__all__ = ["CLIENT_ENV_DEFAULTS", "ERROR_NAMES", "HolderInfo", "INSTALL_HINT", "MAX_KEYS_PER_BATCH", "MIN_SEGMENT_SIZE",
+           "MooncakeCluster", "connect_client",
            "default_admin_address", "error_name", "find_master_binary", "free_port_pair",
            "import_mooncake_store", "list_keys", "list_segments", "master_health", "no_eviction_config",
            "port_open"]
