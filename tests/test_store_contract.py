@@ -131,6 +131,22 @@ def test_get_returns_zero_copy_arrow(store, part):
     assert mask.sum() == to_numpy(table.column("input_lengths")).sum()
 
 
+def test_large_put_is_stored_in_row_blocks(store, part):
+    store.chunk_bytes = 64  # instance override: a few rows per chunk
+    fields = ["input_lengths", "input_ids", "prompt_text", "total_reward"]
+    store.put(part, grpo_columns(range(N), fields), range(N))
+    blocks = [r for r in store._chunks(part) if r.column == "input_ids"]
+    assert len(blocks) > 2 and sorted(np.concatenate([b.rows for b in blocks]).tolist()) == list(range(N))
+    assert_rows(store, part, range(N), fields)
+    assert_rows(store, part, [11, 3, 4, 0], fields)
+    corrupt(store, part, "input_ids")  # the first block only: other blocks stay readable
+    first = next(b for b in store._chunks(part) if b.column == "input_ids").rows
+    with pytest.raises(CorruptChunkError):
+        store.get(part, ["input_ids"], first[:1])
+    rest = sorted(set(range(N)) - set(first.tolist()))
+    assert_rows(store, part, rest, ["input_ids"])
+
+
 # ---- errors --------------------------------------------------------------------------------------
 def test_unknown_column(store, part):
     with pytest.raises(SchemaError, match=rf"partition {part} put rows 0-1.*'total_rewards'.*did you mean 'total_reward'"):

@@ -62,8 +62,11 @@ DEFAULT_POOL_BYTES = 1 << 30
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # column names become file names
 
 
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # explicit: the default re-reads two env vars per stream
+
+
 def _write_ipc(sink, batch: pa.RecordBatch) -> None:
-    with pa.ipc.new_stream(sink, batch.schema) as writer:
+    with pa.ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as writer:
         writer.write_batch(batch)
 
 
@@ -169,6 +172,8 @@ class ShmStore(ColumnStore):
         self._open_dir(create)
         self._maps = _Maps(pool_bytes)
         self._refs_cache: dict[str, dict[str, list[ChunkRef]]] = {}
+        self._metas: dict[str, tuple[int, PartitionMeta]] = {}
+        self._pool_seen: tuple[float, list[tuple[str, int]]] = (0.0, [])
         self._leases: weakref.WeakValueDictionary[str, _Lease] = weakref.WeakValueDictionary()
         # An auto folder lives as long as the store that made it, even if close() is never called.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True) if self._auto else None
@@ -269,11 +274,19 @@ class ShmStore(ColumnStore):
             raise
 
     def _meta(self, pid: str) -> PartitionMeta:
+        pdir = self._pdir(pid)
         try:
-            with open(os.path.join(self._pdir(pid), "meta.json")) as f:
-                return PartitionMeta.from_json(f.read())
+            # a meta never changes; a partition dropped and made again is a new folder (a new inode)
+            ino = os.stat(pdir).st_ino
+            cached = self._metas.get(pid)
+            if cached is not None and cached[0] == ino:
+                return cached[1]
+            with open(os.path.join(pdir, "meta.json")) as f:
+                meta = PartitionMeta.from_json(f.read())
         except (FileNotFoundError, NotADirectoryError):
             raise self._not_found(pid) from None
+        self._metas[pid] = (ino, meta)
+        return meta
 
     def _chunks(self, pid: str) -> list[ChunkRef]:
         refs_dir = os.path.join(self._pdir(pid), "refs")
@@ -304,7 +317,7 @@ class ShmStore(ColumnStore):
             name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
             tmp = os.path.join(pdir, "refs", f".tmp-{name}")
             with open(tmp, "w") as f:
-                json.dump([r.to_json() for r in refs], f)
+                f.write(json.dumps([r.to_json() for r in refs]))
             os.rename(tmp, os.path.join(pdir, "refs", name))
 
     def _list(self) -> list[str]:
@@ -338,6 +351,7 @@ class ShmStore(ColumnStore):
     def _claim(self, pid: str, target: str, size: int) -> None:
         """Put a file of at least `size` bytes at `target`: a pooled one if any fits, else a new one."""
         for cand, cap in self._pool_candidates(size):
+            self._pool_seen[1].remove((cand, cap))
             try:
                 os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
             except FileNotFoundError:
@@ -350,7 +364,10 @@ class ShmStore(ColumnStore):
 
     def _pool_candidates(self, size: int) -> list[tuple[str, int]]:
         """Pooled files to try, best first: the smallest that fits, then the largest that does not."""
-        pool = self._pool()
+        seen_at, pool = self._pool_seen
+        if time.monotonic() - seen_at > 0.05:  # one listing serves all chunks of a put
+            pool = self._pool()
+            self._pool_seen = (time.monotonic(), pool)
         fits = sorted((c for c in pool if c[1] >= size), key=lambda c: c[1])
         short = sorted((c for c in pool if c[1] < size), key=lambda c: -c[1])
         return (fits + short)[:4]
@@ -406,6 +423,7 @@ class ShmStore(ColumnStore):
             os.rename(pdir, trash)
         self._refs_cache.pop(pid, None)
         self._free(trash)
+        self._pool_seen = (0.0, [])
 
     def _free(self, trash: str) -> None:
         """Pool the chunk files of a dropped partition if nobody maps them any more; delete the rest."""
@@ -429,6 +447,7 @@ class ShmStore(ColumnStore):
 
     def _close(self) -> None:
         self._refs_cache.clear()
+        self._metas.clear()
         self._maps.close()
         if self._cleanup is not None:
             self._cleanup()
