@@ -351,7 +351,8 @@ class ShmStore(ColumnStore):
     def _claim(self, pid: str, target: str, size: int) -> None:
         """Put a file of at least `size` bytes at `target`: a pooled one if any fits, else a new one."""
         for cand, cap in self._pool_candidates(size):
-            self._pool_seen[1].remove((cand, cap))
+            with contextlib.suppress(ValueError):  # another thread of this process took it first
+                self._pool_seen[1].remove((cand, cap))
             try:
                 os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
             except FileNotFoundError:
