@@ -47,20 +47,22 @@ def measure(transport: str, steps: int, extra: list[str]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dataplane-rl bench e2e", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transports", default="off,shm,mooncake", help="comma list of off, shm, mooncake")
     p.add_argument("--steps", type=int, default=6, help="steps per transport (the first is not timed)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
-    args = p.parse_args(argv)
+
+
+def run_args(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     results = []
     for t in args.transports.split(","):
         if t not in TRANSPORTS:
-            p.error(f"unknown transport '{t}'; use {', '.join(TRANSPORTS)}")
+            print(f"error: unknown transport '{t}'; use {', '.join(TRANSPORTS)}", file=sys.stderr)
+            return 2
         print(f"[e2e] {t}: {args.steps} steps ...", file=sys.stderr, flush=True)
         results.append(measure(t, args.steps, args.overrides))
     print(f"{'transport':<10}{'step s':>9}{'store s':>9}{'share':>8}{'MB/step':>9}{'driver KB':>11}")
@@ -71,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"results": results, "date": time.strftime("%Y-%m-%d")}, f, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="e2e_step", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
 
 
 if __name__ == "__main__":

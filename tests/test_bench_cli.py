@@ -1,0 +1,44 @@
+"""Smoke tests of the benchmarks through the CLI, with tiny budgets. They check the output's shape and
+that every reported number is a positive measurement; they never assert a speed."""
+
+import json
+import subprocess
+import sys
+
+
+def bench(*args):
+    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "bench", *args], capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def test_bench_store_json_and_plot(tmp_path):
+    out = tmp_path / "store.json"
+    png = tmp_path / "store.png"
+    p = bench("store", "--backends", "shm,mooncake", "--samples", "32", "--min-len", "8", "--max-len", "64",
+              "--readers", "2", "--repeats", "2", "--json", str(out), "--plot", str(png))
+    res = json.loads(out.read_text())
+    for name in ("shm", "mooncake"):
+        for key in ("write_gbps", "read_gbps", "e2e_gbps"):
+            assert res[name][key]["median"] > 0
+        assert res[name]["ratio_to_memcpy"] > 0
+    assert res["mooncake"]["ratio_to_raw_mooncake"] > 0 and res["raw_mooncake"]["e2e_gbps"]["median"] > 0
+    assert png.stat().st_size > 1000
+    assert "| shm |" in p.stdout and "| memcpy |" in p.stdout
+
+
+def test_bench_store_rejects_unknown_backend():
+    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "bench", "store", "--backends", "redis"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown backend 'redis'" in p.stderr
+
+
+def test_bench_e2e_reports_data_plane_share(tmp_path):
+    out = tmp_path / "e2e.json"
+    bench("e2e", "--transports", "off,shm", "--steps", "2", "--json", str(out), "grpo.num_prompts_per_step=4",
+          "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "generation.max_new_tokens=4")
+    res = {r["transport"]: r for r in json.loads(out.read_text())["results"]}
+    assert res["shm"]["bytes_per_step"] > 0 and res["shm"]["data_plane_s"] > 0
+    assert 0 < res["shm"]["driver_bytes_read"] < res["shm"]["bytes_per_step"]
+    assert res["off"]["step_s"] > 0
