@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -288,6 +289,13 @@ def load_schema(name_or_path: str | Path = "grpo") -> Schema:
     if isinstance(name_or_path, Schema):
         return name_or_path
     path = schema_path(name_or_path)
+    # parsing YAML costs ~40 ms; partitions are created every step, so cache by file and mtime
+    return _load_file(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _load_file(path_text: str, mtime_ns: int) -> Schema:
+    path = Path(path_text)
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
