@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dataplane_rl.config import load_config
+from dataplane_rl.errors import DataPlaneError
 from dataplane_rl.tasks import get_task
 
 SMALL = ["grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=1",
@@ -171,3 +172,40 @@ def test_default_config_learns(tmp_path):
     rewards = [json.loads(x)["train/reward"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.1 and last > 2 * first, f"reward did not rise: first 5 {first:.3f}, last 5 {last:.3f}"
+
+
+def test_mooncake_holder_killed_mid_run_fails_clearly(tmp_path):
+    """Data dies with its holder: the run must stop with a clear store error, and the run folder must
+    stay consistent (whole lines, one train_data file per logged step, a failed summary)."""
+    from conftest import backend_unavailable
+
+    try:
+        from dataplane_rl.store.mooncake_cluster import MooncakeCluster
+
+        cluster = MooncakeCluster(num_holders=1, global_segment_size=64 << 20).start()
+    except (ImportError, DataPlaneError) as e:
+        backend_unavailable("mooncake", str(e))
+    run_dir = tmp_path / "mc"
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "grpo.max_num_steps=500",
+                                 f"logger.run_dir={run_dir}", "data_plane.enabled=true",
+                                 f"data_plane.backend={cluster.url}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not (metrics.is_file() and metrics.read_text()):
+            time.sleep(0.5)
+        assert proc.poll() is None, "the run ended before the holder was killed"
+        cluster.kill_holder(0, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        cluster.close()
+    assert proc.returncode == 2, out[-3000:]
+    assert "StoreUnavailableError" in out or "CorruptChunkError" in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"]
+    lines = metrics.read_text().splitlines()
+    assert summary["steps_completed"] == len(lines) >= 1
+    for line in lines:
+        json.loads(line)
+    assert len(list((run_dir / "train_data").glob("step_*.jsonl"))) == len(lines)
