@@ -70,6 +70,21 @@ def _write_ipc(sink, batch: pa.RecordBatch) -> None:
         writer.write_batch(batch)
 
 
+_FRAME_BYTES: dict[pa.Schema, int] = {}  # schema message + end-of-stream marker, per one-column schema
+
+
+def _ipc_size(batch: pa.RecordBatch) -> int:
+    """The size `_write_ipc` will write, without serializing the batch (the writer checks it)."""
+    frame = _FRAME_BYTES.get(batch.schema)
+    if frame is None:
+        mock = pa.MockOutputStream()
+        pa.ipc.new_stream(mock, batch.schema, options=_IPC_OPTIONS).close()
+        if len(_FRAME_BYTES) > 1024:
+            _FRAME_BYTES.clear()
+        frame = _FRAME_BYTES[batch.schema] = mock.size()
+    return frame + pa.ipc.get_record_batch_size(batch)
+
+
 class _Maps:
     """Memory maps of chunk files, kept open across puts and gets and keyed by inode.
 
@@ -308,8 +323,9 @@ class ShmStore(ColumnStore):
 
     def _commit(self, pid: str, refs: list[ChunkRef]) -> None:
         with self._locked(pid) as pdir:
+            present = set(os.listdir(os.path.join(pdir, "chunks")))
             for ref in refs:  # the chunks must be in this very partition, not one dropped meanwhile
-                if not os.path.isfile(os.path.join(pdir, "chunks", ref.key)):
+                if ref.key not in present:
                     raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
             err = self._conflicts(self._meta(pid), self._chunks(pid), refs)
             if err:
@@ -326,9 +342,7 @@ class ShmStore(ColumnStore):
     # -- chunk hooks -----------------------------------------------------------------------------
     def _encode(self, pid: str, name: str, array: pa.Array, rows: np.ndarray) -> tuple[ChunkRef, Any]:
         batch = pa.record_batch([array], names=[name])
-        mock = pa.MockOutputStream()  # size first, so the file is sized once and written in place
-        _write_ipc(mock, batch)
-        size = mock.size()
+        size = _ipc_size(batch)  # size first, so the file is sized once and written in place
         key = f"{_UNSAFE.sub('_', name)[:64]}-{uuid.uuid4().hex}"
         chunks = os.path.join(self._pdir(pid), "chunks")
         tmp = os.path.join(chunks, f".tmp-{key}")
@@ -337,6 +351,8 @@ class ShmStore(ColumnStore):
             with self._maps.file(tmp, size, writable=True) as f:
                 f.seek(0)
                 _write_ipc(f, batch)
+                if f.tell() != size:
+                    raise RuntimeError(f"shm chunk {key}: wrote {f.tell()} bytes, expected {size}")
                 f.seek(0)
                 digest = checksum(f.read_buffer(size))  # zero-copy view of what was written
             os.rename(tmp, os.path.join(chunks, key))  # only complete chunks carry a final name
