@@ -116,7 +116,7 @@ class GRPOTrainer:
             self._ray_started = False
 
     # -- one step -----------------------------------------------------------------------------------
-    def _call(self, method: str, jobs: list[RowSet], fields, io: StepIO) -> list:
+    def _call(self, method: str, jobs: list[RowSet], fields) -> list:
         """Run `method` on every train worker with its row set. Data plane on: workers use the store.
         Off: the driver fetches the inputs from its own store, and writes back what workers return."""
         import ray
@@ -159,11 +159,11 @@ class GRPOTrainer:
         io = StepIO()
         t_step = time.perf_counter()
         P = g.num_prompts_per_step
-        rounds_rewards, kept = [], []  # kept: (pid, rows of one whole group, group scalars)
-        pids = []
+        rounds_rewards, kept = [], []  # kept: (pid, rows of one whole group)
+        scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS, read once
         for round_ in range(g.max_gen_batches if g.use_dynamic_sampling else 1):
             pid, sc = self.generate_round(step, round_, io)
-            pids.append(pid)
+            scalars[pid] = sc
             rewards = to_numpy(sc.column("total_reward")).astype(np.float64)
             groups = to_numpy(sc.column("group_id"))
             rounds_rewards.append(rewards)
@@ -173,23 +173,15 @@ class GRPOTrainer:
                     kept.append((pid, np.flatnonzero(groups == gid)))
             if len(kept) >= P:
                 break
+        pids = list(scalars)
         if len(kept) < P:
             self._drop(pids)
             raise DynamicSamplingError(
                 f"step {step}: dynamic sampling kept {len(kept)} of {P} groups with non-equal rewards after "
                 f"{len(pids)} rounds (grpo.max_gen_batches={g.max_gen_batches}); raise grpo.max_gen_batches, "
                 "lower grpo.num_prompts_per_step, or turn grpo.use_dynamic_sampling off")
-        # kept rows as a row set, grouped by partition, whole groups in order
-        rs: RowSet = []
-        for pid, rows in kept:
-            if rs and rs[-1][0] == pid:
-                rs[-1] = (pid, np.concatenate([rs[-1][1], rows]))
-            else:
-                rs.append((pid, rows))
-        t0 = time.perf_counter()
-        sc = fetch(self.store, rs, ["total_reward", "group_id", "input_lengths", "truncated"])
-        io.get_s += time.perf_counter() - t0
-        io.driver_bytes_read += sc.nbytes
+        rs = _merge([[k] for k in kept])  # the kept rows, whole groups in order, by partition
+        sc = pa.concat_tables([scalars[pid].take(pa.array(rows)) for pid, rows in rs])
         rewards = to_numpy(sc.column("total_reward")).astype(np.float64)
         groups = to_numpy(sc.column("group_id"))
         # group ids repeat across rounds: make them unique per (round partition, group)
@@ -213,7 +205,7 @@ class GRPOTrainer:
         per_rank_all = [_merge(steps) for steps in per_rank_steps]
 
         t0 = time.perf_counter()
-        self._call("logprobs", per_rank_all, self.schema.field_set("LOGPROB_SEED_FIELDS"), io)
+        self._call("logprobs", per_rank_all, self.schema.field_set("LOGPROB_SEED_FIELDS"))
         io.timing["logprobs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         fields = self.cfg.train_fields(self.schema)
