@@ -518,3 +518,20 @@ def test_shm_pool_reuses_dropped_files():
 
 def store_bytes_floor(n: int) -> int:
     return 4 * n  # at least the input_lengths values
+
+
+def test_shm_put_is_one_file_of_aligned_chunks():
+    store = open_store("shm://")
+    try:
+        fields = ["input_lengths", "input_ids", "prev_logprobs", "total_reward"]
+        store.create_partition("a", "grpo", 64)
+        store.chunk_bytes = 256  # several row blocks per column, all in the put's one file
+        store.put("a", grpo_columns(range(64), fields, seed=3), range(64))
+        assert len(os.listdir(store.path / "a" / "chunks")) == 1
+        refs = store._chunks("a")
+        assert len(refs) > len(fields) and len({r.key for r in refs}) == len(refs)
+        assert all(int(r.key.rpartition("@")[2]) % 64 == 0 for r in refs)
+        assert_rows(store, "a", range(64), fields, seed=3)
+        assert_rows(store, "a", [63, 0, 17], fields, seed=3)
+    finally:
+        store.close()

@@ -224,8 +224,12 @@ class ColumnStore(ABC):
         """The committed chunks of a partition."""
 
     @abstractmethod
-    def _write_chunks(self, pid: str, chunks: list[tuple[ChunkRef, pa.Buffer]]) -> None:
-        """Store chunk bytes under their keys. Not visible to readers until committed."""
+    def _write_chunks(self, pid: str, chunks: list[tuple[ChunkRef, pa.Buffer]]) -> list[tuple[ChunkRef, Any]] | None:
+        """Store chunk bytes under their keys. Not visible to readers until committed.
+
+        A backend that stores the bytes only here (e.g. all chunks of a put in one object) may return
+        the chunks with their final refs (same columns and rows, in order; keys and checksums may be
+        set here); then it must remove whatever it stored itself if it raises."""
 
     @abstractmethod
     def _commit(self, pid: str, refs: list[ChunkRef]) -> None:
@@ -303,7 +307,12 @@ class ColumnStore(ABC):
             for name, arr in arrays.items():
                 for lo, hi in _row_blocks(arr, self.chunk_bytes):
                     chunks.append(self._encode(pid, name, arr.slice(lo, hi - lo), rows[lo:hi]))
-            self._write_chunks(pid, chunks)
+            final = self._write_chunks(pid, chunks)
+            if final is not None:
+                same = [(r.column, len(r.rows)) for r, _ in final] == [(r.column, len(r.rows)) for r, _ in chunks]
+                chunks = final  # discarded below if anything fails from here
+                if not same:
+                    raise RuntimeError(f"{type(self).__name__}._write_chunks returned refs of other chunks")
             self._commit(pid, [r for r, _ in chunks])
         except BaseException:
             self._discard(pid, [r for r, _ in chunks])

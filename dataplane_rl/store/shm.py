@@ -65,6 +65,15 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # column names become file names
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # explicit: the default re-reads two env vars per stream
 
 
+def _split(key: str) -> tuple[str, int]:
+    """A chunk key -> (file name, byte offset): `<file>@<offset>`, or a whole file (older stores)."""
+    file, at, off = key.rpartition("@")
+    return (file, int(off)) if at else (key, 0)
+
+
+_ALIGN = 64  # chunk offsets within a put file, so every Arrow buffer stays aligned
+
+
 def _write_ipc(sink, batch: pa.RecordBatch) -> None:
     with pa.ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as writer:
         writer.write_batch(batch)
@@ -100,9 +109,10 @@ class _Maps:
         self._swept = time.monotonic()
 
     @contextlib.contextmanager
-    def file(self, path: str, size: int, writable: bool) -> Iterator[pa.MemoryMappedFile]:
-        """The mapped file at `path`, mapping at least `size` bytes; raises FileNotFoundError."""
-        st = os.stat(path)
+    def file(self, path: str, size: int, writable: bool, st: os.stat_result | None = None) -> Iterator[pa.MemoryMappedFile]:
+        """The mapped file at `path` (`st`: its stat, if just taken), mapping at least `size` bytes; raises
+        FileNotFoundError."""
+        st = st or os.stat(path)
         key = (st.st_dev, st.st_ino)
         with self._lock:
             f = self._files.pop(key, None)
@@ -325,7 +335,7 @@ class ShmStore(ColumnStore):
         with self._locked(pid) as pdir:
             present = set(os.listdir(os.path.join(pdir, "chunks")))
             for ref in refs:  # the chunks must be in this very partition, not one dropped meanwhile
-                if ref.key not in present:
+                if _split(ref.key)[0] not in present:
                     raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
             err = self._conflicts(self._meta(pid), self._chunks(pid), refs)
             if err:
@@ -341,28 +351,40 @@ class ShmStore(ColumnStore):
 
     # -- chunk hooks -----------------------------------------------------------------------------
     def _encode(self, pid: str, name: str, array: pa.Array, rows: np.ndarray) -> tuple[ChunkRef, Any]:
+        """Only sizes the chunk: `_write_chunks` writes all chunks of a put into one file."""
         batch = pa.record_batch([array], names=[name])
-        size = _ipc_size(batch)  # size first, so the file is sized once and written in place
-        key = f"{_UNSAFE.sub('_', name)[:64]}-{uuid.uuid4().hex}"
-        chunks = os.path.join(self._pdir(pid), "chunks")
-        tmp = os.path.join(chunks, f".tmp-{key}")
+        return ChunkRef(name, rows, "", _ipc_size(batch), 0), batch
+
+    def _write_chunks(self, pid: str, chunks: list[tuple[ChunkRef, Any]]) -> list[tuple[ChunkRef, Any]]:
+        """Serialize every chunk of the put in place into one (pooled) file, each chunk at an aligned
+        offset with its own checksum: one claim, one map and one rename per put, not per chunk."""
+        offsets, end = [], 0
+        for ref, _ in chunks:
+            offsets.append(end)
+            end = -(-(end + ref.nbytes) // _ALIGN) * _ALIGN
+        name = f"put-{uuid.uuid4().hex}"
+        folder = os.path.join(self._pdir(pid), "chunks")
+        tmp = os.path.join(folder, f".tmp-{name}")
+        out = []
         try:
-            self._claim(pid, tmp, size)
-            with self._maps.file(tmp, size, writable=True) as f:
-                f.seek(0)
-                _write_ipc(f, batch)
-                if f.tell() != size:
-                    raise RuntimeError(f"shm chunk {key}: wrote {f.tell()} bytes, expected {size}")
-                f.seek(0)
-                digest = checksum(f.read_buffer(size))  # zero-copy view of what was written
-            os.rename(tmp, os.path.join(chunks, key))  # only complete chunks carry a final name
+            self._claim(pid, tmp, max(end, 1))
+            with self._maps.file(tmp, end, writable=True) as f:
+                for (ref, batch), off in zip(chunks, offsets):
+                    f.seek(off)
+                    _write_ipc(f, batch)
+                    if f.tell() != off + ref.nbytes:
+                        raise RuntimeError(f"shm chunk {name}@{off}: wrote {f.tell() - off} bytes, expected {ref.nbytes}")
+                    f.seek(off)
+                    digest = checksum(f.read_buffer(ref.nbytes))  # zero-copy view of what was written
+                    out.append((ChunkRef(ref.column, ref.rows, f"{name}@{off}", ref.nbytes, digest), None))
+            os.rename(tmp, os.path.join(folder, name))  # only complete files carry a final name
         except BaseException as e:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             if isinstance(e, FileNotFoundError):
                 raise self._not_found(pid, "was dropped while this put was writing (nothing was written)") from None
             raise
-        return ChunkRef(name, rows, key, size, digest), None
+        return out
 
     def _claim(self, pid: str, target: str, size: int) -> None:
         """Put a file of at least `size` bytes at `target`: a pooled one if any fits, else a new one."""
@@ -399,39 +421,44 @@ class ShmStore(ColumnStore):
                     out.append((os.path.join(pool, n), int(cap)))
         return out
 
-    def _write_chunks(self, pid: str, chunks: list[tuple[ChunkRef, Any]]) -> None:
-        """Nothing to do: `_encode` already wrote each chunk file."""
-
     def _discard(self, pid: str, refs: list[ChunkRef]) -> None:
         try:
             # an interrupt that lands just after the commit must not delete committed chunks
-            keep = {r.key for r in self._chunks(pid)}
+            keep = {_split(r.key)[0] for r in self._chunks(pid)}
             chunks = os.path.join(self._pdir(pid), "chunks")
         except Exception:
             return
-        for ref in refs:
-            if ref.key not in keep:
+        for file in {_split(ref.key)[0] for ref in refs if ref.key}:
+            if file not in keep:
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(chunks, ref.key))
+                    os.unlink(os.path.join(chunks, file))
 
     def _read_chunks(self, pid: str, refs: list[ChunkRef]) -> list[Any]:
         lease = self._lease(pid)
         chunks = os.path.join(self._pdir(pid), "chunks")
-        out: list[Any] = []
-        for ref in refs:
-            path = os.path.join(chunks, ref.key)
+        by_file: dict[str, list[tuple[int, int, int]]] = {}  # file -> (index in refs, offset, nbytes)
+        for i, ref in enumerate(refs):
+            file, off = _split(ref.key)
+            by_file.setdefault(file, []).append((i, off, ref.nbytes))
+        out: list[Any] = [b""] * len(refs)  # a committed chunk without its bytes: reported as missing
+        for file, parts in by_file.items():
+            path = os.path.join(chunks, file)
             try:
-                # never map past the end of the file (SIGBUS); a short file fails its checksum instead
-                size = min(ref.nbytes, os.stat(path).st_size)
-                with self._maps.file(path, size, writable=False) as f:
-                    f.seek(0)  # the cache lends each file to one caller at a time
-                    buf = f.read_buffer(size)
+                # never map or read past the end of the file (SIGBUS); a short chunk fails its checksum
+                st = os.stat(path)
+                need = min(max(off + n for _, off, n in parts), st.st_size)
+                if need <= 0:
+                    continue
+                with self._maps.file(path, need, writable=False, st=st) as f:
+                    for i, off, n in parts:  # the cache lends each file to one caller at a time
+                        n = min(n, st.st_size - off)
+                        if n > 0:
+                            f.seek(off)
+                            buf = f.read_buffer(n)
+                            out[i] = pa.foreign_buffer(buf.address, buf.size, base=(buf, lease))
             except FileNotFoundError:
                 if not os.path.isdir(chunks):
                     raise self._not_found(pid, "was dropped while reading") from None
-                out.append(b"")  # a committed chunk without its file: reported as missing
-                continue
-            out.append(pa.foreign_buffer(buf.address, buf.size, base=(buf, lease)))
         return out
 
     def _drop(self, pid: str) -> None:
@@ -475,13 +502,15 @@ class ShmStore(ColumnStore):
         return sum(cap for _, cap in self._pool())
 
     def _corrupt_for_test(self, pid: str, ref: ChunkRef, lose: bool = False) -> None:
-        """Flip one stored byte of `ref`'s chunk, or delete it: faults a checksum must catch."""
-        path = os.path.join(self._pdir(pid), "chunks", ref.key)
+        """Flip one stored byte of `ref`'s chunk, or lose it (with the chunks after it in its put's file):
+        faults a checksum must catch."""
+        file, off = _split(ref.key)
+        path = os.path.join(self._pdir(pid), "chunks", file)
         if lose:
-            os.unlink(path)
+            os.truncate(path, off)
             return
         with open(path, "r+b") as f:
-            f.seek(ref.nbytes // 2)
+            f.seek(off + ref.nbytes // 2)
             b = f.read(1)
-            f.seek(ref.nbytes // 2)
+            f.seek(off + ref.nbytes // 2)
             f.write(bytes([b[0] ^ 0xFF]))
