@@ -179,6 +179,9 @@ class _Lease:
 
 class ShmStore(ColumnStore):
     scheme = "shm"
+    # Smaller row blocks than the default: a shard reader checksums only the blocks holding its rows, and
+    # a block costs little here (all blocks of a put share one file).
+    chunk_bytes = 1 << 20
 
     def __init__(self, path: str | os.PathLike | None = None, *, pool_bytes: int = DEFAULT_POOL_BYTES,
                  create: bool = True) -> None:
