@@ -41,8 +41,12 @@ _PID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # ---- row sets ----------------------------------------------------------------------------------
 def rows_to_spans(rows: np.ndarray) -> list[list[int]]:
     """[0,1,2,5,6] -> [[0,3],[5,7]]: compact, order-preserving encoding of a row list."""
-    if rows.size == 0:
+    n = rows.size
+    if n == 0:
         return []
+    first, last = int(rows[0]), int(rows[-1])
+    if last - first == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
+        return [[first, last + 1]]  # the common case, one run: no per-run bookkeeping
     breaks = np.flatnonzero(np.diff(rows) != 1) + 1
     starts = np.concatenate([[0], breaks])
     ends = np.concatenate([breaks, [rows.size]])
