@@ -9,10 +9,12 @@ store removes on close; `shm://DIR` opens (or makes) DIR and leaves it in place.
     DIR/<pid>/lock                     flock'd exclusively by commit and drop
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
     DIR/<pid>/refs/<time>-<hex>.json   one committed put: its ChunkRefs
-    DIR/<pid>/chunks/<column>-<hex>    one column of one put: an Arrow IPC stream
+    DIR/<pid>/chunks/put-<hex>         one put: each of its chunks (a row block of one column) is an
+                                       Arrow IPC stream at a 64-byte-aligned offset; key put-<hex>@<offset>
 
-A put serializes each column straight into a mapping of its chunk file (one copy), under a temporary
-name renamed once complete. It becomes visible when its refs file is renamed into refs/ under the
+A put serializes every chunk straight into a mapping of its one file (one copy, one claim, one map, one
+rename per put rather than per chunk), under a temporary name renamed once complete; each chunk keeps
+its own checksum, so a shard reader still checksums only the blocks it reads. It becomes visible when its refs file is renamed into refs/ under the
 partition lock, after re-checking that no cell is already committed; a writer that dies before that
 leaves only unreferenced files, freed with the partition. A get maps the chunk files and returns
 zero-copy Arrow buffers. Drop renames the folder away under the lock, so no new reader finds it, while
