@@ -92,6 +92,7 @@ MAX_KEYS_PER_BATCH = 1024  # what we recommend per batch_* call, well inside the
 OK = 0
 NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
+REPLICA_IS_NOT_READY = -703  # a key whose put session has not ended: not readable yet
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
@@ -643,4 +644,4 @@ __all__ = ["CLIENT_ENV_DEFAULTS", "ERROR_NAMES", "HolderInfo", "INSTALL_HINT", "
            "MooncakeCluster", "connect_client",
            "default_admin_address", "error_name", "find_master_binary", "free_port_pair",
            "import_mooncake_store", "list_keys", "list_segments", "master_health", "no_eviction_config",
-           "port_open"]
+           "port_open", "split_address"]

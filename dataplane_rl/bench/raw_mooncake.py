@@ -1,0 +1,366 @@
+"""Raw Mooncake throughput: the reference the column-store benchmark is compared against.
+
+One writer process puts every buffer under its own key with `batch_put_from` (one call, from one
+registered arena); then R reader processes, started together, each read a contiguous shard with one
+`batch_get_into` (or `get_into_ranges`) call into their own registered arena. No serialization, no
+checksums, no catalog: just Mooncake's zero-copy batch calls.
+
+    from dataplane_rl.bench.raw_mooncake import raw_mooncake_roundtrip
+    res = raw_mooncake_roundtrip(cluster, buffers, repeats=10, readers=2)   # a MooncakeCluster or "HOST:PORT"
+    res["read_gbps"]["median"]
+
+Run standalone (starts its own cluster):
+
+    python benchmarks/raw_mooncake.py --samples 512 --layout per-sample --layout per-column --readers 1 2
+    python -m dataplane_rl.bench.raw_mooncake ...          # the same
+
+GB/s are 1e9 bytes per second over the payload bytes. write: the writer's batch_put_from call.
+read: first reader start to last reader end (readers are released at the same instant).
+e2e: write + read of the same repeat (the data path of one put followed by the shard reads,
+without the coordination between them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+import uuid
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+
+# default synthetic sample: 9 columns, 11,128 bytes per sample (x512 = 5.70 MB)
+DEFAULT_COLUMN_BYTES = (4096, 4096, 2048, 512, 256, 64, 32, 16, 8)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def as_bytes_array(buf: Any) -> np.ndarray:
+    """A 1-D uint8 view (or contiguous copy) of a memoryview, bytes-like or numpy array."""
+    if isinstance(buf, np.ndarray):
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    mv = memoryview(buf)
+    if not mv.contiguous:
+        mv = memoryview(mv.tobytes())
+    return np.frombuffer(mv.cast("B"), dtype=np.uint8)
+
+
+def _stats(xs: Sequence[float]) -> dict[str, float]:
+    return {"median": float(statistics.median(xs)), "min": float(min(xs)), "max": float(max(xs))}
+
+
+def _address_of(cluster_or_address: Any) -> tuple[str, str, str]:
+    if isinstance(cluster_or_address, str):
+        addr = cluster_or_address.split("://", 1)[-1]
+        return addr, "tcp", ""
+    c = cluster_or_address
+    return c.master_address, getattr(c, "protocol", "tcp"), getattr(c, "device_name", "")
+
+
+def _wait_until(t: float) -> None:
+    while True:
+        d = t - time.monotonic()
+        if d <= 0:
+            return
+        if d > 0.002:
+            time.sleep(d - 0.001)
+
+
+def _codes(codes) -> str:
+    from dataplane_rl.store.mooncake_cluster import error_name
+
+    bad = sorted({c for c in codes if c < 0})
+    return ", ".join(error_name(c) for c in bad)
+
+
+# ---- worker processes --------------------------------------------------------------------------
+def _chunks(n: int, per_call: int):
+    for lo in range(0, n, per_call):
+        yield lo, min(n, lo + per_call)
+
+
+def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: list[int],
+            payload: np.ndarray | None, ranges: list[tuple[int, int, int]] | None, per_call: int) -> None:
+    """role 'writer': holds all buffers; role 'reader': reads `ranges` ((key index, byte lo, byte hi))."""
+    try:
+        from dataplane_rl.store.mooncake_cluster import connect_client, no_eviction_config
+
+        t0 = time.monotonic()
+        client = connect_client(master, 0, protocol=protocol, device_name=device)
+        setup_s = time.monotonic() - t0
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist() if sizes else []
+        if role == "writer":
+            arena = payload
+            nbytes = int(arena.nbytes)
+        else:
+            nbytes = int(sum(hi - lo for _, lo, hi in ranges)) or 1
+            arena = np.ones(nbytes, dtype=np.uint8)  # pages touched before timing
+        base = arena.ctypes.data
+        rc = client.register_buffer(base, nbytes)
+        if rc != 0:
+            raise RuntimeError(f"register_buffer({nbytes} bytes) failed: {rc}")
+        cfg = no_eviction_config()
+        conn.send(("ready", setup_s))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, prefix, t_go = msg
+            keys = [f"{prefix}/{i}" for i in range(len(sizes))]
+            if msg[0] == "write":
+                ptrs = [base + o for o in offsets]
+                _wait_until(t_go)
+                s = time.monotonic()
+                codes = []
+                for lo, hi in _chunks(len(keys), per_call):
+                    codes += client.batch_put_from(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], cfg)
+                e = time.monotonic()
+                err = _codes(codes) if any(c != 0 for c in codes) else ""
+                conn.send(("done", s, e, err))
+            elif msg[0] == "read":
+                whole = all(lo == 0 and hi == sizes[k] for k, lo, hi in ranges)
+                _wait_until(t_go)
+                if whole:  # contiguous run of whole keys: one batch_get_into
+                    rkeys = [keys[k] for k, _, _ in ranges]
+                    rsizes = [hi - lo for _, lo, hi in ranges]
+                    ptrs, pos = [], 0
+                    for n in rsizes:
+                        ptrs.append(base + pos)
+                        pos += n
+                    s = time.monotonic()
+                    codes = []
+                    for lo, hi in _chunks(len(rkeys), per_call):
+                        codes += client.batch_get_into(rkeys[lo:hi], ptrs[lo:hi], rsizes[lo:hi])
+                    e = time.monotonic()
+                    bad = [c for c, n in zip(codes, rsizes) if c != n]
+                else:  # the same byte range of every key: one ranged get
+                    rkeys = [keys[k] for k, _, _ in ranges]
+                    dst, src, ln, pos = [], [], [], 0
+                    for _, lo, hi in ranges:
+                        dst.append([pos])
+                        src.append([lo])
+                        ln.append([hi - lo])
+                        pos += hi - lo
+                    s = time.monotonic()
+                    codes = []
+                    for lo, hi in _chunks(len(rkeys), per_call):
+                        out = client.get_into_ranges([base], [rkeys[lo:hi]], [dst[lo:hi]], [src[lo:hi]], [ln[lo:hi]])
+                        codes += [x[0] for x in out[0]]
+                    e = time.monotonic()
+                    bad = [c for c, (_, lo, hi) in zip(codes, ranges) if c != hi - lo]
+                err = (_codes(bad) or f"short reads {bad[:5]}") if bad else ""
+                conn.send(("done", s, e, err, xxhash.xxh3_64_intdigest(arena)))
+            elif msg[0] == "remove":
+                codes = []
+                for lo, hi in _chunks(len(keys), per_call):
+                    codes += client.batch_remove(keys[lo:hi], True)
+                conn.send(("done", [c for c in codes if c != 0]))
+        client.close()
+        conn.send(("closed",))
+    except BaseException as e:  # report, don't hang the parent
+        try:
+            conn.send(("error", f"{role}: {type(e).__name__}: {e}"))
+        except Exception:
+            pass
+
+
+def _shards(sizes: list[int], readers: int, shard: str) -> list[list[tuple[int, int, int]]]:
+    n = len(sizes)
+    if shard == "keys":
+        if readers > n:
+            raise ValueError(f"{readers} readers but only {n} keys; use shard='bytes'")
+        return [[(k, 0, sizes[k]) for k in range(r * n // readers, (r + 1) * n // readers)] for r in range(readers)]
+    if shard == "bytes":
+        return [[(k, sizes[k] * r // readers, sizes[k] * (r + 1) // readers) for k in range(n)
+                 if sizes[k] * (r + 1) // readers > sizes[k] * r // readers] for r in range(readers)]
+    raise ValueError(f"shard must be 'keys' or 'bytes', got {shard!r}")
+
+
+def _expected_digest(payload: np.ndarray, offsets: list[int], ranges: list[tuple[int, int, int]]) -> int:
+    parts = [payload[offsets[k] + lo: offsets[k] + hi] for k, lo, hi in ranges]
+    arr = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    if arr.nbytes == 0:
+        arr = np.ones(1, np.uint8)  # a reader with nothing to read keeps its 1-byte arena of ones
+    return xxhash.xxh3_64_intdigest(arr)
+
+
+# ---- the measurement ---------------------------------------------------------------------------
+def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repeats: int = 10, readers: int = 1, *,
+                           shard: str = "keys", warmup: int = 1, verify: bool = True,
+                           max_keys_per_call: int = 1024, timeout: float = 300.0) -> dict[str, Any]:
+    """Measure raw batch_put_from / batch_get_into GB/s for one writer and `readers` reader processes.
+
+    cluster_or_address: a started MooncakeCluster, or a master address 'HOST:PORT' / 'mooncake://HOST:PORT'
+    (tcp). buffers: one object per key (memoryview, bytes-like or numpy array; read as raw bytes).
+    shard: 'keys' - reader r reads keys [r*n/R, (r+1)*n/R) whole (one batch_get_into);
+           'bytes' - reader r reads bytes [r/R, (r+1)/R) of every key (one get_into_ranges), i.e. a row
+           shard of per-column chunks of fixed-width columns.
+    max_keys_per_call: batch calls are split into calls of at most this many keys, run back to back
+    (Mooncake's TCP transport wedges on batches of more than ~2000 small keys; see mooncake_cluster).
+    Each repeat writes fresh keys and removes them afterwards (put of an existing key would be a no-op).
+    Returns write/read/e2e GB/s stats (median, min, max over `repeats`), the per-repeat seconds, and setup times.
+    """
+    if repeats < 1 or readers < 1:
+        raise ValueError("repeats and readers must be >= 1")
+    master, protocol, device = _address_of(cluster_or_address)
+    arrays = [as_bytes_array(b) for b in buffers]
+    sizes = [int(a.nbytes) for a in arrays]
+    if not sizes or min(sizes) <= 0:
+        raise ValueError("need at least one buffer, and Mooncake refuses empty objects")
+    total = int(sum(sizes))
+    pad = (-total) % 8
+    payload = np.concatenate(arrays + ([np.zeros(pad, np.uint8)] if pad else []))
+    payload_view = payload[:total]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist()
+    shards = _shards(sizes, readers, shard)
+    expected = [_expected_digest(payload_view, offsets, s) for s in shards] if verify else None
+
+    ctx = mp.get_context("spawn")  # a Mooncake client must not be forked
+    procs, conns = [], []
+
+    def start(role, data, ranges):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(role, child, master, protocol, device, sizes, data, ranges,
+                                              max_keys_per_call), daemon=True)
+        p.start()
+        procs.append(p)
+        conns.append(parent)
+        return parent
+
+    def recv(conn):
+        if not conn.poll(timeout):
+            raise TimeoutError(f"raw_mooncake worker did not answer within {timeout}s")
+        msg = conn.recv()
+        if msg[0] == "error":
+            raise RuntimeError(f"raw_mooncake worker failed: {msg[1]}")
+        return msg
+
+    write_s, read_s, per_reader, setups = [], [], [], {}
+    prefix_base = f"raw-mooncake-{uuid.uuid4().hex[:12]}"
+    try:
+        writer = start("writer", payload_view, None)
+        reader_conns = [start("reader", None, s) for s in shards]
+        setups["writer_setup_s"] = recv(writer)[1]
+        setups["reader_setup_s"] = [recv(c)[1] for c in reader_conns]
+        for rep in range(warmup + repeats):
+            prefix = f"{prefix_base}/{rep}"
+            writer.send(("write", prefix, time.monotonic() + 0.005))
+            _, ws, we, err = recv(writer)
+            if err:
+                raise RuntimeError(f"batch_put_from failed for {total} bytes in {len(sizes)} keys: {err}")
+            t_go = time.monotonic() + 0.02
+            for c in reader_conns:
+                c.send(("read", prefix, t_go))
+            results = [recv(c) for c in reader_conns]
+            for r, (_, s, e, err, digest) in enumerate(results):
+                if err:
+                    raise RuntimeError(f"reader {r}: batch read failed: {err}")
+                if verify and digest != expected[r]:
+                    raise RuntimeError(f"reader {r} read different bytes than were written (repeat {rep})")
+            writer.send(("remove", prefix, 0.0))
+            recv(writer)
+            if rep >= warmup:
+                write_s.append(we - ws)
+                read_s.append(max(e for _, _, e, _, _ in results) - min(s for _, s, _, _, _ in results))
+                per_reader.append([e - s for _, s, e, _, _ in results])
+        for c in conns:
+            c.send(("stop",))
+        for c in conns:
+            try:
+                recv(c)
+            except (EOFError, TimeoutError):
+                pass
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    e2e_s = [w + r for w, r in zip(write_s, read_s)]
+    gb = total / 1e9
+    return {
+        "master_address": master, "bytes": total, "keys": len(sizes), "readers": readers, "shard": shard,
+        "max_keys_per_call": max_keys_per_call,
+        "repeats": repeats, "warmup": warmup,
+        "write_gbps": _stats([gb / s for s in write_s]),
+        "read_gbps": _stats([gb / s for s in read_s]),
+        "e2e_gbps": _stats([gb / s for s in e2e_s]),
+        "write_s": write_s, "read_s": read_s, "e2e_s": e2e_s, "per_reader_read_s": per_reader,
+        **setups,
+    }
+
+
+# ---- standalone --------------------------------------------------------------------------------
+def synthetic_buffers(samples: int = 512, column_bytes: Sequence[int] = DEFAULT_COLUMN_BYTES,
+                      layout: str = "per-sample", seed: int = 0) -> list[np.ndarray]:
+    """Random bytes shaped like a batch: per-sample = one key per (sample, column), sample-major;
+    per-column = one key per column holding all samples; per-row = one key per sample."""
+    rng = np.random.default_rng(seed)
+    cols = [rng.integers(0, 256, samples * w, dtype=np.uint8) for w in column_bytes]
+    if layout == "per-column":
+        return cols
+    if layout == "per-sample":
+        return [c[i * w:(i + 1) * w] for i in range(samples) for c, w in zip(cols, column_bytes)]
+    if layout == "per-row":
+        return [np.concatenate([c[i * w:(i + 1) * w] for c, w in zip(cols, column_bytes)]) for i in range(samples)]
+    raise ValueError(f"layout must be per-sample, per-column or per-row, got {layout!r}")
+
+
+def _fmt(s: dict) -> str:
+    return f"{s['median']:6.3f} ({s['min']:.3f}-{s['max']:.3f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--address", default="", help="existing master HOST:PORT (default: start a local cluster)")
+    p.add_argument("--holders", type=int, default=1)
+    p.add_argument("--segment-mb", type=int, default=256)
+    p.add_argument("--samples", type=int, default=512)
+    p.add_argument("--layout", action="append", choices=["per-sample", "per-column", "per-row"])
+    p.add_argument("--readers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--shard", choices=["keys", "bytes", "auto"], default="auto",
+                   help="auto: keys for per-sample/per-row, bytes for per-column")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", default="", help="also write all results to this file")
+    args = p.parse_args(argv)
+    layouts = args.layout or ["per-sample", "per-column"]
+
+    from dataplane_rl.store.mooncake_cluster import MooncakeCluster
+
+    cluster = None
+    if args.address:
+        target: Any = args.address
+    else:
+        t0 = time.monotonic()
+        cluster = MooncakeCluster(args.holders, args.segment_mb << 20).start()
+        print(f"cluster {cluster.master_address}: {args.holders} holder(s) x {args.segment_mb} MB, "
+              f"started in {time.monotonic() - t0:.2f}s")
+        target = cluster
+    out = []
+    try:
+        for layout in layouts:
+            bufs = synthetic_buffers(args.samples, layout=layout)
+            shard = args.shard if args.shard != "auto" else ("bytes" if layout == "per-column" else "keys")
+            for r in args.readers:
+                res = raw_mooncake_roundtrip(target, bufs, args.repeats, r, shard=shard)
+                res["layout"] = layout
+                out.append(res)
+                print(f"{layout:10s} {res['keys']:5d} keys {res['bytes'] / 1e6:6.2f} MB  readers={r} shard={shard:5s} "
+                      f"GB/s median (min-max): write {_fmt(res['write_gbps'])}  read {_fmt(res['read_gbps'])}  "
+                      f"e2e {_fmt(res['e2e_gbps'])}", flush=True)
+    finally:
+        if cluster is not None:
+            cluster.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

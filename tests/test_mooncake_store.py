@@ -1,0 +1,210 @@
+"""Faults specific to the mooncake:// store: a full store, a dead holder, other processes, shutdown, the CLI.
+
+The contract every backend shares is in test_store_contract.py. Tests here that break a cluster (fill
+it, kill a holder) start a small one of their own, so the session's store (conftest `mooncake_store`)
+survives; starting and closing a cluster costs a few seconds each.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dataplane_rl.errors import ConfigError, StoreUnavailableError
+from dataplane_rl.store import open_store
+from mooncake_fixtures import require_mooncake
+from store_workers import ROLLOUT_FIELDS, as_lists, grpo_columns
+
+
+@pytest.fixture
+def session_store(mooncake_store):
+    """The session's Mooncake store, emptied after the test (contract tests expect it empty)."""
+    yield mooncake_store
+    for pid in mooncake_store.list_partitions():
+        mooncake_store.drop_partition(pid)
+
+
+def small_store(**config):
+    """A store with a cluster of its own: 16 MiB holders unless told otherwise."""
+    require_mooncake()
+    from dataplane_rl.config import MooncakeConfig
+    from dataplane_rl.store.mooncake import MooncakeStore
+
+    config.setdefault("global_segment_size_mb", 16)
+    config.setdefault("local_buffer_size_mb", 16)
+    return MooncakeStore.from_url("", config=MooncakeConfig(**config))
+
+
+def big_tokens(rows, tokens_per_row: int) -> dict:
+    lengths = np.full(len(rows), tokens_per_row, dtype=np.int32)
+    return {"input_lengths": lengths, "input_ids": [np.arange(tokens_per_row, dtype=np.int32) + r for r in rows]}
+
+
+# ---- store full ----------------------------------------------------------------------------------
+def test_full_store_is_an_error_and_changes_nothing():
+    store = small_store(num_holders=1)  # 16 MiB in all
+    try:
+        store.create_partition("p", "grpo", 64)
+        store.put("p", grpo_columns(range(8), ["input_lengths", "input_ids"]), range(8))
+        before = store.status("p")
+        keys_before = sorted(store.cluster.list_keys("dprl/p/"))
+        rows = range(8, 64)
+        with pytest.raises(StoreUnavailableError, match=r"(?s)partition p put rows .*mooncake store full .*"
+                                                        r"raise data_plane\.mooncake\.global_segment_size_mb or num_holders"):
+            store.put("p", big_tokens(rows, 100_000), rows)  # 22 MB of tokens
+        assert store.status("p") == before
+        assert sorted(store.cluster.list_keys("dprl/p/")) == keys_before  # what the put stored was removed
+        store.put("p", grpo_columns(rows, ["input_lengths", "input_ids"]), rows)  # a put that fits still works
+        assert store.status("p").rows_written["input_ids"] == 64
+        # fill it up with committed data: dropping still frees the memory
+        store.create_partition("q", "grpo", 64)
+        with pytest.raises(StoreUnavailableError, match="mooncake store full"):
+            for i in range(64):
+                store.put("q", big_tokens([i], 1 << 20), [i])  # 4 MiB a put
+        store.drop_partition("q")
+        store.create_partition("q", "grpo", 4)
+        store.put("q", big_tokens(range(2), 1 << 20), range(2))
+        assert store.get("q", ["input_ids"], [1]).column(0)[0].values[7].as_py() == 8
+    finally:
+        store.close()
+
+
+# ---- dead holder ---------------------------------------------------------------------------------
+def test_killed_holder_is_a_clear_error():
+    store = small_store(num_holders=2)
+    client = None
+    try:
+        store.create_partition("p", "grpo", 64)
+        store.chunk_bytes = 4096  # many chunks, so some surely live on the holder we kill
+        store.put("p", big_tokens(range(64), 256), range(64))
+        client = open_store(store.url)  # a pure client: it cannot poll the holder processes
+        assert client.cluster is None and client.get("p", ["input_ids"]).num_rows == 64
+        holders = {store._client.get_replica_desc(r.key)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+                   for r in store._chunks("p")}
+        assert len(holders) == 2, "Mooncake placed all 17 chunks on one holder (odds 1 in 65536)"
+        store.cluster.kill_holder(0, signal.SIGKILL)
+        # the owning store polls its processes: every operation names the dead holder at once
+        with pytest.raises(StoreUnavailableError, match=r"(?s)partition p: Mooncake cluster lost a process: "
+                                                        r"Mooncake holder 0 .*exited.*died with it"):
+            store.get("p", ["input_ids"])
+        # a client finds out from the reads: TRANSFER_FAIL until the master drops the segment, then missing
+        with pytest.raises(StoreUnavailableError, match=r"partition p column 'input_ids' rows .*: stored chunk "
+                                                        r"\S+ is (unreadable|missing).*data died with its holder"):
+            client.get("p", ["input_ids"])
+    finally:
+        if client is not None:
+            client.close()
+        store.close()
+
+
+# ---- other processes -----------------------------------------------------------------------------
+def read_in_child(url: str, pid: str, rows: list[int], fields: list[str]) -> tuple[list, bool]:
+    """Runs in a spawned process: open the store by URL, read, close; (values, had a cluster of its own)."""
+    store = open_store(url)
+    try:
+        table = store.get(pid, fields, rows)
+        return [table.column(f).to_pylist() for f in fields], store.cluster is not None
+    finally:
+        store.close()
+
+
+def test_second_process_opens_the_store_by_url(session_store):
+    store = session_store
+    store.create_partition("p", "grpo", 16)
+    store.put("p", grpo_columns(range(16), ROLLOUT_FIELDS), range(16))
+    fields = ["input_ids", "prompt_text", "total_reward"]
+    with mp.get_context("spawn").Pool(1) as pool:
+        values, owns = pool.apply(read_in_child, (store.url, "p", [15, 2, 9], fields), )
+    want = grpo_columns([15, 2, 9], fields)
+    assert values == [as_lists(want[f]) for f in fields]
+    assert not owns  # a client: it neither starts nor stops a cluster
+    store.cluster.check()  # the child's close() left the cluster running
+    assert store.get("p", ["total_reward"], [15]).column(0).to_pylist() == [7.5]  # and the data in place
+
+
+def test_close_stops_master_and_holders():
+    store = small_store(num_holders=2)
+    pids = store.cluster.pids()
+    assert len(pids) == 3 and all(os.path.exists(f"/proc/{p}") for p in pids)
+    store.create_partition("p", "grpo", 1)
+    store.close()
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "a master or holder outlived close()"
+    with pytest.raises(StoreUnavailableError, match="is closed"):
+        store.list_partitions()
+
+
+def test_chunks_bigger_than_the_arena(session_store):
+    """A put bigger than the registered arena is stored in several calls; one chunk bigger than the arena
+    grows it."""
+    from dataplane_rl.config import MooncakeConfig
+
+    session_store.create_partition("p", "grpo", 40)
+    client = open_store(session_store.url, config=MooncakeConfig(local_buffer_size_mb=16))
+    try:
+        cols = big_tokens(range(20), 250_000)  # 20 MB in 1 MiB blocks: more than the 16 MiB arena
+        client.put("p", cols, range(20))
+        client.chunk_bytes = 64 << 20
+        cols2 = big_tokens(range(20, 40), 250_000)  # one 20 MB chunk
+        client.put("p", {"input_ids": cols2["input_ids"], "input_lengths": cols2["input_lengths"]}, range(20, 40))
+        table = session_store.get("p", ["input_ids"], [0, 19, 20, 39])
+        assert [a[-1] for a in table.column(0).to_pylist()] == [249_999 + r for r in (0, 19, 20, 39)]
+    finally:
+        client.close()
+
+
+def test_stale_refs_of_an_earlier_partition_are_ignored(session_store):
+    """A refs key left by an earlier partition of the same id (a drop racing a commit) is not read as this
+    partition's, and the next commit replaces it."""
+    store = session_store
+    store.create_partition("p", "grpo", 4)
+    store.drop_partition("p")
+    stale = json.dumps({"inc": "000000000000", "refs": []}).encode()
+    assert store._put_if_absent("dprl/p/r/0", stale) == 0
+    store.create_partition("p", "grpo", 4)
+    assert store.status("p").rows_written["total_reward"] == 0
+    store.put("p", grpo_columns(range(4), ["total_reward"]), range(4))
+    assert store.get("p", "total_reward").column(0).to_pylist() == [0.0, 0.5, 1.0, 1.5]
+
+
+# ---- urls and the CLI ----------------------------------------------------------------------------
+def test_url_forms_and_errors(session_store, monkeypatch):
+    host, port = session_store.url.removeprefix("mooncake://").rsplit(":", 1)
+    assert session_store.url == f"mooncake://{host}:{port}"
+    with pytest.raises(ConfigError, match="unknown option"):
+        open_store(f"{session_store.url}?holders=2")
+    with pytest.raises(ConfigError, match="unknown option"):
+        open_store(f"{session_store.url}/name")
+    with pytest.raises(StoreUnavailableError, match="not accepting connections"):
+        open_store(f"mooncake://127.0.0.1:{int(port) + 2}?admin={host}:{int(port) + 1}")
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if the extra were not installed
+    with pytest.raises(StoreUnavailableError, match=r"install the `mooncake` extra: pip install 'dataplane-rl\[mooncake\]'"):
+        open_store(session_store.url)
+
+
+def test_cli_ls_and_show(session_store):
+    store = session_store
+    store.create_partition("step-000001", "grpo", 16)
+    store.put("step-000001", grpo_columns(range(16), ROLLOUT_FIELDS), range(16))
+    store.create_partition("step-000002", "grpo", 8)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "store", *args], capture_output=True,
+                              text=True, timeout=120)
+
+    p = cli("ls", store.url, "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["url"] == store.url
+    assert [x["partition"] for x in doc["partitions"]] == ["step-000001", "step-000002"]
+    assert doc["partitions"][0]["columns"]["input_ids"]["rows_written"] == 16
+    p = cli("show", store.url, "step-000001", "--rows", "2", "--fields", "input_ids")
+    assert p.returncode == 0, p.stderr
+    assert "[200, 201, 202, 203] (4 tokens)" in p.stdout
+    store.cluster.check()  # the CLI's client came and went; the cluster is untouched
