@@ -36,9 +36,10 @@ def test_bench_store_rejects_unknown_backend():
 
 def test_bench_e2e_reports_data_plane_share(tmp_path):
     out = tmp_path / "e2e.json"
-    bench("e2e", "--transports", "off,shm", "--steps", "2", "--json", str(out), "grpo.num_prompts_per_step=4",
+    # one transport: each starts its own Ray, which costs more than the steps
+    bench("e2e", "--transports", "shm", "--steps", "2", "--json", str(out), "grpo.num_prompts_per_step=4",
           "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "generation.max_new_tokens=4")
-    res = {r["transport"]: r for r in json.loads(out.read_text())["results"]}
-    assert res["shm"]["bytes_per_step"] > 0 and res["shm"]["data_plane_s"] > 0
-    assert 0 < res["shm"]["driver_bytes_read"] < res["shm"]["bytes_per_step"]
-    assert res["off"]["step_s"] > 0
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["transport"] == "shm" and res["step_s"] > 0
+    assert res["bytes_per_step"] > 0 and res["data_plane_s"] > 0
+    assert 0 < res["driver_bytes_read"] < res["bytes_per_step"]
