@@ -53,7 +53,7 @@ class VLLMConfig(_Section):
 
     kv_cache_space_gb: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU, in GiB.")
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="Fraction of GPU memory for vLLM on CUDA.")
-    dtype: str = Field("auto", description="Engine dtype; 'auto' means float32 on CPU and bfloat16 on CUDA.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Engine dtype; 'auto' means float32 on CPU and bfloat16 on CUDA.")
     enforce_eager: bool = Field(True, description="Skip graph capture; faster start-up for small models.")
 
 
@@ -66,6 +66,14 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+
+    @model_validator(mode="after")
+    def _vllm_logprobs(self) -> "GenerationConfig":
+        if self.backend == "vllm":
+            from dataplane_rl.rollout.vllm_engine import logprobs_mode
+
+            logprobs_mode(self.temperature, self.top_k)  # raises, naming the keys, when no vLLM mode fits
+        return self
 
 
 class MooncakeConfig(_Section):

@@ -99,3 +99,21 @@ class HFEngine:
             logits, past = out.logits[:, -1], out.past_key_values
         return [Generation(tokens[i], logps[i], truncated=not (tokens[i] and tokens[i][-1] == self.eos))
                 for i in range(B)]
+
+
+def make_engine(cfg, model_folder, tokenizer) -> GenerationEngine:
+    """The engine `generation.backend` names, for the model in `model_folder`; the rest of the loop sees
+    only the GenerationEngine interface. `cfg` is the whole run Config."""
+    gen = cfg.generation
+    if gen.backend == "vllm":
+        from dataplane_rl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_folder, gen, tokenizer.eos_token_id, seed=cfg.grpo.seed)
+    if gen.backend == "hf":
+        from dataplane_rl.train.model import load_model, pick_device
+
+        model = load_model(model_folder, pick_device(cfg.policy.device))
+        return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    from dataplane_rl.errors import ConfigError
+
+    raise ConfigError(f"generation.backend={gen.backend!r} is not an engine; use hf or vllm")

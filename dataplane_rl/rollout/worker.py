@@ -66,20 +66,14 @@ class RolloutWorker:
         import torch
 
         from dataplane_rl.config import Config
-        from dataplane_rl.rollout.engine import HFEngine
+        from dataplane_rl.rollout.engine import make_engine
         from dataplane_rl.tasks import get_task
-        from dataplane_rl.train.model import load_model, load_tokenizer, pick_device
+        from dataplane_rl.train.model import load_tokenizer
 
         torch.set_num_threads(threads)
         self.cfg = Config.model_validate(cfg)
-        gen = self.cfg.generation
-        if gen.backend != "hf":
-            from dataplane_rl.errors import ConfigError
-
-            raise ConfigError(f"generation.backend={gen.backend} is not available in this build; use hf")
         self.tokenizer = load_tokenizer(model_folder)
-        model = load_model(model_folder, pick_device(self.cfg.policy.device))
-        self.engine = HFEngine(model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        self.engine = make_engine(self.cfg, model_folder, self.tokenizer)
         self.task = get_task(self.cfg.task.name, self.cfg.task.path)
         self.store = None
         if store_url:
@@ -90,8 +84,11 @@ class RolloutWorker:
     def ready(self) -> int:
         return os.getpid()
 
-    def load_weights(self, state_dict) -> None:
+    def load_weights(self, state_dict) -> float:
+        """Refit the engine with the policy's new weights; returns the seconds the engine took."""
+        t0 = time.perf_counter()
         self.engine.load_weights(state_dict)
+        return time.perf_counter() - t0
 
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
