@@ -219,7 +219,8 @@ class GRPOTrainer:
             io.add(receipt)
         t0 = time.perf_counter()
         state = ray.put(ray.get(self.workers[0].state_dict.remote()))
-        ray.get([a.load_weights.remote(state) for a in self.rollout])
+        engine_s = ray.get([a.load_weights.remote(state) for a in self.rollout])
+        io.timing["refit_engine"] = max(engine_s)
         io.timing["refit"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
