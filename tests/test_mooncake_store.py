@@ -82,13 +82,14 @@ def test_killed_holder_is_a_clear_error():
     client = None
     try:
         store.create_partition("p", "grpo", 64)
-        store.chunk_bytes = 4096  # many chunks, so some surely live on the holder we kill
-        store.put("p", big_tokens(range(64), 256), range(64))
+        for lo in range(0, 64, 4):  # a put is one object: 16 of them, so some surely live on the holder we kill
+            store.put("p", big_tokens(range(lo, lo + 4), 256), range(lo, lo + 4))
         client = open_store(store.url)  # a pure client: it cannot poll the holder processes
         assert client.cluster is None and client.get("p", ["input_ids"]).num_rows == 64
-        holders = {store._client.get_replica_desc(r.key)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
-                   for r in store._chunks("p")}
-        assert len(holders) == 2, "Mooncake placed all 17 chunks on one holder (odds 1 in 65536)"
+        objects = {r.key.rpartition("@")[0] for r in store._chunks("p")}  # chunk keys are <object>@<offset>
+        holders = {store._client.get_replica_desc(k)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+                   for k in objects}
+        assert len(holders) == 2, "Mooncake placed all 16 puts on one holder (odds 1 in 32768)"
         store.cluster.kill_holder(0, signal.SIGKILL)
         # the owning store polls its processes: every operation names the dead holder at once
         with pytest.raises(StoreUnavailableError, match=r"(?s)partition p: Mooncake cluster lost a process: "
