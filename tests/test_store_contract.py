@@ -131,8 +131,8 @@ def test_get_returns_zero_copy_arrow(store, part):
     assert mask.sum() == to_numpy(table.column("input_lengths")).sum()
 
 
-def test_large_put_is_stored_in_row_blocks(store, part):
-    store.chunk_bytes = 64  # instance override: a few rows per chunk
+def test_large_put_is_stored_in_row_blocks(store, part, monkeypatch):
+    monkeypatch.setattr(store, "chunk_bytes", 64)  # a few rows per chunk; the session store gets its own back
     fields = ["input_lengths", "input_ids", "prompt_text", "total_reward"]
     store.put(part, grpo_columns(range(N), fields), range(N))
     blocks = [r for r in store._chunks(part) if r.column == "input_ids"]
