@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Mapping, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from dataplane_rl.errors import MissingColumnError, SchemaError
 

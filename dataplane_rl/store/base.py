@@ -28,7 +28,6 @@ from dataplane_rl.errors import (
     CorruptChunkError,
     DuplicateWriteError,
     MissingColumnError,
-    PartitionNotFoundError,
     SchemaError,
     StoreUnavailableError,
     format_rows,
