@@ -43,7 +43,8 @@ def ray_session():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+        # address="local": never join a cluster that /tmp/ray/ray_current_cluster names (maybe dead)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     yield ray
     if started:
         ray.shutdown()

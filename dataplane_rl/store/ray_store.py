@@ -135,7 +135,7 @@ def _connect(address: str | None) -> None:
         try:
             ray.init(address="auto", **quiet)
         except ConnectionError:  # no running cluster: start a local one
-            ray.init(include_dashboard=False, **quiet)
+            ray.init(address="local", include_dashboard=False, **quiet)
     except Exception as e:
         raise StoreUnavailableError(f"cannot connect to Ray at {address or 'auto/local'}: {e}; start one with "
                                     "`ray start --head` or use ray:// for a local one") from e

@@ -78,7 +78,9 @@ class GRPOTrainer:
 
         cfg = self.cfg
         if not ray.is_initialized():
-            ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
+            # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
+            # even a dead `ray start` head, instead of starting this run's own instance
+            ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
                      include_dashboard=False, logging_level="WARNING", log_to_driver=True)
             self._ray_started = True
         self.store = open_run_store(cfg)
