@@ -118,7 +118,8 @@ class TaskConfig(_Section):
 class LoggerConfig(_Section):
     """`logger.*`: the run folder and console output."""
 
-    run_dir: str = Field("runs/latest", description="Run folder: config.yaml, metrics.jsonl, train_data/, reward.png, summary.json.")
+    run_dir: Optional[str] = Field(None, description="Run folder: config.yaml, metrics.jsonl, train_data/, reward.png, summary.json. Unset: a fresh runs/YYYYmmdd-HHMMSS, with runs/latest pointing at it.")
+    overwrite: bool = Field(False, description="Let a run replace the run already in logger.run_dir (its files go once the new run has started).")
     progress: bool = Field(True, description="Show a progress bar.")
 
 

@@ -8,6 +8,7 @@ store and hands each worker its rows by reference. Both run this same code; only
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -277,20 +278,38 @@ def _merge(steps: list[RowSet]) -> RowSet:
     return out
 
 
+class NonFiniteError(DataPlaneError):
+    """A training step produced a loss or gradient norm that is NaN or infinite."""
+
+
+def check_finite(metrics: dict) -> None:
+    """Stop at the first step whose loss or gradient norm is not finite: every later step would be NaN too."""
+    for key in ("train/loss", "train/grad_norm"):
+        value = metrics.get(key)
+        if value is not None and not math.isfinite(value):
+            raise NonFiniteError(f"step {metrics['step']}: {key} is {value}; the weights are no longer usable. "
+                                 "Lower policy.learning_rate or policy.max_grad_norm, or check the rewards")
+
+
 def train(cfg: Config) -> dict:
-    """Run GRPO as configured; returns the summary. The run folder is consistent however it ends."""
-    run = RunDir(cfg.logger.run_dir, dump_config(cfg))
-    trainer = GRPOTrainer(cfg)
+    """Run GRPO as configured; returns the summary. The run folder is consistent however it ends: a run
+    refused its folder (held by a live run, or holding a finished one) touches nothing there; any other
+    failure, before or after the start, leaves a summary.json saying so."""
+    run = RunDir(cfg.logger.run_dir, overwrite=cfg.logger.overwrite)
+    trainer = None
     status, error = "failed", None
     bar = None
     try:
+        trainer = GRPOTrainer(cfg)
         trainer.start()
+        run.begin(dump_config(cfg))
         from tqdm import tqdm
 
         bar = tqdm(range(1, cfg.grpo.max_num_steps + 1), desc="grpo", unit="step", disable=not cfg.logger.progress,
                    dynamic_ncols=True)
         for step in bar:
             metrics, samples = trainer.step(step)
+            check_finite(metrics)
             run.log_step(metrics, samples)
             bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
                             step_s=f"{metrics['timing/step']:.1f}")
@@ -305,7 +324,12 @@ def train(cfg: Config) -> dict:
         if bar is not None:
             bar.close()
         try:
-            trainer.close()
+            if trainer is not None:
+                trainer.close()
         finally:
-            summary = run.finish(status, error, {"run_dir": str(run.path), "store_url": trainer.store_url})
+            try:
+                summary = run.finish(status, error, {"run_dir": str(run.path),
+                                                     "store_url": trainer.store_url if trainer else None})
+            finally:
+                run.close()
     return summary

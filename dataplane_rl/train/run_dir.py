@@ -2,13 +2,28 @@
 
 Every file is appended line by line or written atomically, so an interrupted run leaves a folder whose
 files are each whole.
+
+Who may write a folder (the policy, README "The run folder"):
+- no `logger.run_dir`: a fresh `runs/YYYYmmdd-HHMMSS` (suffix -2, -3, ... if taken), and `runs/latest`
+  points at it;
+- a folder that already holds a run is refused unless `overwrite` (or, with `--resume`, reopened);
+- a live run holds an flock on `RUN_DIR/.lock`, which names its PID; a second one is refused;
+- `open` removes nothing: an overwritten run's files go only in `begin`, once the run has really started,
+  and a failure before that still writes `summary.json` (status failed, `started: false`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import time
 from pathlib import Path
+
+from dataplane_rl.errors import ConfigError
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
+_STALE = ("metrics.jsonl", "summary.json", "reward.png")
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -17,16 +32,95 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def fresh_run_dir(root: str | Path = "runs") -> Path:
+    """Make `root/YYYYmmdd-HHMMSS` (or -2, -3, ...; mkdir decides, so two runs never share one) and point
+    `root/latest` at it."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1, 1000):
+        path = root / (stamp if i == 1 else f"{stamp}-{i}")
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise ConfigError(f"{root}: 999 runs started in second {stamp}; set logger.run_dir")
+    latest, tmp = root / "latest", root / f".latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(path.name, tmp)
+    try:
+        os.replace(tmp, latest)  # atomic: readers see the old run or the new one
+    except OSError:  # runs/latest is a real folder (an older layout): leave it alone
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def holds_run(path: Path) -> bool:
+    """A folder holds a run when it has any run file, unless all it has is the summary of a run that
+    failed before it started (nothing to lose: the next run may take the folder)."""
+    present = [f for f in RUN_FILES if (path / f).exists()]
+    if present == ["summary.json"]:
+        try:
+            return json.loads((path / "summary.json").read_text()).get("started", True) is not False
+        except (OSError, ValueError, AttributeError):
+            return True
+    return bool(present)
+
+
 class RunDir:
-    def __init__(self, path: str | Path, config_yaml: str) -> None:
-        self.path = Path(path)
-        (self.path / "train_data").mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "summary.json", "reward.png"):
-            (self.path / stale).unlink(missing_ok=True)
-        for old in (self.path / "train_data").glob("step_*.jsonl"):
-            old.unlink()
-        _atomic_write(self.path / "config.yaml", config_yaml)
+    """A run folder, locked for this process from `__init__` until `close`."""
+
+    def __init__(self, path: str | Path | None, *, overwrite: bool = False) -> None:
+        self.path = Path(path) if path else fresh_run_dir()
+        self.overwrite = overwrite
+        self.started = False
         self.metrics: list[dict] = []
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"logger.run_dir={self.path}: cannot make the run folder ({e.strerror}); "
+                              "choose a writable folder") from None
+        if not self.path.is_dir():
+            raise ConfigError(f"logger.run_dir={self.path} is not a folder; choose a folder")
+        self._lock_fd = self._lock()
+        if not overwrite and holds_run(self.path):
+            self.close()
+            raise ConfigError(f"logger.run_dir={self.path} already holds a run; continue it with "
+                              f"`dataplane-rl train --resume {self.path}`, replace it with logger.overwrite=true, "
+                              "or leave logger.run_dir unset for a fresh runs/<time> folder")
+
+    def _lock(self) -> int:
+        lock = self.path / ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"logger.run_dir={self.path} is in use by a live run (PID {holder}, which holds "
+                              f"{lock}); wait for it, or choose another logger.run_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def begin(self, config_yaml: str) -> None:
+        """The run has started: only now replace an overwritten run's files, and write the config."""
+        if self.overwrite:
+            for stale in _STALE:
+                (self.path / stale).unlink(missing_ok=True)
+            for old in (self.path / "train_data").glob("step_*.jsonl"):
+                old.unlink()
+        (self.path / "train_data").mkdir(exist_ok=True)
+        _atomic_write(self.path / "config.yaml", config_yaml)
+        self.started = True
+
+    def close(self) -> None:
+        """Release the lock (also released by the OS if the process dies)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def log_step(self, metrics: dict, samples: list[dict]) -> None:
         step = int(metrics["step"])
@@ -42,6 +136,7 @@ class RunDir:
         summary = {
             "status": status,
             "error": error,
+            "started": self.started,
             "steps_completed": len(self.metrics),
             "first_reward": rewards[0] if rewards else None,
             "last_reward": rewards[-1] if rewards else None,

@@ -1,0 +1,118 @@
+"""The run folder policy (README "The run folder"): fresh folders, one live run per folder, nothing of an
+earlier run lost to a run that fails before it starts, and a summary for every failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dataplane_rl.config import load_config
+from dataplane_rl.errors import ConfigError
+from dataplane_rl.train.run_dir import RunDir
+
+QUICK = ["logger.progress=false", "grpo.max_num_steps=1"]
+
+
+def previous_run(folder: Path) -> dict[str, bytes]:
+    """A finished run's files, as an earlier run would have left them; returns their bytes."""
+    (folder / "train_data").mkdir(parents=True)
+    (folder / "config.yaml").write_text("grpo: {}\n")
+    (folder / "metrics.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')
+    (folder / "summary.json").write_text('{"status": "completed", "steps_completed": 1}\n')
+    (folder / "train_data" / "step_000001.jsonl").write_text('{"sample_id": "step-000001/0"}\n')
+    return snapshot(folder)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def train(*overrides: str):
+    from dataplane_rl.train.loop import train as run_train
+
+    return run_train(load_config(None, [*QUICK, *overrides]))
+
+
+def test_default_run_dir_is_fresh_per_run_and_latest_follows(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config(None).logger.run_dir is None
+    first = RunDir(None)
+    second = RunDir(None)  # the same second: mkdir picks -2, never the same folder
+    try:
+        assert first.path != second.path and first.path.parent == second.path.parent == Path("runs")
+        assert second.path.name.startswith(first.path.name)
+        assert os.readlink("runs/latest") == second.path.name
+        assert Path("runs/latest").resolve() == second.path.resolve()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_second_live_run_is_refused_naming_the_holder(tmp_path):
+    folder = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from dataplane_rl.train.run_dir import RunDir; "
+                               f"r = RunDir({str(folder)!r}); print('locked', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked", "the holder died before taking the lock"
+        (folder / "metrics.jsonl").write_text('{"step": 1}\n')  # what the live run has written so far
+        before = snapshot(folder)
+        with pytest.raises(ConfigError, match=rf"in use by a live run \(PID {holder.pid}\b"):
+            train(f"logger.run_dir={folder}", "logger.overwrite=true")
+        assert snapshot(folder) == before, "the refused run touched the live run's folder"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert holder.returncode == 0
+    RunDir(folder, overwrite=True).close()  # the lock went with its holder
+
+
+def test_existing_run_is_refused_and_kept(tmp_path):
+    folder = tmp_path / "run"
+    before = previous_run(folder)
+    with pytest.raises(ConfigError, match=rf"{folder} already holds a run.*--resume {folder}.*logger\.overwrite=true"):
+        train(f"logger.run_dir={folder}")
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("bad", ["task.name=nope", "task.name=math_jsonl", "policy.model={tmp}/no-model"],
+                         ids=["unknown-task", "missing-task-path", "missing-model"])
+def test_failure_before_start_loses_nothing_and_says_why(tmp_path, bad):
+    folder = tmp_path / "run"
+    before = previous_run(folder)
+    bad = bad.format(tmp=tmp_path)
+    extra = [f"task.path={tmp_path}/missing.jsonl"] if bad == "task.name=math_jsonl" else []
+    with pytest.raises(ConfigError):
+        train(f"logger.run_dir={folder}", "logger.overwrite=true", bad, *extra)
+    after = snapshot(folder)
+    summary = json.loads(after.pop("summary.json"))
+    before.pop("summary.json")
+    assert after == before, "a run that never started removed the previous run's files"
+    assert summary["status"] == "failed" and summary["started"] is False
+    assert summary["error"].startswith("ConfigError: ") and summary["steps_completed"] == 0
+
+
+def test_failure_in_a_fresh_folder_leaves_a_summary_and_the_folder_reusable(tmp_path):
+    folder = tmp_path / "run"
+    with pytest.raises(ConfigError, match="unknown task.name 'nope'"):
+        train(f"logger.run_dir={folder}", "task.name=nope")
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["status"] == "failed" and "unknown task.name 'nope'" in summary["error"]
+    RunDir(folder).close()  # nothing to lose there: a corrected run may take the folder
+
+
+def test_lock_file_names_the_live_pid(tmp_path):
+    run = RunDir(tmp_path / "r")
+    try:
+        assert (tmp_path / "r" / ".lock").read_text().strip() == str(os.getpid())
+        with pytest.raises(ConfigError, match=f"PID {os.getpid()}"):
+            RunDir(tmp_path / "r")  # LOCK_NB: refuses at once instead of waiting
+    finally:
+        run.close()
