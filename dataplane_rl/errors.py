@@ -44,7 +44,11 @@ class StoreUnavailableError(DataPlaneError, RuntimeError):
 
 
 class CorruptChunkError(StoreUnavailableError):
-    """A stored chunk failed its checksum: it was corrupted or evicted."""
+    """A stored chunk or its metadata failed its checksum: it was corrupted or evicted."""
+
+
+class StoreFullError(StoreUnavailableError):
+    """The store has no room for a write; nothing of that write was kept."""
 
 
 def format_rows(rows) -> str:

@@ -12,6 +12,11 @@ store removes on close; `shm://DIR` opens (or makes) DIR and leaves it in place.
     DIR/<pid>/chunks/put-<hex>         one put: each of its chunks (a row block of one column) is an
                                        Arrow IPC stream at a 64-byte-aligned offset; key put-<hex>@<offset>
 
+Folders are 0700 and files 0600: the store is private to its user. Metadata files (meta.json, refs) start
+with the xxh3 of their JSON, so a damaged one is a CorruptChunkError, never wrong rows. Space for a put is
+reserved (posix_fallocate) before its file is mapped, so a full /dev/shm is a StoreFullError instead of a
+SIGBUS in the writer.
+
 A put serializes every chunk straight into a mapping of its one file (one copy, one claim, one map, one
 rename per put rather than per chunk), under a temporary name renamed once complete; each chunk keeps
 its own checksum, so a shard reader still checksums only the blocks it reads. It becomes visible when its refs file is renamed into refs/ under the
@@ -52,8 +57,10 @@ import pyarrow as pa
 
 from dataplane_rl.errors import (
     ConfigError,
+    CorruptChunkError,
     PartitionExistsError,
     PartitionNotFoundError,
+    StoreFullError,
     StoreUnavailableError,
 )
 from dataplane_rl.store.base import _PID, ChunkRef, ColumnStore, PartitionMeta, checksum
@@ -62,6 +69,38 @@ _MARKER = ".dataplane-rl"
 _POOL = ".pool"
 DEFAULT_POOL_BYTES = 1 << 30
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # column names become file names
+_KEY = re.compile(r"^put-[0-9a-f]{32}@[0-9]{1,15}$")  # a chunk key in a refs file: a file of chunks/ only
+_DIR_MODE, _FILE_MODE = 0o700, 0o600  # private to the store's user
+
+
+def _create_file(path: str, data: bytes = b"") -> None:
+    """Make a new private file holding `data` (O_EXCL: never reuses a name)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _framed(text: str) -> bytes:
+    """Metadata as written: the xxh3 of the JSON (16 hex digits), a space, the JSON."""
+    body = text.encode()
+    return b"%016x " % checksum(body) + body
+
+
+def _unframe(data: bytes, path: str) -> str:
+    """The JSON of a metadata file, or CorruptChunkError if it is not exactly what was written."""
+    head, body = data[:16], data[17:]
+    try:
+        ok = len(data) > 17 and data[16:17] == b" " and int(head, 16) == checksum(body)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise CorruptChunkError(f"shm metadata {path} is damaged ({len(data)} bytes, checksum mismatch); the "
+                                "partition cannot be trusted, drop it and regenerate the step")
+    return body.decode()
 
 
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # explicit: the default re-reads two env vars per stream
@@ -229,6 +268,12 @@ class ShmStore(ColumnStore):
 
     def _open_dir(self, create: bool) -> None:
         marker = os.path.join(self._dir, _MARKER)
+        if os.path.exists(self._dir) and not os.path.isdir(self._dir):
+            raise StoreUnavailableError(f"shm://{self._dir} names a file, not a folder; point shm:// at a store "
+                                        "folder or a new path")
+        if os.path.isdir(self._dir) and not os.access(self._dir, os.R_OK | os.X_OK):
+            raise StoreUnavailableError(f"shm store {self._dir} is not readable by this user (uid {os.getuid()}); "
+                                        "stores are private to the user who made them")
         if os.path.isfile(marker):
             return
         if not create:
@@ -237,10 +282,35 @@ class ShmStore(ColumnStore):
         if os.path.isdir(self._dir) and any(not n.startswith(".") for n in os.listdir(self._dir)):
             raise ConfigError(f"{self._dir} holds files but is not a dataplane-rl store; point shm:// at a new "
                               "or empty folder")
-        os.makedirs(os.path.join(self._dir, _POOL), exist_ok=True)
-        with open(marker, "w") as f:
-            f.write("dataplane-rl shm store v1\n")
+        with self._os_errors("make the store folder"):
+            os.makedirs(self._dir, mode=_DIR_MODE, exist_ok=True)
+            os.chmod(self._dir, _DIR_MODE)
+            os.makedirs(os.path.join(self._dir, _POOL), mode=_DIR_MODE, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # another process made the store meanwhile
+                _create_file(marker, b"dataplane-rl shm store v1\n")
 
+    @contextlib.contextmanager
+    def _os_errors(self, what: str, need: int = 0) -> Iterator[None]:
+        """A full or unwritable filesystem as the store's own errors, naming the folder (and the bytes)."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise self._full(what, need) from None
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR):
+                raise StoreUnavailableError(f"shm store {self._dir}: cannot {what}: {e.strerror} ({e.filename}); "
+                                            "use a writable folder of your own") from None
+            raise
+
+    def _full(self, what: str, need: int) -> StoreFullError:
+        try:
+            st = os.statvfs(self._dir)
+            free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+        except OSError:
+            free = "free space unknown"
+        asked = f"{need} bytes asked, " if need else ""
+        return StoreFullError(f"shm store {self._dir} is full: cannot {what} ({asked}{free}); nothing of it was "
+                              "kept. Drop partitions, lower pool_bytes, or give the filesystem more room")
     # -- paths and locks -------------------------------------------------------------------------
     def _pdir(self, pid: str) -> str:
         if not isinstance(pid, str) or not _PID.match(pid):  # also keeps '../x' out of the folder
@@ -289,18 +359,21 @@ class ShmStore(ColumnStore):
     # -- catalog hooks ---------------------------------------------------------------------------
     def _create(self, meta: PartitionMeta) -> None:
         tmp = os.path.join(self._dir, f".create-{uuid.uuid4().hex}")
-        for sub in ("refs", "chunks"):
-            os.makedirs(os.path.join(tmp, sub))
-        for name, text in (("lock", ""), ("readers", ""), ("meta.json", meta.to_json())):
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
         try:
-            os.rename(tmp, os.path.join(self._dir, meta.pid))  # atomic; refuses an existing (non-empty) one
-        except OSError as e:
+            with self._os_errors(f"create partition {meta.pid}"):
+                for sub in ("", "refs", "chunks"):
+                    os.mkdir(os.path.join(tmp, sub), _DIR_MODE)
+                for name, data in (("lock", b""), ("readers", b""), ("meta.json", _framed(meta.to_json()))):
+                    _create_file(os.path.join(tmp, name), data)
+                try:
+                    os.rename(tmp, os.path.join(self._dir, meta.pid))  # atomic; refuses an existing (non-empty) one
+                except OSError as e:
+                    if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                        raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it "
+                                                   "first or use a new id") from None
+                    raise
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it first "
-                                           "or use a new id") from None
             raise
 
     def _meta(self, pid: str) -> PartitionMeta:
@@ -311,8 +384,13 @@ class ShmStore(ColumnStore):
             cached = self._metas.get(pid)
             if cached is not None and cached[0] == ino:
                 return cached[1]
-            with open(os.path.join(pdir, "meta.json")) as f:
-                meta = PartitionMeta.from_json(f.read())
+            path = os.path.join(pdir, "meta.json")
+            with open(path, "rb") as f:
+                text = _unframe(f.read(), path)
+            try:
+                meta = PartitionMeta.from_json(text)
+            except (ValueError, KeyError, TypeError) as e:
+                raise CorruptChunkError(f"shm metadata {path} does not describe a partition ({e!r})") from None
         except (FileNotFoundError, NotADirectoryError):
             raise self._not_found(pid) from None
         self._metas[pid] = (ino, meta)
@@ -334,7 +412,16 @@ class ShmStore(ColumnStore):
     @staticmethod
     def _load_refs(path: str) -> list[ChunkRef]:
         with open(path, "rb") as f:
-            return [ChunkRef.from_json(d) for d in json.loads(f.read())]
+            text = _unframe(f.read(), path)
+        try:
+            refs = [ChunkRef.from_json(d) for d in json.loads(text)]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptChunkError(f"shm refs file {path} does not hold chunk refs ({e!r})") from None
+        for ref in refs:  # checksummed already; still, never join an unchecked name to a path
+            if not _KEY.match(ref.key) or ref.nbytes < 0:
+                raise CorruptChunkError(f"shm refs file {path} names chunk key {ref.key!r}, not one this store "
+                                        "writes; the partition cannot be trusted, drop it")
+        return refs
 
     def _commit(self, pid: str, refs: list[ChunkRef]) -> None:
         with self._locked(pid) as pdir:
@@ -347,9 +434,14 @@ class ShmStore(ColumnStore):
                 raise err
             name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
             tmp = os.path.join(pdir, "refs", f".tmp-{name}")
-            with open(tmp, "w") as f:
-                f.write(json.dumps([r.to_json() for r in refs]))
-            os.rename(tmp, os.path.join(pdir, "refs", name))
+            try:
+                with self._os_errors(f"commit a put to partition {pid}"):
+                    _create_file(tmp, _framed(json.dumps([r.to_json() for r in refs])))
+                    os.rename(tmp, os.path.join(pdir, "refs", name))
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
 
     def _list(self) -> list[str]:
         return [n for n in os.listdir(self._dir) if _PID.match(n)]
@@ -372,7 +464,8 @@ class ShmStore(ColumnStore):
         tmp = os.path.join(folder, f".tmp-{name}")
         out = []
         try:
-            self._claim(pid, tmp, max(end, 1))
+            with self._os_errors(f"write a put of partition {pid}", max(end, 1)):
+                self._claim(pid, tmp, max(end, 1))
             with self._maps.file(tmp, end, writable=True) as f:
                 for (ref, batch), off in zip(chunks, offsets):
                     f.seek(off)
@@ -400,11 +493,30 @@ class ShmStore(ColumnStore):
                 os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
             except FileNotFoundError:
                 continue
-            if cap < size or cap > 2 * size + (1 << 20):  # grow, or give back pages we would waste
+            if cap > 2 * size + (1 << 20):  # give back pages we would waste
                 os.truncate(target, size)
+            elif cap < size:
+                self._reserve(target, size, new=False)
             return
-        with open(target, "xb") as f:
-            f.truncate(size)
+        self._reserve(target, size, new=True)
+
+    def _reserve(self, path: str, size: int, new: bool) -> None:
+        """Make `path` at least `size` bytes with every page allocated now: a mapped page the filesystem
+        cannot back later would SIGBUS the writer. When space is short, pooled files go first."""
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if new else 0), _FILE_MODE)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno != errno.ENOSPC or not self._pool():
+                    raise
+                for cand, _ in self._pool():  # the pool is only a cache: space for a put comes first
+                    with contextlib.suppress(OSError):
+                        os.unlink(cand)
+                self._pool_seen = (0.0, [])
+                os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
 
     def _pool_candidates(self, size: int) -> list[tuple[str, int]]:
         """Pooled files to try, best first: the smallest that fits, then the largest that does not."""
@@ -468,7 +580,7 @@ class ShmStore(ColumnStore):
 
     def _drop(self, pid: str) -> None:
         trash = os.path.join(self._dir, f".drop-{uuid.uuid4().hex}")
-        with self._locked(pid) as pdir:
+        with self._locked(pid) as pdir, self._os_errors(f"drop partition {pid}"):
             os.rename(pdir, trash)
         self._refs_cache.pop(pid, None)
         self._free(trash)
