@@ -12,12 +12,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dataplane_rl.algorithms.loss import LossConfig
+from dataplane_rl.config_types import CONFIG, StrictScalars
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.resources import data_dir
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class _Section(StrictScalars):
+    model_config = CONFIG
 
 
 class GRPOConfig(_Section):
@@ -97,7 +98,7 @@ class DataPlaneConfig(_Section):
     keep_partitions: bool = Field(False, description="Keep each step's partition after training (for inspection with `store ls`).")
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(**CONFIG, populate_by_name=True)
 
     @field_validator("backend")
     @classmethod

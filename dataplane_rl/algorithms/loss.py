@@ -17,15 +17,16 @@ from dataclasses import dataclass
 from typing import Literal, Mapping, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from dataplane_rl.config_types import StrictScalars
 from dataplane_rl.errors import MissingColumnError, SchemaError
 
 
-class LossConfig(BaseModel):
+class LossConfig(StrictScalars):
     """`loss_fn.*`: the clipped policy-gradient loss, its KL penalty and the positive-example NLL."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     ratio_clip_min: float = Field(0.2, ge=0.0, lt=1.0, description="eps_low: the ratio is clipped below at 1 - eps_low.")
     ratio_clip_max: float = Field(0.2, ge=0.0, description="eps_high: the ratio is clipped above at 1 + eps_high; raise it (e.g. 0.28) for clip-higher.")

@@ -14,6 +14,7 @@ from typing import Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -51,6 +52,8 @@ class Column(BaseModel):
     kind: Literal["token", "sample"] = Field(description="token: one value per token; sample: one per row")
     writer: Literal["rollout", "driver", "policy", "reference"]
     doc: str = ""
+    allow_nonfinite: bool = Field(False, description="float columns only: NaN and +-inf are valid values "
+                                                      "(refused by default, like nulls)")
 
     @model_validator(mode="after")
     def _check_dtype(self) -> "Column":
@@ -61,6 +64,8 @@ class Column(BaseModel):
             )
         if self.kind == "token" and self.dtype == "string":
             raise ValueError(f"column '{self.name}': a token column cannot be a string; use an integer or float dtype")
+        if self.allow_nonfinite and not self.dtype.startswith("float"):
+            raise ValueError(f"column '{self.name}': allow_nonfinite applies to float columns, not {self.dtype}")
         return self
 
     @property
@@ -204,6 +209,8 @@ class Schema(BaseModel):
             elif arr.null_count:
                 nulls = np.flatnonzero(np.asarray(arr.is_null()))
                 out.append(Violation(name, "has null values; every cell must hold a value", tuple(nulls.tolist())))
+            else:
+                out.extend(_bad_values(col, arr))
         if len(set(counts.values())) > 1:
             desc = ", ".join(f"{k}={v}" for k, v in counts.items())
             out.append(Violation("*", f"columns have different row counts ({desc}); every column must cover the same rows"))
@@ -244,6 +251,38 @@ class Schema(BaseModel):
             detail = "; ".join(str(v) for v in found[:8]) + (f"; ... {len(found) - 8} more" if len(found) > 8 else "")
             cls = AlignmentError if any(v.column == "*" for v in found) else SchemaError
             raise cls(f"{prefix}{detail}")
+
+
+def _bad_values(col: Column, arr: pa.Array | pa.ChunkedArray) -> list[Violation]:
+    """Nulls inside token lists, and NaN/inf in a float column that does not allow them, with their rows.
+
+    The common case (nothing wrong) costs one pass over the values and no per-row work."""
+    chunks = arr.chunks if isinstance(arr, pa.ChunkedArray) else [arr]
+    floats = col.dtype.startswith("float") and not col.allow_nonfinite
+    nulls, nonfinite, base = [], [], 0
+    for chunk in chunks:
+        flat = chunk.flatten() if col.kind == "token" else chunk
+        if col.kind == "token" and flat.null_count:
+            at = np.flatnonzero(np.asarray(flat.is_null()))
+            nulls.append(base + np.unique(np.asarray(pc.list_parent_indices(chunk))[at]))
+        elif floats and len(flat):
+            values = flat.to_numpy(zero_copy_only=False)
+            ok = np.isfinite(values)
+            if not ok.all():
+                at = np.flatnonzero(~ok)
+                if col.kind == "token":
+                    at = np.unique(np.asarray(pc.list_parent_indices(chunk))[at])
+                nonfinite.append(base + at)
+        base += len(chunk)
+    out = []
+    if nulls:
+        out.append(Violation(col.name, "has null values inside token lists; every token must hold a value",
+                             tuple(np.concatenate(nulls).tolist())))
+    if nonfinite:
+        out.append(Violation(col.name, "has NaN or infinite values; fix the writer, or declare the column with "
+                                       "allow_nonfinite: true in the schema if they are valid",
+                             tuple(np.concatenate(nonfinite).tolist())))
+    return out
 
 
 _NAMES = {t: n for n, t in ARROW_DTYPES.items()}
