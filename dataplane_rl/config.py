@@ -272,7 +272,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if not path.is_file():
         raise ConfigError(f"config file '{path}' not found; pass an existing YAML file with --config")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(path.read_bytes().decode()) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); pass a YAML "
+                          "file with --config") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
     if not isinstance(tree, dict):

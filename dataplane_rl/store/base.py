@@ -28,6 +28,7 @@ from dataplane_rl.errors import (
     CorruptChunkError,
     DuplicateWriteError,
     MissingColumnError,
+    PartitionNotFoundError,
     SchemaError,
     StoreUnavailableError,
     format_rows,
@@ -35,6 +36,8 @@ from dataplane_rl.errors import (
 from dataplane_rl.schema import Column, Schema, load_schema
 
 _PID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Rows per partition: a read keeps two int64 arrays of num_rows, so more would be gigabytes of bookkeeping
+MAX_ROWS = 1 << 26
 
 
 # ---- row sets ----------------------------------------------------------------------------------
@@ -271,25 +274,28 @@ class ColumnStore(ABC):
         self._check_open()
         if not isinstance(pid, str) or not _PID.match(pid):
             raise SchemaError(f"partition id {pid!r} is invalid; use 1-128 characters of letters, digits, '.', '_', '-'")
-        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or num_rows < 0:
-            raise SchemaError(f"partition {pid}: num_rows={num_rows!r} must be a non-negative integer")
+        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or not 0 <= num_rows <= MAX_ROWS:
+            raise SchemaError(f"partition {pid}: num_rows={num_rows!r} must be an integer from 0 to at most "
+                              f"{MAX_ROWS}; split larger batches over several partitions")
         s = load_schema(schema)
         self._create(PartitionMeta(pid, s.model_dump_json(), int(num_rows)))
 
     def put(self, pid: str, columns: Mapping[str, Any], rows: Any) -> None:
         """Write `columns` for `rows` (indices or a range). All or nothing; every cell once."""
         self._check_open()
-        meta = self._meta(pid)
+        meta = self._meta(self._check_pid(pid))
         schema = schema_of(meta)
         rows = self._rows(pid, meta, rows, unique=True)
         where = f"partition {pid} put rows {_rows_text(rows)}:"
+        if not isinstance(columns, Mapping):
+            raise SchemaError(f"{where} columns must be a mapping {{column name: data}}, got {type(columns).__name__}")
         if not columns:
             raise SchemaError(f"{where} no columns given; pass {{column: data}}")
         arrays = {}
         for name, data in columns.items():
-            if name not in schema.by_name:
+            if not isinstance(name, str) or name not in schema.by_name:
                 try:
-                    schema.column(name)
+                    schema.column(name if isinstance(name, str) else repr(name))
                 except SchemaError as e:  # name the partition and rows too
                     raise SchemaError(f"{where} {e}") from None
             arrays[name] = to_arrow(schema.by_name[name], data, where)
@@ -324,9 +330,13 @@ class ColumnStore(ABC):
     def get(self, pid: str, fields: str | Sequence[str], rows: Any = None) -> pa.Table:
         """The requested fields for `rows` (default all), in the requested row order, as an Arrow table."""
         self._check_open()
-        meta = self._meta(pid)
+        meta = self._meta(self._check_pid(pid))
         schema = schema_of(meta)
-        fields = [fields] if isinstance(fields, str) else list(fields)
+        if isinstance(fields, str):
+            fields = [fields]
+        elif not isinstance(fields, (list, tuple)) or not all(isinstance(f, str) for f in fields):
+            raise SchemaError(f"partition {pid} get: fields must be a column name or a list of names, got {fields!r}")
+        fields = list(fields)
         if not fields:
             raise SchemaError(f"partition {pid} get: no fields requested")
         for f in fields:
@@ -349,7 +359,7 @@ class ColumnStore(ABC):
 
     def status(self, pid: str) -> PartitionStatus:
         self._check_open()
-        meta = self._meta(pid)
+        meta = self._meta(self._check_pid(pid))
         schema = schema_of(meta)
         written = {c: 0 for c in schema.names}
         nbytes = {c: 0 for c in schema.names}
@@ -364,16 +374,16 @@ class ColumnStore(ABC):
 
     def drop_partition(self, pid: str) -> None:
         self._check_open()
-        self._drop(pid)
+        self._drop(self._check_pid(pid))
 
     def schema(self, pid: str) -> Schema:
         """The schema partition `pid` was created with."""
         self._check_open()
-        return schema_of(self._meta(pid))
+        return schema_of(self._meta(self._check_pid(pid)))
 
     def num_rows(self, pid: str) -> int:
         self._check_open()
-        return self._meta(pid).num_rows
+        return self._meta(self._check_pid(pid)).num_rows
 
     def close(self) -> None:
         if not self._closed:
@@ -394,19 +404,32 @@ class ColumnStore(ABC):
         if self._closed:
             raise StoreUnavailableError(f"store {self.url} is closed; open a new one with open_store")
 
+    def _check_pid(self, pid: Any) -> str:
+        if not isinstance(pid, str) or not _PID.match(pid):
+            raise PartitionNotFoundError(f"partition {pid!r} is unknown in {self.url}: a partition id is 1-128 "
+                                         "letters, digits, '.', '_', '-'")
+        return pid
+
     def _rows(self, pid: str, meta: PartitionMeta, rows: Any, *, unique: bool) -> np.ndarray:
         n = meta.num_rows
         if rows is None:
             return np.arange(n, dtype=np.int64)
         if isinstance(rows, slice):
-            rows = range(*rows.indices(n))
+            try:
+                rows = range(*rows.indices(n))
+            except (TypeError, ValueError) as e:
+                raise AlignmentError(f"partition {pid}: rows slice {rows} is not a slice of integers ({e})") from None
         if isinstance(rows, range):
-            if rows.step > 0 and (rows.start < 0 or (len(rows) and rows[-1] >= n)):
-                raise AlignmentError(f"partition {pid}: rows {rows.start}-{rows.stop - 1} out of range; "
-                                     f"the partition has {n} rows (0-{n - 1})")
+            # checked on the ends, before any row list is made: range(10**18) must not allocate
+            if rows and (min(rows[0], rows[-1]) < 0 or max(rows[0], rows[-1]) >= n):
+                raise AlignmentError(f"partition {pid}: rows {rows.start}-{rows.stop - 1} (step {rows.step}) out of "
+                                     f"range; the partition has {n} rows (0-{n - 1})")
             out = np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
         else:
-            arr = _to_numpy(rows)
+            try:
+                arr = _to_numpy(rows)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise AlignmentError(f"partition {pid}: rows must be a range or 1-D integer indices ({e})") from None
             if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
                 raise AlignmentError(f"partition {pid}: rows must be a range or 1-D integer indices, got {arr.dtype} "
                                      f"shape {arr.shape}")

@@ -86,7 +86,12 @@ class MathJsonlTask:
         p = Path(self.path)
         if not p.is_file():
             raise ConfigError(f"task.path '{p}' not found; math_jsonl needs a JSONL file with question and answer fields")
-        for i, line in enumerate(p.read_text().splitlines(), 1):
+        try:
+            text = p.read_bytes().decode()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"task.path '{p}' is not UTF-8 text ({e.reason} at byte {e.start}); math_jsonl needs a "
+                              "JSONL file with question and answer fields") from None
+        for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
