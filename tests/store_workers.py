@@ -147,13 +147,18 @@ def race(url: str, pids: Sequence[str], rows: Sequence[int], seed: int) -> list[
     return out
 
 
-def die_before_commit(url: str, pid: str, rows: Sequence[int]) -> None:
-    """Write chunk bytes, then die the hard way just before the commit (exit code 17)."""
+def big_block(block: int, rows: int, per_row: int) -> dict:
+    """Rollout token columns of one block of `rows` rows with `per_row` tokens each (~9 bytes a token)."""
+    vals = [np.arange(per_row, dtype=np.int32) + block for _ in range(rows)]
+    return {"input_lengths": np.full(rows, per_row, np.int32), "input_ids": vals,
+            "token_mask": [(v % 2).astype(np.int8) for v in vals],
+            "generation_logprobs": [-(v % 7).astype(np.float32) for v in vals]}
+
+
+def put_blocks(url: str, pid: str, rows: int, per_row: int, started, done) -> None:
+    """Put block after block until killed; `started`/`done` (shared ints) say which put is in flight."""
     store = _store(url)
-
-    def _commit(*args, **kwargs):
-        os._exit(17)
-
-    store._commit = _commit
-    store.put(pid, grpo_columns(rows, ROLLOUT_FIELDS), rows)
-    os._exit(0)  # not reached
+    for block in range(10**6):
+        started.value = block
+        store.put(pid, big_block(block, rows, per_row), range(block * rows, (block + 1) * rows))
+        done.value = block

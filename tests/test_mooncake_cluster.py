@@ -20,7 +20,7 @@ import pytest
 from dataplane_rl.errors import StoreUnavailableError
 from mooncake_fixtures import mooncake_client, mooncake_cluster, require_mooncake  # noqa: F401
 
-mc = pytest.importorskip("dataplane_rl.store.mooncake_cluster")
+from dataplane_rl.store import mooncake_cluster as mc  # noqa: E402 - part of the package: an import error is a failure
 
 
 def _uid(tag: str) -> str:

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from dataplane_rl.errors import (
     AlignmentError,
     CorruptChunkError,
-    DataPlaneError,
     DuplicateWriteError,
     MissingColumnError,
     PartitionExistsError,
@@ -36,9 +35,10 @@ from store_workers import (
     all_dtypes_columns,
     all_dtypes_schema,
     as_lists,
+    big_block,
     check,
-    die_before_commit,
     grpo_columns,
+    put_blocks,
     race,
     write,
 )
@@ -71,8 +71,8 @@ def corrupt(store, pid: str, column: str, lose: bool = False) -> None:
         store._blobs[ref.key] = pa.py_buffer(b"" if lose else bytes(data))
     elif hasattr(store, "_corrupt_for_test"):
         store._corrupt_for_test(pid, ref, lose=lose)
-    else:
-        pytest.skip(f"{type(store).__name__} has no _corrupt_for_test(pid, ref, lose) hook")
+    else:  # a backend the damage tests cannot reach is a gap in the suite, not a reason to pass
+        pytest.fail(f"{type(store).__name__} has no _corrupt_for_test(pid, ref, lose) hook; add one", pytrace=False)
 
 
 # ---- round trips ---------------------------------------------------------------------------------
@@ -305,12 +305,18 @@ def _second_chunk_fails(store, pid):
         del store._encode
 
 
-@pytest.mark.parametrize("fail", [_dup, _dtype, _tokens, _lengths, _commit_fails, _second_chunk_fails],
-                         ids=lambda f: f.__name__.strip("_"))
-def test_failed_put_changes_nothing(store, backend, part, fail):
+@pytest.mark.parametrize("fail,error,match", [
+    (_dup, DuplicateWriteError, "'total_reward' rows 0 already written"),
+    (_dtype, SchemaError, "'group_id' has dtype int32, declared int64"),
+    (_tokens, SchemaError, "'input_ids' rows 2: token lengths differ"),
+    (_lengths, AlignmentError, "'total_reward' has 1 values for 2 rows"),
+    (_commit_fails, RuntimeError, "injected commit failure"),
+    (_second_chunk_fails, RuntimeError, "injected encode failure"),
+], ids=["dup", "dtype", "tokens", "lengths", "commit_fails", "second_chunk_fails"])
+def test_failed_put_changes_nothing(store, backend, part, fail, error, match):
     store.put(part, grpo_columns([0], ["total_reward"]), [0])
     before = store.status(part)
-    with pytest.raises((DataPlaneError, RuntimeError)):
+    with pytest.raises(error, match=match):
         fail(store, part)
     assert store.status(part) == before
     if backend == "shm":  # no stray chunk file either
@@ -456,18 +462,46 @@ def test_racing_writers_of_the_same_cells(shared, store_pool):
         assert_rows(shared, pid, range(16), ["input_lengths", "total_reward"], seed=winner)
 
 
-def test_writer_killed_before_commit_leaves_nothing(shared):
-    shared.create_partition("p", "grpo", 8)
-    proc = mp.get_context("spawn").Process(target=die_before_commit, args=(shared.url, "p", range(8)))
+def test_writer_killed_mid_put_leaves_nothing_partial(shared, backend):
+    """kill -9 a real writer while its put is in flight: each put is visible whole or not at all."""
+    import signal
+    import time
+
+    rows, per_row, blocks = 4, 200_000, 64  # ~7 MB a put: the writer spends nearly all its time inside put
+    shared.create_partition("p", "grpo", rows * blocks)
+    ctx = mp.get_context("spawn")
+    started, done = ctx.Value("q", -1, lock=False), ctx.Value("q", -1, lock=False)
+    proc = ctx.Process(target=put_blocks, args=(shared.url, "p", rows, per_row, started, done))
     proc.start()
-    proc.join(120)
-    assert proc.exitcode == 17
-    st_ = shared.status("p")
-    assert sum(st_.rows_written.values()) == 0 and st_.total_bytes == 0
+    try:
+        deadline = time.monotonic() + 120
+        while done.value < 1:  # two whole puts, then kill whichever is in flight
+            assert proc.is_alive(), f"the writer died on its own (exit code {proc.exitcode})"
+            assert time.monotonic() < deadline, "the writer made no progress in 120 s"
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == -signal.SIGKILL
+    last_started, last_done = started.value, done.value
+    assert last_started == last_done + 1, "the kill landed between puts, not inside one"
+    fields = ["input_lengths", "input_ids", "token_mask", "generation_logprobs"]
+    status = shared.status("p")
+    for f in fields:  # whole puts only: the same rows in every column of the put
+        assert status.rows_written[f] % rows == 0 and status.rows_written[f] == status.rows_written["input_ids"], f
+    whole = status.rows_written["input_ids"] // rows
+    assert whole in (last_done + 1, last_started + 1), (whole, last_started, last_done)
+    for block in range(whole):
+        want = big_block(block, rows, per_row)
+        got = shared.get("p", fields, range(block * rows, (block + 1) * rows))
+        assert got.column("input_ids").to_pylist() == as_lists(want["input_ids"]), block
+    rest = range(whole * rows, rows * blocks)
     with pytest.raises(MissingColumnError):
-        shared.get("p", ["input_ids"])
-    shared.put("p", grpo_columns(range(8), ROLLOUT_FIELDS), range(8))
-    assert_rows(shared, "p", range(8), ROLLOUT_FIELDS)
+        shared.get("p", ["input_ids"], rest)
+    shared.put("p", grpo_columns(rest, ROLLOUT_FIELDS), rest)  # the killed put's cells are still free
+    assert_rows(shared, "p", rest, ROLLOUT_FIELDS)
 
 
 # ---- shm specifics -------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_dynamic_sampling_keeps_whole_informative_groups(tmp_path, ray_session):
                            "grpo.max_num_steps=2", "data_plane.enabled=true")
     assert max(m["train/generation_rounds"] for m in metrics) >= 2, "this seed should need extra rounds"
     task = get_task("repeat")
-    for rows in data.values():
+    for m, rows in zip(metrics, data.values()):
         assert len(rows) == 32
         groups: dict[tuple, list] = {}
         for r in rows:
@@ -92,8 +92,13 @@ def test_dynamic_sampling_keeps_whole_informative_groups(tmp_path, ray_session):
             assert len(members) == G, "groups must be kept whole"
             assert len({m["total_reward"] for m in members}) > 1, "kept groups have non-equal rewards"
             assert len({m["prompt"] for m in members}) == 1
-    m = metrics[0]
-    assert m["train/filtered_reward"] != m["train/reward"] or m["train/generation_rounds"] == 1
+        # filtered_reward is the mean over exactly the trained rows, and those come from the step's rounds
+        # in order: the last round generated is the one that completed the batch
+        assert m["train/filtered_reward"] == pytest.approx(sum(r["total_reward"] for r in rows) / len(rows), abs=1e-6)
+        step, rounds = m["step"], m["train/generation_rounds"]
+        names = [f"step-{step:06d}"] + [f"step-{step:06d}-r{i}" for i in range(1, rounds)]
+        used = {r["sample_id"].split("/")[0] for r in rows}
+        assert used <= set(names) and names[-1] in used, (used, names)
 
 
 def test_dynamic_sampling_gives_up_clearly(tmp_path, ray_session):

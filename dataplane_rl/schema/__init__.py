@@ -237,13 +237,16 @@ class Schema(BaseModel):
                 if bad.size:
                     r = int(bad[0])
                     out.append(Violation(name, f"token lengths differ from {self.length_column} "
-                                               f"(row {r}: {int(got[r])} values, {self.length_column}={int(lengths[r])})",
+                                               f"(the first has {int(got[r])} values, {self.length_column}={int(lengths[r])})",
                                          tuple(bad.tolist())))
         return out
 
-    def check(self, batch, lengths: np.ndarray | None = None, *, where: str = "") -> None:
-        """Raise SchemaError listing every violation of `batch` (see `violations`)."""
+    def check(self, batch, lengths: np.ndarray | None = None, *, where: str = "", rows: np.ndarray | None = None) -> None:
+        """Raise SchemaError listing every violation of `batch` (see `violations`). `rows`: the partition row
+        of each batch position, so the error names the rows as the caller knows them."""
         found = self.violations(batch, lengths)
+        if rows is not None:
+            found = [Violation(v.column, v.message, tuple(int(rows[i]) for i in v.rows)) for v in found]
         if found:
             from dataplane_rl.errors import AlignmentError
 

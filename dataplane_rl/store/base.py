@@ -307,7 +307,7 @@ class ColumnStore(ABC):
         lengths = None
         if any(schema.by_name[n].kind == "token" for n in arrays) and schema.length_column not in arrays:
             lengths = self._stored_lengths(pid, meta, rows, [n for n in arrays if schema.by_name[n].kind == "token"])
-        schema.check(arrays, lengths, where=where[:-1])
+        schema.check(arrays, lengths, where=where[:-1], rows=rows)
         committed = self._chunks(pid)
         for name in arrays:
             self._raise_if_written(pid, meta, committed, name, rows)
