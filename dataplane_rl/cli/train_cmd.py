@@ -21,8 +21,10 @@ def run(args) -> int:
 
     hf_logging.disable_progress_bar()  # one progress bar: ours
     from dataplane_rl.train.loop import train
+    from dataplane_rl.train.reaper import owns_descendants
 
-    summary = train(cfg)
+    with owns_descendants():  # this process is the run: nothing it started outlives it
+        summary = train(cfg)
     print(json.dumps({k: summary[k] for k in ("status", "steps_completed", "reward_first_quarter",
                                               "reward_last_quarter", "run_dir")}), file=sys.stderr)
     return 0

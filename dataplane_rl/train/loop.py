@@ -8,6 +8,7 @@ store and hands each worker its rows by reference. Both run this same code; only
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -25,6 +26,7 @@ from dataplane_rl.store import MemoryStore, open_store, to_numpy
 from dataplane_rl.tasks import get_task
 from dataplane_rl.train.batch import RowSet, fetch, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.model import resolve_model
+from dataplane_rl.train.reaper import deferred_sigint
 from dataplane_rl.train.run_dir import RunDir
 from dataplane_rl.train.worker import TrainWorker
 
@@ -79,11 +81,12 @@ class GRPOTrainer:
 
         cfg = self.cfg
         if not ray.is_initialized():
+            # set first: a Ctrl-C inside ray.init must still shut down what it started (close())
+            self._ray_started = True
             # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
             # even a dead `ray start` head, instead of starting this run's own instance
             ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
                      include_dashboard=False, logging_level="WARNING", log_to_driver=True)
-            self._ray_started = True
         self.store = open_run_store(cfg)
         self.store_url = self.store.url if cfg.data_plane.enabled else None
         cfg_dict = cfg.model_dump(mode="json", by_alias=True)
@@ -102,21 +105,28 @@ class GRPOTrainer:
         ray.get([w.init_dist.remote(init_method) for w in self.workers] + [a.ready.remote() for a in self.rollout])
 
     def close(self) -> None:
+        """Stop actors, the store and Ray, each even if an earlier one fails; a Ctrl-C meanwhile waits."""
         import ray
 
-        for actor in self.rollout + self.workers:
+        with deferred_sigint():
             try:
-                ray.get(actor.close.remote(), timeout=30)
-            except Exception:  # the actor may already be dead; the kill below is what matters
-                pass
-            ray.kill(actor)
-        self.rollout, self.workers = [], []
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-        if self._ray_started:
-            ray.shutdown()
-            self._ray_started = False
+                for actor in self.rollout + self.workers:
+                    try:
+                        ray.get(actor.close.remote(), timeout=30)
+                    except Exception:  # the actor may already be dead; the kill below is what matters
+                        pass
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor)
+            finally:
+                self.rollout, self.workers = [], []
+                try:
+                    if self.store is not None:
+                        self.store.close()
+                        self.store = None
+                finally:
+                    if self._ray_started:
+                        ray.shutdown()
+                        self._ray_started = False
 
     # -- one step -----------------------------------------------------------------------------------
     def _call(self, method: str, jobs: list[RowSet], fields) -> list:

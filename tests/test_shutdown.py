@@ -1,0 +1,122 @@
+"""Shutdown is complete however a run ends: a real `dataplane-rl train` is interrupted during start-up
+(inside ray.init), mid-step, and again while it shuts down; afterwards no process it started (Ray's
+gcs_server, raylet, agents and workers, tracked by PID from the moment they appear) and no /dev/shm
+folder of its store may be left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from test_train_e2e import SMALL
+
+# Python keeps an inherited SIG_IGN for SIGINT (e.g. under `nohup` or a CI runner), so the child puts
+# back the default Ctrl-C behaviour itself before running the CLI.
+CHILD = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+         "from dataplane_rl.cli.main import main; sys.exit(main(sys.argv[1:]))")
+
+
+class Tree:
+    """Every descendant of `root` seen so far, keyed by PID with its start time (PIDs are reused)."""
+
+    def __init__(self, root: psutil.Process) -> None:
+        self.root, self.seen = root, {}
+
+    def poll(self) -> list[psutil.Process]:
+        try:
+            kids = self.root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        for p in kids:
+            try:
+                self.seen.setdefault(p.pid, (p.create_time(), " ".join(p.cmdline())[:120] or p.name()))
+            except psutil.Error:
+                pass
+        return kids
+
+    def alive(self) -> list[str]:
+        out = []
+        for pid, (created, cmd) in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{pid} {cmd}")
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def kill_all(self) -> None:
+        for pid, (created, _) in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created:
+                    p.kill()
+            except psutil.Error:
+                pass
+
+
+def wait_for(what: str, cond, proc: subprocess.Popen, tree: Tree, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        tree.poll()
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.02)
+
+
+def metrics_lines(run_dir: Path) -> int:
+    f = run_dir / "metrics.jsonl"
+    return f.read_text().count("\n") if f.is_file() else 0
+
+
+@pytest.mark.parametrize("moment", ["start-up", "mid-step", "shutdown"])
+def test_interrupt_leaves_no_process_and_no_shm_folder(tmp_path, moment):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, "train", *SMALL, "grpo.max_num_steps=100",
+                             "data_plane.enabled=true", f"logger.run_dir={run_dir}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    tree = Tree(psutil.Process(proc.pid))
+    try:
+        if moment == "start-up":  # raylet has just started its agents: ray.init is still waiting on them
+            wait_for("Ray agent", lambda: any("agent" in cmd.lower() for _, cmd in tree.seen.values()), proc, tree)
+        else:
+            wait_for("logged step", lambda: metrics_lines(run_dir) >= 1, proc, tree)
+        names = [cmd for _, cmd in tree.seen.values()]
+        proc.send_signal(signal.SIGINT)
+        if moment == "shutdown":  # a second Ctrl-C while actors, store and Ray are being stopped
+            time.sleep(0.5)
+            tree.poll()
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 180
+        while proc.poll() is None:
+            tree.poll()
+            assert time.monotonic() < deadline, "the interrupted run did not exit within 180 s"
+            time.sleep(0.05)
+        out = proc.stdout.read()
+        assert proc.returncode == 130, out[-3000:]
+        assert any("raylet" in n or "gcs_server" in n for n in names), f"no Ray process was tracked: {names}"
+        deadline = time.monotonic() + 30  # terminated processes may take a moment to go
+        while tree.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not tree.alive(), "processes of the run outlived it:\n" + "\n".join(tree.alive())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        tree.kill_all()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    store = summary.get("store_url") or ""
+    if moment != "start-up":
+        assert store.startswith("shm:///"), summary
+    if store:
+        assert not Path(store[len("shm://"):].partition("?")[0]).exists(), f"{store} outlived the run"
