@@ -9,6 +9,7 @@ store and hands each worker its rows by reference. Both run this same code; only
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +24,10 @@ from dataplane_rl.schema import load_schema
 from dataplane_rl.store import MemoryStore, open_store, to_numpy
 from dataplane_rl.tasks import get_task
 from dataplane_rl.train.batch import RowSet, fetch, rowset_size, select, shard_balanced, write
+from dataplane_rl.train.checkpoint import CheckpointManager, step_of
+from dataplane_rl.train.export import export_hf
 from dataplane_rl.train.model import resolve_model
+from dataplane_rl.train.preempt import StopSignals
 from dataplane_rl.train.run_dir import RunDir
 from dataplane_rl.train.worker import TrainWorker
 
@@ -70,6 +74,7 @@ class GRPOTrainer:
         self.store_url: str | None = None
         self.rollout: list = []
         self.workers: list = []
+        self.policy_ref = None  # the last refit's full state dict, in the object store
         self._ray_started = False
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -116,6 +121,16 @@ class GRPOTrainer:
         if self._ray_started:
             ray.shutdown()
             self._ray_started = False
+
+    def refit(self) -> float:
+        """Hand the policy's full weights to the rollout actors, gathered once (rank 0's copy), as one
+        object-store reference every actor reads; returns the slowest engine's load seconds."""
+        import ray
+
+        refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
+        ray.get(refs[1:])
+        self.policy_ref = refs[0]
+        return max(ray.get([a.load_weights.remote(self.policy_ref) for a in self.rollout]))
 
     # -- one step -----------------------------------------------------------------------------------
     def _call(self, method: str, jobs: list[RowSet], fields) -> list:
@@ -220,9 +235,7 @@ class GRPOTrainer:
         for receipt in ray.get([w.take_io.remote() for w in self.workers]):
             io.add(receipt)
         t0 = time.perf_counter()
-        state = ray.put(ray.get(self.workers[0].state_dict.remote()))
-        engine_s = ray.get([a.load_weights.remote(state) for a in self.rollout])
-        io.timing["refit_engine"] = max(engine_s)
+        io.timing["refit_engine"] = self.refit()
         io.timing["refit"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -277,24 +290,52 @@ def _merge(steps: list[RowSet]) -> RowSet:
     return out
 
 
-def train(cfg: Config) -> dict:
-    """Run GRPO as configured; returns the summary. The run folder is consistent however it ends."""
-    run = RunDir(cfg.logger.run_dir, dump_config(cfg))
-    trainer = GRPOTrainer(cfg)
-    status, error = "failed", None
-    bar = None
-    try:
-        trainer.start()
-        from tqdm import tqdm
+def train(cfg: Config, resume: bool = False) -> dict:
+    """Run GRPO as configured; returns the summary. The run folder is consistent however it ends.
 
-        bar = tqdm(range(1, cfg.grpo.max_num_steps + 1), desc="grpo", unit="step", disable=not cfg.logger.progress,
-                   dynamic_ncols=True)
-        for step in bar:
-            metrics, samples = trainer.step(step)
-            run.log_step(metrics, samples)
-            bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
-                            step_s=f"{metrics['timing/step']:.1f}")
-        status = "completed"
+    resume: continue the run in cfg.logger.run_dir from its latest complete checkpoint.
+    SIGTERM/SIGINT end the current step, checkpoint (when checkpointing is on) and return status
+    'interrupted' with the signal's number in summary["signal"].
+    """
+    import ray
+
+    ckpt = CheckpointManager.for_config(cfg)
+    config_yaml = dump_config(cfg)
+    start = ckpt.find() if resume else None  # refuses before anything starts when there is none
+    run = RunDir.reopen(cfg.logger.run_dir, config_yaml, step_of(start)) if start else RunDir(cfg.logger.run_dir, config_yaml)
+    trainer = GRPOTrainer(cfg)
+    status, error, bar = "failed", None, None
+    stop = StopSignals()
+    try:
+        with stop:
+            trainer.start()
+            stop.install()  # ray.init replaced the SIGTERM handler
+            first = 1
+            if start is not None:
+                first = ckpt.load(trainer, start) + 1
+                trainer.refit()
+            from tqdm import tqdm
+
+            last = cfg.grpo.max_num_steps
+            bar = tqdm(range(first, last + 1), desc="grpo", unit="step", disable=not cfg.logger.progress,
+                       dynamic_ncols=True, initial=first - 1, total=last)
+            for step in bar:
+                metrics, samples = trainer.step(step)
+                run.log_step(metrics, samples)
+                bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
+                                step_s=f"{metrics['timing/step']:.1f}")
+                if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
+                                                  or stop.requested):
+                    ckpt.save(trainer, step, config_yaml)
+                if stop.requested and step < last:
+                    break
+            if stop.requested and run.metrics[-1]["step"] < last:
+                status, error = "interrupted", signal.Signals(stop.signum).name
+            else:
+                if trainer.policy_ref is None:
+                    trainer.refit()
+                export_hf(ray.get(trainer.policy_ref), trainer.model_folder, run.path / "policy")
+                status = "completed"
     except KeyboardInterrupt:
         status, error = "interrupted", "KeyboardInterrupt"
         raise
@@ -307,5 +348,6 @@ def train(cfg: Config) -> dict:
         try:
             trainer.close()
         finally:
-            summary = run.finish(status, error, {"run_dir": str(run.path), "store_url": trainer.store_url})
+            summary = run.finish(status, error, {"run_dir": str(run.path), "store_url": trainer.store_url,
+                                                 "signal": stop.signum})
     return summary

@@ -28,6 +28,25 @@ class RunDir:
         _atomic_write(self.path / "config.yaml", config_yaml)
         self.metrics: list[dict] = []
 
+    @classmethod
+    def reopen(cls, path: str | Path, config_yaml: str, step: int) -> "RunDir":
+        """Append mode for --resume from the checkpoint of `step`: the steps a killed run logged after
+        it are dropped (they are run again), so metrics.jsonl and train_data/ have each step once."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        metrics = self.path / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        # a line cut by a kill is the last one and belongs to a step after the checkpoint
+        self.metrics = [m for m in (json.loads(x) for x in lines if x.endswith("}")) if m["step"] <= step]
+        _atomic_write(metrics, "".join(json.dumps(m) + "\n" for m in self.metrics))
+        (self.path / "train_data").mkdir(parents=True, exist_ok=True)
+        for f in (self.path / "train_data").glob("step_*.jsonl"):
+            if int(f.stem.split("_")[1]) > step:
+                f.unlink()
+        (self.path / "summary.json").unlink(missing_ok=True)
+        _atomic_write(self.path / "config.yaml", config_yaml)
+        return self
+
     def log_step(self, metrics: dict, samples: list[dict]) -> None:
         step = int(metrics["step"])
         _atomic_write(self.path / "train_data" / f"step_{step:06d}.jsonl",
