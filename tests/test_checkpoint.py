@@ -150,11 +150,13 @@ def test_resume_refuses_a_number_changing_override(straight, tmp_path):
     assert cfg.grpo.max_num_steps == 6
     p = cli("train", "--resume", str(run_dir), "grpo.seed=7")
     assert p.returncode == 2 and "grpo.seed" in p.stderr, p.stderr[-2000:]
-    with pytest.raises(ConfigError, match="no complete checkpoint"):
-        from dataplane_rl.train.loop import train
+    from dataplane_rl.train.loop import train
 
-        (tmp_path / "empty").mkdir()
-        (tmp_path / "empty" / "config.yaml").write_text(dump_config(load_config(None, TINY)))
+    with pytest.raises(ConfigError, match="past grpo.max_num_steps=1"):
+        train(resume_config(run_dir, ["grpo.max_num_steps=1"]), resume=True)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.yaml").write_text(dump_config(load_config(None, TINY)))
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
         train(resume_config(tmp_path / "empty", []), resume=True)
 
 
@@ -245,6 +247,8 @@ def test_export_loads_in_transformers_with_the_trainers_logprobs(straight, tmp_p
     final, exported = load_file(run_dir / "policy" / "model.safetensors"), load_file(out / "model.safetensors")
     assert final.keys() == exported.keys() and all(torch.equal(final[k], exported[k]) for k in final)
     assert cli("export", str(run_dir), "--step", "1", str(tmp_path / "no")).returncode == 2  # no such step
+    again = cli("export", str(run_dir), str(out))
+    assert again.returncode == 2 and "not empty" in again.stderr  # never overwrites a folder
 
 
 def test_an_exported_model_trains_as_policy_model(straight, tmp_path):

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from dataplane_rl.algorithms.grpo import advantages, informative_groups
 from dataplane_rl.config import Config, dump_config
-from dataplane_rl.errors import DataPlaneError
+from dataplane_rl.errors import ConfigError, DataPlaneError
 from dataplane_rl.rollout.worker import RolloutJob, RolloutWorker
 from dataplane_rl.schema import load_schema
 from dataplane_rl.store import MemoryStore, open_store, to_numpy
@@ -302,6 +302,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
     ckpt = CheckpointManager.for_config(cfg)
     config_yaml = dump_config(cfg)
     start = ckpt.find() if resume else None  # refuses before anything starts when there is none
+    if start is not None and step_of(start) > cfg.grpo.max_num_steps:
+        raise ConfigError(f"--resume: the latest checkpoint is step {step_of(start)}, past grpo.max_num_steps="
+                          f"{cfg.grpo.max_num_steps}; raise grpo.max_num_steps to continue the run")
     run = RunDir.reopen(cfg.logger.run_dir, config_yaml, step_of(start)) if start else RunDir(cfg.logger.run_dir, config_yaml)
     trainer = GRPOTrainer(cfg)
     status, error, bar = "failed", None, None
@@ -319,6 +322,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             last = cfg.grpo.max_num_steps
             bar = tqdm(range(first, last + 1), desc="grpo", unit="step", disable=not cfg.logger.progress,
                        dynamic_ncols=True, initial=first - 1, total=last)
+            done = first - 1  # the last step finished
             for step in bar:
                 metrics, samples = trainer.step(step)
                 run.log_step(metrics, samples)
@@ -327,9 +331,10 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
                                                   or stop.requested):
                     ckpt.save(trainer, step, config_yaml)
+                done = step
                 if stop.requested and step < last:
                     break
-            if stop.requested and run.metrics[-1]["step"] < last:
+            if stop.requested and done < last:
                 status, error = "interrupted", signal.Signals(stop.signum).name
             else:
                 if trainer.policy_ref is None:

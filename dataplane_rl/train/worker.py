@@ -145,10 +145,9 @@ class TrainWorker:
                 mismatch[1] += float(m.sum())
             self.opt.zero_grad(set_to_none=True)
             per_mb = []
-            mbs = microbatches(batch, p.train_micro_batch_size)
-            for j, mb in enumerate(mbs):
-                # reduce-scatter once, after the last microbatch; before it, unsharded grads accumulate
-                self.model.set_requires_gradient_sync(j == len(mbs) - 1)
+            # every microbatch's backward reduce-scatters into the sharded grads (FSDP2's default):
+            # skipping the sync would accumulate full-size unsharded grads, the memory FSDP saves
+            for mb in microbatches(batch, p.train_micro_batch_size):
                 lp = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.generation.temperature)
                 # FSDP2 averages gradients over the D ranks; the loss carries the factor D, so the
                 # reduced gradient is the global one (sum over all tokens / the global counts)
