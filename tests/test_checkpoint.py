@@ -270,3 +270,18 @@ def test_bfloat16_is_refused_on_cpu():
                                          num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
     with pytest.raises(ConfigError, match="policy.precision=float32"):
         shard(model, None, torch.device("cpu"), "bfloat16")
+
+
+def test_reopen_drops_the_steps_after_the_checkpoint(tmp_path):
+    """A kill after checkpoint 2 may leave step 3 logged and a half-written step-4 line: both go."""
+    from dataplane_rl.train.run_dir import RunDir
+
+    (tmp_path / "train_data").mkdir()
+    lines = [json.dumps({"step": i, "train/reward": 0.1 * i}) for i in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "train/rew')
+    for i in (1, 2, 3):
+        (tmp_path / "train_data" / f"step_{i:06d}.jsonl").write_text("{}\n")
+    run = RunDir.reopen(tmp_path, "grpo: {}\n", 2)
+    assert [m["step"] for m in run.metrics] == [1, 2]
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(x + "\n" for x in lines[:2])
+    assert sorted(p.name for p in (tmp_path / "train_data").iterdir()) == ["step_000001.jsonl", "step_000002.jsonl"]

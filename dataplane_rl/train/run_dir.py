@@ -17,6 +17,14 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _parse(line: str) -> dict | None:
+    """A metrics line, or None for one a kill cut short (the last, of a step after the checkpoint)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 class RunDir:
     def __init__(self, path: str | Path, config_yaml: str) -> None:
         self.path = Path(path)
@@ -36,8 +44,7 @@ class RunDir:
         self.path = Path(path)
         metrics = self.path / "metrics.jsonl"
         lines = metrics.read_text().splitlines() if metrics.is_file() else []
-        # a line cut by a kill is the last one and belongs to a step after the checkpoint
-        self.metrics = [m for m in (json.loads(x) for x in lines if x.endswith("}")) if m["step"] <= step]
+        self.metrics = [m for m in map(_parse, lines) if m is not None and m["step"] <= step]
         _atomic_write(metrics, "".join(json.dumps(m) + "\n" for m in self.metrics))
         (self.path / "train_data").mkdir(parents=True, exist_ok=True)
         for f in (self.path / "train_data").glob("step_*.jsonl"):
