@@ -47,6 +47,8 @@ class PolicyConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
+    precision: Literal["float32", "bfloat16"] = Field("float32", description="Train compute dtype; bfloat16 is an FSDP2 mixed-precision policy (fp32 master weights and gradient reduction), CUDA only.")
+    activation_checkpointing: bool = Field(False, description="Recompute each decoder block's activations in backward: less memory, more compute; same numbers.")
 
 
 class VLLMConfig(_Section):
@@ -124,6 +126,15 @@ class LoggerConfig(_Section):
     progress: bool = Field(True, description="Show a progress bar.")
 
 
+class CheckpointingConfig(_Section):
+    """`checkpointing.*`: distributed checkpoints for --resume and export (NeMo-RL's key names)."""
+
+    enabled: bool = Field(False, description="Save checkpoints (model, optimizer, RNG of every process, step, driver state, config).")
+    checkpoint_dir: Optional[str] = Field(None, description="Where checkpoints go; default RUN_DIR/checkpoints.")
+    save_period: int = Field(10, ge=1, description="Save every this many steps (and at the last step and on SIGTERM/SIGINT).")
+    keep_top_k: Optional[int] = Field(3, ge=1, description="Keep the k most recent checkpoints; null keeps all.")
+
+
 class ClusterConfig(_Section):
     """`cluster.*`: the Ray cluster."""
 
@@ -141,6 +152,7 @@ class Config(_Section):
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")

@@ -67,7 +67,8 @@ def test_parity_data_plane_off(baseline, tmp_path):
     assert m[0]["data_plane/enabled"] is False
 
 
-@pytest.mark.parametrize("override", ["policy.train_micro_batch_size=1", "policy.dp_size=2"])
+@pytest.mark.parametrize("override", ["policy.train_micro_batch_size=1", "policy.dp_size=2",
+                                      "policy.activation_checkpointing=true"])
 def test_parity_micro_batch_and_ranks(baseline, tmp_path, override):
     _, base_m, base_d = baseline
     _, m, d = run(tmp_path, "p", "data_plane.enabled=true", "loss_fn.positive_example_nll_weight=0.1", override)
@@ -145,27 +146,51 @@ def test_train_cli_writes_the_run_folder(tmp_path):
         "the run's own shm folder must be freed at the end"
 
 
-def test_ctrl_c_leaves_a_consistent_run_folder(tmp_path):
+def _sigint_default():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a child of `&`/nohup inherits SIGINT ignored
+
+
+def _sigint_ignored():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_ends_the_step_and_leaves_a_consistent_run_folder(tmp_path, sig):
+    """SIGINT (Ctrl-C) with the default disposition; SIGTERM to a child that inherited SIGINT ignored,
+    with checkpointing on: both end the current step, save, and leave status 'interrupted'."""
+    import psutil
+
     run_dir = tmp_path / "int"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    extra = ["checkpointing.enabled=true", "checkpointing.save_period=100"] if sig == "SIGTERM" else []
     proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "grpo.max_num_steps=200",
-                             f"logger.run_dir={run_dir}", "data_plane.enabled=true"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                             f"logger.run_dir={run_dir}", "data_plane.enabled=true", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=_sigint_default if sig == "SIGINT" else _sigint_ignored)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before step 2: {proc.stdout.read()[-3000:]}"
+        assert time.monotonic() < deadline, "no step 2 within 300 s"
         time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    kids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(getattr(signal, sig))
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out[-3000:]
+    assert proc.returncode == 128 + getattr(signal, sig), out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted"
+    assert summary["status"] == "interrupted" and summary["error"] == sig
     lines = metrics.read_text().splitlines()
     assert summary["steps_completed"] == len(lines) >= 2
     for line in lines:
         json.loads(line)  # every line whole
     assert len(list((run_dir / "train_data").glob("step_*.jsonl"))) == len(lines)
     assert not list(run_dir.rglob("*.tmp*"))
+    store_url = summary["store_url"]
+    assert not Path(store_url[len("shm://"):]).exists(), "the run's shm folder must be freed"
+    _, alive = psutil.wait_procs([psutil.Process(k) for k in kids if psutil.pid_exists(k)], timeout=30)
+    assert not alive, f"processes left running: {alive}"
+    if sig == "SIGTERM":  # the step in progress was finished and saved
+        assert (run_dir / "checkpoints" / f"step_{len(lines):06d}").is_dir()
 
 
 @pytest.mark.slow

@@ -143,6 +143,11 @@ def test_grpo_run_with_vllm_on_the_data_plane(tmp_path, ray_session):
         assert m["train/positive_nll_loss"] > 0, m
         assert m["train/logprob_mismatch"] < 1e-4, m
         assert m["data_plane/enabled"] is True and m["timing/refit"] > 0
+    # the run exported its final policy; vLLM serves it as policy.model in a new run
+    again = train(load_config(None, [*SMALL, "generation.backend=vllm", "grpo.max_num_steps=1",
+                                     f"policy.model={run_dir / 'policy'}", f"logger.run_dir={tmp_path / 'again'}"]))
+    assert again["status"] == "completed"
+    assert again["final_metrics"]["train/logprob_mismatch"] < 1e-4
 
 
 @pytest.mark.parametrize("overrides,key", [

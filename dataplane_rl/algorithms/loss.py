@@ -4,8 +4,8 @@ The loss is a pure function of tensors and explicit global counts: it reads no p
 global state. The counts (`N_tok`, `N_seq`, `N_pos`, `D`) are all-reduced once per optimizer step by
 `dataplane_rl.train.counts`, next to the training loop.
 
-Scaling, so that the training loop only sums and DDP only averages:
-- the returned loss carries a factor `D`: DDP divides the summed rank gradients by `D`, so the final
+Scaling, so that the training loop only sums and FSDP2 (like DDP) only averages:
+- the returned loss carries a factor `D`: FSDP2's reduce-scatter divides the summed rank gradients by `D`, so the final
   gradient is the gradient of the global-batch loss, whatever the microbatch size or number of ranks;
 - every metric is divided by its global count and NOT multiplied by `D`: summing a metric over the
   microbatches of every rank gives the exact global value.

@@ -1,4 +1,4 @@
-"""`dataplane-rl train [--config F] [k=v ...]`: GRPO on the embedded tiny config by default."""
+"""`dataplane-rl train [--config F | --resume RUN_DIR] [k=v ...]`: GRPO on the embedded tiny config by default."""
 
 from __future__ import annotations
 
@@ -9,14 +9,24 @@ import sys
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="run GRPO (default: the embedded tiny config, no download)")
     p.add_argument("--config", help="YAML config (default: the embedded configs/grpo_tiny.yaml)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest complete checkpoint, "
+                   "with its config.yaml plus the overrides (those that change the numbers are refused)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data_plane.enabled=true grpo.max_num_steps=5")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from dataplane_rl.config import load_config
+    from dataplane_rl.errors import ConfigError
 
-    cfg = load_config(args.config, args.overrides)  # fails here, before anything starts, on a bad key
+    if args.resume and args.config:
+        raise ConfigError("--resume uses the run's own config.yaml; drop --config and pass changes as key=value")
+    if args.resume:
+        from dataplane_rl.train.resume import resume_config
+
+        cfg = resume_config(args.resume, args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)  # fails here, before anything starts, on a bad key
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress bar: ours
@@ -24,7 +34,7 @@ def run(args) -> int:
     from dataplane_rl.train.reaper import owns_descendants
 
     with owns_descendants():  # this process is the run: nothing it started outlives it
-        summary = train(cfg)
+        summary = train(cfg, resume=bool(args.resume))
     print(json.dumps({k: summary[k] for k in ("status", "steps_completed", "reward_first_quarter",
                                               "reward_last_quarter", "run_dir")}), file=sys.stderr)
-    return 0
+    return 128 + summary["signal"] if summary["status"] == "interrupted" else 0  # the shell's code for a signal

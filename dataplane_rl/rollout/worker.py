@@ -90,6 +90,16 @@ class RolloutWorker:
         self.engine.load_weights(state_dict)
         return time.perf_counter() - t0
 
+    def rng_state(self) -> dict:
+        from dataplane_rl.train.checkpoint import RNGState
+
+        return RNGState().state_dict()
+
+    def set_rng_state(self, state: dict) -> None:
+        from dataplane_rl.train.checkpoint import RNGState
+
+        RNGState().load_state_dict(state)
+
     def encode(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
         bos = self.tokenizer.bos_token_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -19,13 +20,16 @@ import pyarrow as pa
 
 from dataplane_rl.algorithms.grpo import advantages, informative_groups
 from dataplane_rl.config import Config, dump_config
-from dataplane_rl.errors import DataPlaneError
+from dataplane_rl.errors import ConfigError, DataPlaneError
 from dataplane_rl.rollout.worker import RolloutJob, RolloutWorker
 from dataplane_rl.schema import load_schema
 from dataplane_rl.store import MemoryStore, open_store, to_numpy
 from dataplane_rl.tasks import get_task
 from dataplane_rl.train.batch import RowSet, fetch, rowset_size, select, shard_balanced, write
+from dataplane_rl.train.checkpoint import CheckpointManager, step_of
+from dataplane_rl.train.export import export_hf
 from dataplane_rl.train.model import resolve_model
+from dataplane_rl.train.preempt import StopSignals
 from dataplane_rl.train.reaper import deferred_sigint
 from dataplane_rl.train.run_dir import RunDir
 from dataplane_rl.train.worker import TrainWorker
@@ -73,6 +77,7 @@ class GRPOTrainer:
         self.store_url: str | None = None
         self.rollout: list = []
         self.workers: list = []
+        self.policy_ref = None  # the last refit's full state dict, in the object store
         self._ray_started = False
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -127,6 +132,16 @@ class GRPOTrainer:
                     if self._ray_started:
                         ray.shutdown()
                         self._ray_started = False
+
+    def refit(self) -> float:
+        """Hand the policy's full weights to the rollout actors, gathered once (rank 0's copy), as one
+        object-store reference every actor reads; returns the slowest engine's load seconds."""
+        import ray
+
+        refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
+        ray.get(refs[1:])
+        self.policy_ref = refs[0]
+        return max(ray.get([a.load_weights.remote(self.policy_ref) for a in self.rollout]))
 
     # -- one step -----------------------------------------------------------------------------------
     def _call(self, method: str, jobs: list[RowSet], fields) -> list:
@@ -231,9 +246,7 @@ class GRPOTrainer:
         for receipt in ray.get([w.take_io.remote() for w in self.workers]):
             io.add(receipt)
         t0 = time.perf_counter()
-        state = ray.put(ray.get(self.workers[0].state_dict.remote()))
-        engine_s = ray.get([a.load_weights.remote(state) for a in self.rollout])
-        io.timing["refit_engine"] = max(engine_s)
+        io.timing["refit_engine"] = self.refit()
         io.timing["refit"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -301,29 +314,69 @@ def check_finite(metrics: dict) -> None:
                                  "Lower policy.learning_rate or policy.max_grad_norm, or check the rewards")
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, resume: bool = False) -> dict:
     """Run GRPO as configured; returns the summary. The run folder is consistent however it ends: a run
     refused its folder (held by a live run, or holding a finished one) touches nothing there; any other
-    failure, before or after the start, leaves a summary.json saying so."""
-    run = RunDir(cfg.logger.run_dir, overwrite=cfg.logger.overwrite)
-    trainer = None
-    status, error = "failed", None
-    bar = None
-    try:
-        trainer = GRPOTrainer(cfg)
-        trainer.start()
-        run.begin(dump_config(cfg))
-        from tqdm import tqdm
+    failure, before or after the start, leaves a summary.json saying so.
 
-        bar = tqdm(range(1, cfg.grpo.max_num_steps + 1), desc="grpo", unit="step", disable=not cfg.logger.progress,
-                   dynamic_ncols=True)
-        for step in bar:
-            metrics, samples = trainer.step(step)
-            check_finite(metrics)
-            run.log_step(metrics, samples)
-            bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
-                            step_s=f"{metrics['timing/step']:.1f}")
-        status = "completed"
+    resume: continue the run in cfg.logger.run_dir from its latest complete checkpoint.
+    SIGTERM/SIGINT end the current step, checkpoint (when checkpointing is on) and return status
+    'interrupted' with the signal's number in summary["signal"].
+    """
+    import ray
+
+    start = None
+    if resume:  # refused before the folder is opened, so a refusal leaves the run's summary as it was
+        start = CheckpointManager.for_config(cfg).find()
+        if step_of(start) > cfg.grpo.max_num_steps:
+            raise ConfigError(f"--resume: the latest checkpoint is step {step_of(start)}, past grpo.max_num_steps="
+                              f"{cfg.grpo.max_num_steps}; raise grpo.max_num_steps to continue the run")
+    run = RunDir(cfg.logger.run_dir, overwrite=cfg.logger.overwrite, resume=resume)
+    if cfg.logger.run_dir is None:  # the fresh runs/<time> folder: record it, so --resume and the checkpoints find it
+        cfg = cfg.model_copy(deep=True)
+        cfg.logger.run_dir = str(run.path)
+    ckpt = CheckpointManager.for_config(cfg)
+    config_yaml = dump_config(cfg)
+    trainer = None
+    status, error, bar = "failed", None, None
+    stop = StopSignals()
+    try:
+        with stop:
+            trainer = GRPOTrainer(cfg)
+            trainer.start()
+            stop.install()  # ray.init replaced the SIGTERM handler
+            first = 1
+            if start is not None:
+                run.resume_from(config_yaml, step_of(start))
+                first = ckpt.load(trainer, start) + 1
+                trainer.refit()
+            else:
+                run.begin(config_yaml)
+            from tqdm import tqdm
+
+            last = cfg.grpo.max_num_steps
+            bar = tqdm(range(first, last + 1), desc="grpo", unit="step", disable=not cfg.logger.progress,
+                       dynamic_ncols=True, initial=first - 1, total=last)
+            done = first - 1  # the last step finished
+            for step in bar:
+                metrics, samples = trainer.step(step)
+                check_finite(metrics)
+                run.log_step(metrics, samples)
+                bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
+                                step_s=f"{metrics['timing/step']:.1f}")
+                if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
+                                                  or stop.requested):
+                    ckpt.save(trainer, step, config_yaml)
+                done = step
+                if stop.requested and step < last:
+                    break
+            if stop.requested and done < last:
+                status, error = "interrupted", signal.Signals(stop.signum).name
+            else:
+                if trainer.policy_ref is None:
+                    trainer.refit()
+                export_hf(ray.get(trainer.policy_ref), trainer.model_folder, run.path / "policy")
+                status = "completed"
     except KeyboardInterrupt:
         status, error = "interrupted", "KeyboardInterrupt"
         raise
@@ -338,7 +391,7 @@ def train(cfg: Config) -> dict:
                 trainer.close()
         finally:
             try:
-                summary = run.finish(status, error, {"run_dir": str(run.path),
+                summary = run.finish(status, error, {"run_dir": str(run.path), "signal": stop.signum,
                                                      "store_url": trainer.store_url if trainer else None})
             finally:
                 run.close()

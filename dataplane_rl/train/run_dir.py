@@ -6,7 +6,8 @@ files are each whole.
 Who may write a folder (the policy, README "The run folder"):
 - no `logger.run_dir`: a fresh `runs/YYYYmmdd-HHMMSS` (suffix -2, -3, ... if taken), and `runs/latest`
   points at it;
-- a folder that already holds a run is refused unless `overwrite` (or, with `--resume`, reopened);
+- a folder that already holds a run is refused unless `overwrite` (or, with `--resume`, reopened:
+  `resume_from` drops what a killed run logged after its checkpoint);
 - a live run holds an flock on `RUN_DIR/.lock`, which names its PID; a second one is refused;
 - `open` removes nothing: an overwritten run's files go only in `begin`, once the run has really started,
   and a failure before that still writes `summary.json` (status failed, `started: false`).
@@ -69,10 +70,18 @@ def holds_run(path: Path) -> bool:
     return bool(present)
 
 
+def _parse(line: str) -> dict | None:
+    """A metrics line, or None for one a kill cut short (the last, of a step after the checkpoint)."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 class RunDir:
     """A run folder, locked for this process from `__init__` until `close`."""
 
-    def __init__(self, path: str | Path | None, *, overwrite: bool = False) -> None:
+    def __init__(self, path: str | Path | None, *, overwrite: bool = False, resume: bool = False) -> None:
         self.path = Path(path) if path else fresh_run_dir()
         self.overwrite = overwrite
         self.started = False
@@ -85,7 +94,7 @@ class RunDir:
         if not self.path.is_dir():
             raise ConfigError(f"logger.run_dir={self.path} is not a folder; choose a folder")
         self._lock_fd = self._lock()
-        if not overwrite and holds_run(self.path):
+        if not overwrite and not resume and holds_run(self.path):
             self.close()
             raise ConfigError(f"logger.run_dir={self.path} already holds a run; continue it with "
                               f"`dataplane-rl train --resume {self.path}`, replace it with logger.overwrite=true, "
@@ -121,6 +130,21 @@ class RunDir:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+    def resume_from(self, config_yaml: str, step: int) -> None:
+        """`begin` for --resume from the checkpoint of `step`: the steps a killed run logged after it are
+        dropped (they are run again), so metrics.jsonl and train_data/ have each step once."""
+        metrics = self.path / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        self.metrics = [m for m in map(_parse, lines) if m is not None and m["step"] <= step]
+        _atomic_write(metrics, "".join(json.dumps(m) + "\n" for m in self.metrics))
+        (self.path / "train_data").mkdir(parents=True, exist_ok=True)
+        for f in (self.path / "train_data").glob("step_*.jsonl"):
+            if int(f.stem.split("_")[1]) > step:
+                f.unlink()
+        (self.path / "summary.json").unlink(missing_ok=True)
+        _atomic_write(self.path / "config.yaml", config_yaml)
+        self.started = True
 
     def log_step(self, metrics: dict, samples: list[dict]) -> None:
         step = int(metrics["step"])

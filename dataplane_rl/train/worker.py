@@ -1,13 +1,12 @@
 """The training worker: one torch.distributed rank as a Ray actor.
 
 It computes its shard's policy and reference log-probs (written back as columns), then runs the
-microbatch loop: global counts all-reduced once per optimizer step, ClippedPGLoss, gradients averaged
-over ranks as DDP does, norm clipping, AdamW.
+microbatch loop: global counts all-reduced once per optimizer step, ClippedPGLoss, FSDP2's gradient
+reduce-scatter, norm clipping over the sharded gradients, AdamW on the shards.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from datetime import timedelta
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dataplane_rl.train.batch import RowSet, build_train_batch, fetch, microbatches, write
+from dataplane_rl.train.fsdp import to_float
 
 
 class TrainWorker:
@@ -38,9 +38,8 @@ class TrainWorker:
         self.model = load_model(model_folder, self.device)
         self.ref = None
         if self.cfg.loss_fn.reference_policy_kl_penalty > 0:
-            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
-        p = self.cfg.policy
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=p.learning_rate, weight_decay=p.weight_decay)
+            self.ref = load_model(model_folder, self.device).eval().requires_grad_(False)
+        self.opt = None  # made in init_dist, over the sharded parameters
         self.loss_fn = ClippedPGLoss(self.cfg.loss_fn)
         self.store = None
         if store_url:
@@ -66,6 +65,16 @@ class TrainWorker:
             torch.cuda.set_device(self.device)
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world,
                                 timeout=timedelta(minutes=10))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from dataplane_rl.train.fsdp import shard
+
+        p = self.cfg.policy
+        mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
+        shard(self.model, mesh, self.device, p.precision, p.activation_checkpointing)
+        if self.ref is not None:
+            shard(self.ref, mesh, self.device, p.precision)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=p.learning_rate, weight_decay=p.weight_decay)
         return os.getpid()
 
     # -- column movement: the store (data plane on) or tables handed over by the driver (off) --------
@@ -136,16 +145,20 @@ class TrainWorker:
                 mismatch[1] += float(m.sum())
             self.opt.zero_grad(set_to_none=True)
             per_mb = []
+            # every microbatch's backward reduce-scatters into the sharded grads (FSDP2's default):
+            # skipping the sync would accumulate full-size unsharded grads, the memory FSDP saves
             for mb in microbatches(batch, p.train_micro_batch_size):
                 lp = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.generation.temperature)
+                # FSDP2 averages gradients over the D ranks; the loss carries the factor D, so the
+                # reduced gradient is the global one (sum over all tokens / the global counts)
                 loss, metrics = self.loss_fn(lp, mb, counts)
                 loss.backward()
                 per_mb.append(metrics)
-            self._average_gradients()
+            # the grads are DTensor shards: clip_grad_norm_ reduces the norm over ranks (a DTensor)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
             self.opt.step()
             metrics = reduce_metrics(per_mb)  # sums this rank's microbatches, all-reduces over ranks
-            metrics["grad_norm"] = float(grad_norm)
+            metrics["grad_norm"] = to_float(grad_norm)
             metrics["global_valid_toks"] = float(counts.tokens)
             history.append(metrics)
         if dist.is_initialized() and self.world > 1:
@@ -155,21 +168,21 @@ class TrainWorker:
         out["optimizer_steps"] = len(history)
         return out
 
-    def _average_gradients(self) -> None:
-        """Sum over ranks / D: what DDP does. The loss carries the factor D, so this is the global gradient."""
-        if self.world == 1:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat /= self.world
-        start = 0
-        for g in grads:
-            g.copy_(flat[start:start + g.numel()].view_as(g))
-            start += g.numel()
-
     def state_dict(self) -> dict:
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        """The full policy for refit, gathered once: rank 0 returns it, the other ranks {} (collective)."""
+        from dataplane_rl.train.fsdp import full_state_dict
+
+        return full_state_dict(self.model)
+
+    def save_checkpoint(self, path: str) -> None:
+        from dataplane_rl.train.checkpoint import save_worker
+
+        save_worker(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        from dataplane_rl.train.checkpoint import load_worker
+
+        load_worker(self, path)
 
     def close(self) -> None:
         if self.store is not None:

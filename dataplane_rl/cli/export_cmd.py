@@ -1,0 +1,28 @@
+"""`dataplane-rl export RUN_DIR [--step N] OUT`: a run's checkpoint as a Hugging Face model folder."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dataplane_rl.errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face folder (config, safetensors, tokenizer)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a training run's folder (with checkpoints/)")
+    p.add_argument("out", metavar="OUT", help="new folder for the model; from_pretrained(OUT) loads it")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"export target {out} exists and is not empty; pass a new folder")
+    from dataplane_rl.train.export import export_run
+
+    path, step = export_run(args.run_dir, out, args.step)
+    print(json.dumps({"out": str(path), "step": step}), file=sys.stderr)
+    return 0

@@ -1,0 +1,69 @@
+"""Export the policy as a Hugging Face folder (config, safetensors weights, tokenizer).
+
+Written under a temporary name and renamed, so OUT is either whole or absent. The architecture and the
+tokenizer come from the run's model folder; only the weights come from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from dataplane_rl.errors import ConfigError
+
+
+def export_hf(state_dict: dict[str, torch.Tensor], model_folder: str | Path, out: str | Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_folder), dtype=torch.float32)
+    result = model.load_state_dict(state_dict, strict=False)
+    tied = {k for k in result.missing_keys if model.config.tie_word_embeddings and k.startswith("lm_head.")}
+    if set(result.missing_keys) - tied or result.unexpected_keys:
+        raise ConfigError(f"the checkpoint does not match the model in {model_folder}: missing "
+                          f"{sorted(set(result.missing_keys) - tied)[:5]}, unexpected {result.unexpected_keys[:5]}")
+    model.tie_weights()
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(model_folder).save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def checkpoint_model_state(path: Path, model_folder: str | Path) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model weights from a checkpoint's train/ shards, read in this process."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dataplane_rl.train.checkpoint import single_process
+
+    train = path / "train"
+    saved = dcp.FileSystemReader(str(train)).read_metadata().state_dict_metadata
+    with torch.device("meta"):  # shapes only; dcp.load needs real tensors, made below
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_folder), dtype=torch.float32)
+    target = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()
+              if f"policy.model.{k}" in saved}
+    with single_process():
+        dcp.load({"policy": {"model": target}}, checkpoint_id=str(train), no_dist=True)
+    return target
+
+
+def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
+    """`dataplane-rl export`: the checkpoint of `step` (default the latest) of a run, as a HF folder."""
+    from dataplane_rl.config import load_config
+    from dataplane_rl.train.checkpoint import CheckpointManager, step_of
+    from dataplane_rl.train.model import resolve_model
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a run folder (no config.yaml); pass the RUN_DIR of a training run")
+    cfg = load_config(run_dir / "config.yaml", [f"logger.run_dir={run_dir}"])
+    path = CheckpointManager.for_config(cfg).find(step)
+    folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
+    return export_hf(checkpoint_model_state(path, folder), folder, out), step_of(path)

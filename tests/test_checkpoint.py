@@ -1,0 +1,290 @@
+"""Checkpoints, resume and export with real processes: kill -9 the driver, resume, compare every step.
+
+Straight runs go in-process on the session's Ray; the killed runs are CLI subprocesses (kill -9 needs one).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from dataplane_rl.config import dump_config, load_config
+from dataplane_rl.errors import ConfigError
+
+# 4 prompts x 4 samples = 16 rows; 2 optimizer steps per rollout step; checkpoints at steps 2 and 3 (the last)
+TINY = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=3",
+        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "generation.max_new_tokens=6",
+        "logger.progress=false", "checkpointing.enabled=true", "checkpointing.save_period=2",
+        "checkpointing.keep_top_k=null"]
+KEYS = ("train/loss", "train/pg_loss", "train/kl_penalty", "train/clip_fraction", "train/grad_norm",
+        "train/global_valid_toks", "train/reward", "train/probs_ratio_mean", "train/approx_entropy",
+        "train/logprob_mismatch")
+
+
+def straight_run(run_dir: Path, *overrides: str) -> list[dict]:
+    from dataplane_rl.train.loop import train
+
+    summary = train(load_config(None, [*TINY, f"logger.run_dir={run_dir}", *overrides]))
+    assert summary["status"] == "completed"
+    return read_metrics(run_dir)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> None:
+    """Bounded wait that fails at once when the child dies first."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited ({proc.returncode}) before {what}: {proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no {what} after {timeout}s")
+        time.sleep(0.05)
+
+
+def descendants(pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+
+
+def kill_after_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
+    """Start a CLI run, kill -9 its driver once checkpoint `step` is complete, reap what it started."""
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *TINY,
+                             f"logger.run_dir={run_dir}", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+    wait_for(proc, ckpt.is_dir, f"checkpoint {ckpt.name}")
+    kids = descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    # Ray's processes share the driver's fate; any that linger are ours (we started them): kill by PID
+    _, alive = psutil.wait_procs([psutil.Process(k) for k in kids if psutil.pid_exists(k)], timeout=30)
+    for p in alive:
+        p.kill()
+    proc.stdout.close()
+    assert not (run_dir / "summary.json").exists(), "a kill -9 leaves no summary"
+
+
+def assert_same_steps(a: list[dict], b: list[dict]) -> None:
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, len(a) + 1))
+    for x, y in zip(a, b):
+        for k in KEYS:
+            assert math.isclose(x[k], y[k], rel_tol=1e-5, abs_tol=1e-7), f"step {x['step']} {k}: {x[k]} vs {y[k]}"
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, ray_session) -> tuple[Path, list[dict]]:
+    run_dir = tmp_path_factory.mktemp("ckpt") / "straight"
+    return run_dir, straight_run(run_dir)
+
+
+def test_kill_9_then_resume_equals_a_straight_run(straight, tmp_path):
+    _, expected = straight
+    run_dir = tmp_path / "killed"
+    kill_after_checkpoint(run_dir, 2)
+    p = cli("train", "--resume", str(run_dir), "logger.progress=false")
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = read_metrics(run_dir)
+    assert_same_steps(got, expected)  # no step twice, none missing, same numbers
+    assert sorted(f.name for f in (run_dir / "train_data").iterdir()) == [f"step_{i:06d}.jsonl" for i in range(1, 4)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps_completed"] == 3
+    assert (run_dir / "policy" / "model.safetensors").is_file()
+
+
+def test_kill_9_then_resume_with_two_ranks(tmp_path, ray_session):
+    from dataplane_rl.train.loop import train
+    from dataplane_rl.train.resume import resume_config
+
+    expected = straight_run(tmp_path / "straight2", "policy.dp_size=2", "data_plane.enabled=true")
+    run_dir = tmp_path / "killed2"
+    # kill -9 skips the store's close: give the killed run a named shm folder that this test removes
+    shm = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}-{tmp_path.name}"
+    try:
+        kill_after_checkpoint(run_dir, 2, "policy.dp_size=2", "data_plane.enabled=true", f"data_plane.backend=shm://{shm}")
+        shards = list((run_dir / "checkpoints" / "step_000002" / "train").glob("*.distcp"))
+        assert len(shards) == 2, "each rank writes its own shards"
+        # a fresh store for the resumed run: the transport may change, the numbers do not
+        summary = train(resume_config(run_dir, ["data_plane.backend=shm://"]), resume=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+    assert summary["status"] == "completed"
+    assert_same_steps(read_metrics(run_dir), expected)
+    assert not Path(summary["store_url"][len("shm://"):]).exists()
+
+
+def test_resume_refuses_a_number_changing_override(straight, tmp_path):
+    from dataplane_rl.train.resume import resume_config
+
+    run_dir, _ = straight
+    for override, key in (("grpo.seed=1", "grpo.seed"), ("policy.train_global_batch_size=16", "policy.train_global_batch_size"),
+                          ("loss_fn.ratio_clip_max=0.28", "loss_fn.ratio_clip_max")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            resume_config(run_dir, [override])
+    cfg = resume_config(run_dir, ["grpo.max_num_steps=6", "policy.train_micro_batch_size=2"])  # allowed
+    assert cfg.grpo.max_num_steps == 6
+    p = cli("train", "--resume", str(run_dir), "grpo.seed=7")
+    assert p.returncode == 2 and "grpo.seed" in p.stderr, p.stderr[-2000:]
+    from dataplane_rl.train.loop import train
+
+    with pytest.raises(ConfigError, match="past grpo.max_num_steps=1"):
+        train(resume_config(run_dir, ["grpo.max_num_steps=1"]), resume=True)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.yaml").write_text(dump_config(load_config(None, TINY)))
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        train(resume_config(tmp_path / "empty", []), resume=True)
+
+
+@pytest.fixture
+def failing_saver(ray_session):
+    """A train rank whose save writes its shards and then dies: the fault a crash mid-save leaves."""
+    import ray
+    import torch.distributed.checkpoint as dcp
+
+    @ray.remote(num_cpus=0)
+    class Saver:
+        def save_checkpoint(self, path):
+            dcp.save({"x": torch.arange(1000.0)}, checkpoint_id=path, no_dist=True)
+            raise RuntimeError("crashed in the middle of the save")
+
+    actor = Saver.remote()
+    yield actor
+    ray.kill(actor)
+
+
+def test_a_crash_mid_save_keeps_the_previous_checkpoint(straight, failing_saver, tmp_path):
+    import shutil
+    import types
+
+    import ray
+
+    from dataplane_rl.train.checkpoint import CheckpointManager, step_of
+    from dataplane_rl.train.export import export_run
+
+    run_dir = tmp_path / "crash"
+    shutil.copytree(straight[0], run_dir)
+    manager = CheckpointManager(run_dir / "checkpoints")
+    trainer = types.SimpleNamespace(workers=[failing_saver], rollout=[])
+    with pytest.raises(ray.exceptions.RayTaskError, match="middle of the save"):
+        manager.save(trainer, 6, "")
+    assert list((run_dir / "checkpoints").glob(".step_000006.tmp/train/*.distcp")), "the crash left a partial save"
+    assert step_of(manager.find()) == 3, "the partial save must not be visible"
+    _, step = export_run(run_dir, tmp_path / "from_previous")  # and the previous one still loads
+    assert step == 3 and (tmp_path / "from_previous" / "model.safetensors").is_file()
+
+
+def trainer_logprobs(run_dir: Path, step: int, ids: list[list[int]]) -> np.ndarray:
+    """prev_logprobs from a real train worker (FSDP2, world 1) restored from checkpoint `step`."""
+    from dataplane_rl.train.checkpoint import CheckpointManager
+    from dataplane_rl.train.model import resolve_model
+    from dataplane_rl.train.worker import TrainWorker
+
+    cfg = load_config(run_dir / "config.yaml")
+    w = TrainWorker(cfg.model_dump(mode="json", by_alias=True),
+                    str(resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)), None, 0, 1, 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w.init_dist(f"tcp://127.0.0.1:{port}")
+    try:
+        w.load_checkpoint(str(CheckpointManager.for_config(cfg).find(step) / "train"))
+        lengths = [len(x) for x in ids]
+        table = pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())), "input_lengths": pa.array(lengths, pa.int32()),
+                          "token_mask": pa.array([[0] + [1] * (n - 1) for n in lengths], pa.list_(pa.int8()))})
+        out = w.logprobs([("p", np.arange(len(ids)))], table)
+        return np.concatenate(out.column("prev_logprobs").to_pylist())
+    finally:
+        w.close()
+
+
+def test_export_loads_in_transformers_with_the_trainers_logprobs(straight, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, _ = straight
+    out = tmp_path / "hf"
+    p = cli("export", str(run_dir), "--step", "3", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (out / f).is_file(), f
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = [[tok.bos_token_id, *tok("abc abc", add_special_tokens=False).input_ids],
+           [tok.bos_token_id, *tok("12+3=", add_special_tokens=False).input_ids]]
+    expected = []
+    with torch.no_grad():
+        for row in ids:
+            logits = model(torch.tensor([row])).logits[0]  # [T, V]
+            logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(row[1:])[:, None])[:, 0]  # [T-1]
+            expected.append(np.concatenate([[0.0], logp.numpy()]))
+    np.testing.assert_allclose(trainer_logprobs(run_dir, 3, ids), np.concatenate(expected), rtol=1e-5, atol=1e-6)
+    # the completed run's own export is the final policy
+    final, exported = load_file(run_dir / "policy" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert final.keys() == exported.keys() and all(torch.equal(final[k], exported[k]) for k in final)
+    assert cli("export", str(run_dir), "--step", "1", str(tmp_path / "no")).returncode == 2  # no such step
+    again = cli("export", str(run_dir), str(out))
+    assert again.returncode == 2 and "not empty" in again.stderr  # never overwrites a folder
+
+
+def test_an_exported_model_trains_as_policy_model(straight, tmp_path):
+    run_dir, _ = straight
+    from dataplane_rl.train.loop import train
+
+    summary = train(load_config(None, [*TINY, "grpo.max_num_steps=1", "checkpointing.enabled=false",
+                                       "grpo.num_prompts_per_step=2", "policy.train_global_batch_size=4",
+                                       f"policy.model={run_dir / 'policy'}", f"logger.run_dir={tmp_path / 'again'}"]))
+    assert summary["status"] == "completed" and summary["steps_completed"] == 1
+
+
+def test_bfloat16_is_refused_on_cpu():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from dataplane_rl.train.fsdp import shard
+
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
+    with pytest.raises(ConfigError, match="policy.precision=float32"):
+        shard(model, None, torch.device("cpu"), "bfloat16")
+
+
+def test_reopen_drops_the_steps_after_the_checkpoint(tmp_path):
+    """A kill after checkpoint 2 may leave step 3 logged and a half-written step-4 line: both go."""
+    from dataplane_rl.train.run_dir import RunDir
+
+    (tmp_path / "train_data").mkdir()
+    lines = [json.dumps({"step": i, "train/reward": 0.1 * i}) for i in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "train/rew')
+    for i in (1, 2, 3):
+        (tmp_path / "train_data" / f"step_{i:06d}.jsonl").write_text("{}\n")
+    (tmp_path / "config.yaml").write_text("grpo: {}\n")
+    run = RunDir(tmp_path, resume=True)
+    run.resume_from("grpo: {}\n", 2)
+    run.close()
+    assert [m["step"] for m in run.metrics] == [1, 2]
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(x + "\n" for x in lines[:2])
+    assert sorted(p.name for p in (tmp_path / "train_data").iterdir()) == ["step_000001.jsonl", "step_000002.jsonl"]
