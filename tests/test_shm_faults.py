@@ -234,3 +234,10 @@ def test_store_is_private_to_its_user(shm):
     direct, listing, via_store = json.loads(report)
     assert direct.startswith("PermissionError") and listing.startswith("PermissionError")
     assert via_store.startswith("StoreUnavailableError") and "not readable by this user" in via_store, via_store
+
+
+def test_store_of_the_older_format_is_refused(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / ".dataplane-rl").write_text("dataplane-rl shm store v1\n")
+    with pytest.raises(StoreUnavailableError, match="older dataplane-rl .*make a new store"):
+        open_store(f"shm://{tmp_path}/old")

@@ -66,6 +66,7 @@ from dataplane_rl.errors import (
 from dataplane_rl.store.base import _PID, ChunkRef, ColumnStore, PartitionMeta, checksum
 
 _MARKER = ".dataplane-rl"
+_FORMAT = b"dataplane-rl shm store v2\n"  # v2: checksummed meta.json and refs
 _POOL = ".pool"
 DEFAULT_POOL_BYTES = 1 << 30
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # column names become file names
@@ -275,6 +276,11 @@ class ShmStore(ColumnStore):
             raise StoreUnavailableError(f"shm store {self._dir} is not readable by this user (uid {os.getuid()}); "
                                         "stores are private to the user who made them")
         if os.path.isfile(marker):
+            with open(marker, "rb") as f:
+                version = f.read(64)
+            if version.startswith(b"dataplane-rl shm store v1\n"):  # metadata without checksums
+                raise StoreUnavailableError(f"shm store {self._dir} was made by an older dataplane-rl (format v1, "
+                                            "metadata without checksums); make a new store (drop this folder)")
             return
         if not create:
             raise StoreUnavailableError(f"no shm store at {self._dir} ({marker} is missing); check the URL or "
@@ -287,7 +293,7 @@ class ShmStore(ColumnStore):
             os.chmod(self._dir, _DIR_MODE)
             os.makedirs(os.path.join(self._dir, _POOL), mode=_DIR_MODE, exist_ok=True)
             with contextlib.suppress(FileExistsError):  # another process made the store meanwhile
-                _create_file(marker, b"dataplane-rl shm store v1\n")
+                _create_file(marker, _FORMAT)
 
     @contextlib.contextmanager
     def _os_errors(self, what: str, need: int = 0) -> Iterator[None]:
