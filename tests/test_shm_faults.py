@@ -15,7 +15,7 @@ import pytest
 
 from dataplane_rl.errors import CorruptChunkError, StoreFullError, StoreUnavailableError
 from dataplane_rl.store import open_store
-from dataplane_rl.store.shm import _framed
+from dataplane_rl.store.shm_files import framed
 from store_workers import grpo_columns
 
 NOBODY = 65534
@@ -190,7 +190,7 @@ def test_refs_naming_a_path_outside_the_partition_are_refused(shm):
     f = refs_file(shm)
     body = json.loads(f.read_bytes()[17:])
     body[0]["key"] = "../../../../etc/passwd@0"
-    f.write_bytes(_framed(json.dumps(body)))  # a valid checksum: only the key check stands in the way
+    f.write_bytes(framed(json.dumps(body)))  # a valid checksum: only the key check stands in the way
     other = reopen(shm)
     with pytest.raises(CorruptChunkError, match=r"names chunk key '\.\./\.\./\.\./\.\./etc/passwd@0'"):
         other.get("p", ["total_reward"])
