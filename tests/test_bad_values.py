@@ -65,6 +65,13 @@ def test_a_column_may_declare_non_finite_values_valid(store):
         Column(name="x", dtype="int32", kind="sample", writer="rollout", allow_nonfinite=True)
 
 
+def test_pad_tokens_names_nulls_instead_of_arrow_invalid():
+    from dataplane_rl.store import pad_tokens
+
+    with pytest.raises(SchemaError, match="holds nulls"):
+        pad_tokens(pa.array([[0.5, None], [1.0]], type=pa.list_(pa.float32())), torch=False)
+
+
 def test_schema_validate_refuses_nan_rewards_and_null_token_ids(tmp_path):
     good = {c: grpo_columns(range(3), [c])[c] for c in ("input_lengths", "total_reward", "group_id")}
     table = pa.table({

@@ -15,7 +15,7 @@ import pytest
 
 from dataplane_rl.errors import CorruptChunkError, StoreFullError, StoreUnavailableError
 from dataplane_rl.store import open_store
-from dataplane_rl.store.shm import _framed
+from dataplane_rl.store.shm_files import framed
 from store_workers import grpo_columns
 
 NOBODY = 65534
@@ -190,7 +190,7 @@ def test_refs_naming_a_path_outside_the_partition_are_refused(shm):
     f = refs_file(shm)
     body = json.loads(f.read_bytes()[17:])
     body[0]["key"] = "../../../../etc/passwd@0"
-    f.write_bytes(_framed(json.dumps(body)))  # a valid checksum: only the key check stands in the way
+    f.write_bytes(framed(json.dumps(body)))  # a valid checksum: only the key check stands in the way
     other = reopen(shm)
     with pytest.raises(CorruptChunkError, match=r"names chunk key '\.\./\.\./\.\./\.\./etc/passwd@0'"):
         other.get("p", ["total_reward"])
@@ -234,3 +234,10 @@ def test_store_is_private_to_its_user(shm):
     direct, listing, via_store = json.loads(report)
     assert direct.startswith("PermissionError") and listing.startswith("PermissionError")
     assert via_store.startswith("StoreUnavailableError") and "not readable by this user" in via_store, via_store
+
+
+def test_store_of_the_older_format_is_refused(tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / ".dataplane-rl").write_text("dataplane-rl shm store v1\n")
+    with pytest.raises(StoreUnavailableError, match="older dataplane-rl .*make a new store"):
+        open_store(f"shm://{tmp_path}/old")

@@ -475,7 +475,7 @@ def test_writer_killed_mid_put_leaves_nothing_partial(shared, backend):
     proc.start()
     try:
         deadline = time.monotonic() + 120
-        while done.value < 1:  # two whole puts, then kill whichever is in flight
+        while done.value < 1 or started.value <= done.value:  # two whole puts, then kill the one in flight
             assert proc.is_alive(), f"the writer died on its own (exit code {proc.exitcode})"
             assert time.monotonic() < deadline, "the writer made no progress in 120 s"
             time.sleep(0.005)

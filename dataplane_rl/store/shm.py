@@ -64,43 +64,13 @@ from dataplane_rl.errors import (
     StoreUnavailableError,
 )
 from dataplane_rl.store.base import _PID, ChunkRef, ColumnStore, PartitionMeta, checksum
+from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, FILE_MODE, create_file, framed, unframe
 
 _MARKER = ".dataplane-rl"
+_FORMAT = b"dataplane-rl shm store v2\n"  # v2: checksummed meta.json and refs
 _POOL = ".pool"
 DEFAULT_POOL_BYTES = 1 << 30
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # column names become file names
-_KEY = re.compile(r"^put-[0-9a-f]{32}@[0-9]{1,15}$")  # a chunk key in a refs file: a file of chunks/ only
-_DIR_MODE, _FILE_MODE = 0o700, 0o600  # private to the store's user
-
-
-def _create_file(path: str, data: bytes = b"") -> None:
-    """Make a new private file holding `data` (O_EXCL: never reuses a name)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-
-
-def _framed(text: str) -> bytes:
-    """Metadata as written: the xxh3 of the JSON (16 hex digits), a space, the JSON."""
-    body = text.encode()
-    return b"%016x " % checksum(body) + body
-
-
-def _unframe(data: bytes, path: str) -> str:
-    """The JSON of a metadata file, or CorruptChunkError if it is not exactly what was written."""
-    head, body = data[:16], data[17:]
-    try:
-        ok = len(data) > 17 and data[16:17] == b" " and int(head, 16) == checksum(body)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise CorruptChunkError(f"shm metadata {path} is damaged ({len(data)} bytes, checksum mismatch); the "
-                                "partition cannot be trusted, drop it and regenerate the step")
-    return body.decode()
 
 
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # explicit: the default re-reads two env vars per stream
@@ -275,6 +245,11 @@ class ShmStore(ColumnStore):
             raise StoreUnavailableError(f"shm store {self._dir} is not readable by this user (uid {os.getuid()}); "
                                         "stores are private to the user who made them")
         if os.path.isfile(marker):
+            with open(marker, "rb") as f:
+                version = f.read(64)
+            if version.startswith(b"dataplane-rl shm store v1\n"):  # metadata without checksums
+                raise StoreUnavailableError(f"shm store {self._dir} was made by an older dataplane-rl (format v1, "
+                                            "metadata without checksums); make a new store (drop this folder)")
             return
         if not create:
             raise StoreUnavailableError(f"no shm store at {self._dir} ({marker} is missing); check the URL or "
@@ -283,11 +258,11 @@ class ShmStore(ColumnStore):
             raise ConfigError(f"{self._dir} holds files but is not a dataplane-rl store; point shm:// at a new "
                               "or empty folder")
         with self._os_errors("make the store folder"):
-            os.makedirs(self._dir, mode=_DIR_MODE, exist_ok=True)
-            os.chmod(self._dir, _DIR_MODE)
-            os.makedirs(os.path.join(self._dir, _POOL), mode=_DIR_MODE, exist_ok=True)
+            os.makedirs(self._dir, mode=DIR_MODE, exist_ok=True)
+            os.chmod(self._dir, DIR_MODE)
+            os.makedirs(os.path.join(self._dir, _POOL), mode=DIR_MODE, exist_ok=True)
             with contextlib.suppress(FileExistsError):  # another process made the store meanwhile
-                _create_file(marker, b"dataplane-rl shm store v1\n")
+                create_file(marker, _FORMAT)
 
     @contextlib.contextmanager
     def _os_errors(self, what: str, need: int = 0) -> Iterator[None]:
@@ -362,9 +337,9 @@ class ShmStore(ColumnStore):
         try:
             with self._os_errors(f"create partition {meta.pid}"):
                 for sub in ("", "refs", "chunks"):
-                    os.mkdir(os.path.join(tmp, sub), _DIR_MODE)
-                for name, data in (("lock", b""), ("readers", b""), ("meta.json", _framed(meta.to_json()))):
-                    _create_file(os.path.join(tmp, name), data)
+                    os.mkdir(os.path.join(tmp, sub), DIR_MODE)
+                for name, data in (("lock", b""), ("readers", b""), ("meta.json", framed(meta.to_json()))):
+                    create_file(os.path.join(tmp, name), data)
                 try:
                     os.rename(tmp, os.path.join(self._dir, meta.pid))  # atomic; refuses an existing (non-empty) one
                 except OSError as e:
@@ -386,7 +361,7 @@ class ShmStore(ColumnStore):
                 return cached[1]
             path = os.path.join(pdir, "meta.json")
             with open(path, "rb") as f:
-                text = _unframe(f.read(), path)
+                text = unframe(f.read(), path)
             try:
                 meta = PartitionMeta.from_json(text)
             except (ValueError, KeyError, TypeError) as e:
@@ -412,13 +387,13 @@ class ShmStore(ColumnStore):
     @staticmethod
     def _load_refs(path: str) -> list[ChunkRef]:
         with open(path, "rb") as f:
-            text = _unframe(f.read(), path)
+            text = unframe(f.read(), path)
         try:
             refs = [ChunkRef.from_json(d) for d in json.loads(text)]
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptChunkError(f"shm refs file {path} does not hold chunk refs ({e!r})") from None
         for ref in refs:  # checksummed already; still, never join an unchecked name to a path
-            if not _KEY.match(ref.key) or ref.nbytes < 0:
+            if not CHUNK_KEY.match(ref.key) or ref.nbytes < 0:
                 raise CorruptChunkError(f"shm refs file {path} names chunk key {ref.key!r}, not one this store "
                                         "writes; the partition cannot be trusted, drop it")
         return refs
@@ -436,7 +411,7 @@ class ShmStore(ColumnStore):
             tmp = os.path.join(pdir, "refs", f".tmp-{name}")
             try:
                 with self._os_errors(f"commit a put to partition {pid}"):
-                    _create_file(tmp, _framed(json.dumps([r.to_json() for r in refs])))
+                    create_file(tmp, framed(json.dumps([r.to_json() for r in refs])))
                     os.rename(tmp, os.path.join(pdir, "refs", name))
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -503,7 +478,7 @@ class ShmStore(ColumnStore):
     def _reserve(self, path: str, size: int, new: bool) -> None:
         """Make `path` at least `size` bytes with every page allocated now: a mapped page the filesystem
         cannot back later would SIGBUS the writer. When space is short, pooled files go first."""
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if new else 0), _FILE_MODE)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if new else 0), FILE_MODE)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)

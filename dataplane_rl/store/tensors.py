@@ -27,6 +27,10 @@ def token_values(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.nda
         return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     offsets = np.asarray(column.offsets)
     values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    if values.null_count or column.null_count:  # stores refuse these; a column from elsewhere may hold them
+        from dataplane_rl.errors import SchemaError
+
+        raise SchemaError(f"token column of type {column.type} holds nulls; every row and token needs a value")
     return values.to_numpy(zero_copy_only=True), np.diff(offsets).astype(np.int64)
 
 
