@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import backend_unavailable
+from test_shared_machine import GLOG_LINE
 from test_train_e2e import assert_close
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,7 +173,7 @@ class TwoHosts:
                     pass
         for n in "ab":
             subprocess.run(["ip", "netns", "del", self.ns[n]], capture_output=True, timeout=30)
-        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)  # also the stale ray_current_cluster a test puts there
 
     def pids(self, node: str) -> list[int]:
         p = subprocess.run(["ip", "netns", "pids", self.ns[node]], capture_output=True, text=True, timeout=30)
@@ -196,10 +197,7 @@ def hosts(tmp_path_factory):
         assert after == before, "the namespaced Ray nodes wrote /tmp/ray/ray_current_cluster"
 
 
-def test_run_over_two_hosts_matches_one_host(hosts, ray_session):
-    from dataplane_rl.config import load_config
-    from dataplane_rl.train.loop import train
-
+def test_run_over_two_hosts_matches_one_host(hosts):
     p = hosts.sh("a", RECIPE["train"] + " logger.progress=false", timeout=400, check=False)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     run_dir = hosts.dirs["a"] / "runs" / "latest"
@@ -211,12 +209,26 @@ def test_run_over_two_hosts_matches_one_host(hosts, ray_session):
     multi = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(multi) == 2
 
-    # the same config on this one host: its own local Mooncake store, the session's local Ray
-    args = RECIPE["train"].split("--config ", 1)[1].split()
-    overrides = [a for a in args[1:] if not a.startswith(("cluster.address=", "data_plane.backend="))]
+    assert not GLOG_LINE.search(p.stdout + p.stderr), "Mooncake glog lines in the run's output"
+
+    # The same config on this one host (its own local Mooncake store), from the CLI, with a dead
+    # `ray start`'s ray_current_cluster where Ray looks: the run must start its own Ray, not join it.
+    args = RECIPE["train"].split()
     one_dir = hosts.root / "one-host"
-    train(load_config(REPO / args[0], [*overrides, "data_plane.backend=mooncake://", f"logger.run_dir={one_dir}",
-                                       "logger.progress=false"]))
+    stale = hosts.ray_tmp / "stale"
+    (stale / "ray").mkdir(parents=True)
+    (stale / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")  # nothing listens on port 9
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "MC_LOG_LEVEL")}
+    cmd = [sys.executable, "-m", "dataplane_rl.cli.main", *args[1:], "data_plane.backend=mooncake://",
+           f"logger.run_dir={one_dir}", "logger.progress=false"]
+    cmd.remove("cluster.address=auto")
+    cmd.remove("data_plane.backend=mooncake://$HEAD:50051")
+    p = subprocess.run(cmd, cwd=REPO, env={**env, "PYTHONPATH": str(REPO), "RAY_TMPDIR": str(stale)},
+                       capture_output=True, text=True, timeout=400)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert not GLOG_LINE.search(out), f"Mooncake glog lines in a normal run:\n{out[-3000:]}"
+    assert "Token authentication" not in out, out[-3000:]
     one = [json.loads(x) for x in (one_dir / "metrics.jsonl").read_text().splitlines()]
     assert_close(multi[0], one[0])
 

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 from dataplane_rl.errors import StoreUnavailableError
 from dataplane_rl.hosts import HOST_ENV, advertise_host, is_loopback, quiet_glog
+from dataplane_rl.store.bind_shim import bind_env
 
 INSTALL_HINT = ("install the `mooncake` extra: pip install 'dataplane-rl[mooncake]' "
                 "(package mooncake-transfer-engine-non-cuda), and Debian libibverbs1 (apt-get install libibverbs1)")
@@ -497,8 +498,10 @@ class MooncakeCluster:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ready)
         with open(log_path, "wb") as log:
+            # the shim makes the holder's listeners bind self.host instead of every interface (bind_shim.py)
             proc = subprocess.Popen(self._holder_cmd(index, ready), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent,
+                                    stderr=subprocess.STDOUT, env=bind_env(self.host, self.env),
+                                    preexec_fn=_die_with_parent,
                                     start_new_session=True)
         self._holder_procs.append(proc)
         return index, proc, ready, log_path
