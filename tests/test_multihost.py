@@ -146,6 +146,9 @@ class TwoHosts:
         self.sh("a", RECIPE["master"])
         _wait("mooncake master", lambda: self.listening("a", 50052), [self.pid("a", "master")],
               logs=[d["a"] / "master.log"])
+        # RPC and admin (key listing) ports bind the head's IP, not 0.0.0.0
+        listen = self.sh("a", "ss -ltnH '( sport = :50051 or sport = :50052 )'").stdout.split("\n")
+        assert sorted(ln.split()[3] for ln in listen if ln.strip()) == [f"{HEAD}:50051", f"{HEAD}:50052"], listen
         self.sh("b", RECIPE["ray_worker"])
         for n in "ab":
             self.sh(n, RECIPE["holder"])
