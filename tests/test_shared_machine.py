@@ -55,3 +55,35 @@ def test_one_machine_stores_are_refused_on_a_multi_node_cluster(backend, needle)
     check_backend_spans(cfg, TWO_NODES[:1])  # one node: fine
     check_backend_spans(load_config(None, ["data_plane.enabled=true", "data_plane.backend=mooncake://10.0.0.5:50051"]),
                         TWO_NODES)
+
+
+def test_advertised_address_is_loopback_only_for_a_loopback_master(monkeypatch):
+    from dataplane_rl.hosts import HOST_ENV, advertise_host, interface_of
+
+    monkeypatch.setenv(HOST_ENV, "10.9.9.9")
+    assert advertise_host("127.0.0.1:50051") == "127.0.0.1"  # a one-machine store stays on loopback
+    assert advertise_host("10.0.0.5:50051") == "10.9.9.9"  # the per-node override
+    assert advertise_host("10.0.0.5:50051", "10.1.1.1") == "10.1.1.1"  # data_plane.mooncake.local_hostname
+    monkeypatch.delenv(HOST_ENV)
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # this host's address towards a remote peer
+        try:
+            s.connect(("192.0.2.77", 9))
+            mine = s.getsockname()[0]
+        except OSError:  # no route off this host: then the refusal must say so
+            mine = None
+    if mine is None:
+        with pytest.raises(StoreUnavailableError, match=HOST_ENV):
+            advertise_host("192.0.2.77:50051")
+    else:
+        assert advertise_host("192.0.2.77:50051") == mine != "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo" and interface_of("203.0.113.254") is None
+
+
+def test_strict_spread_with_more_actors_than_nodes_is_refused():
+    from dataplane_rl.train.placement import placement_group
+
+    cfg = load_config(None, ["cluster.placement_strategy=STRICT_SPREAD", "generation.num_workers=3"])
+    with pytest.raises(ConfigError, match="cluster.placement_strategy=STRICT_SPREAD.*3.*2 node"):
+        placement_group("rollout", 3, 0, cfg, TWO_NODES)
