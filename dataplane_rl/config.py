@@ -88,6 +88,7 @@ class MooncakeConfig(_Section):
     global_segment_size_mb: int = Field(512, ge=16, description="Memory each holder contributes to the store.")
     local_buffer_size_mb: int = Field(128, ge=16, description="Registered buffer per client for zero-copy puts and gets.")
     metadata_server: str = Field("P2PHANDSHAKE", description="Transfer-engine metadata server; P2PHANDSHAKE needs none.")
+    local_hostname: Optional[str] = Field(None, description="Address every Mooncake client of the run advertises to its peers; None: each client's own node IP (the Ray node IP; 127.0.0.1 when the master is on loopback). Per node: env DATAPLANE_RL_MOONCAKE_HOST.")
 
 
 class DataPlaneConfig(_Section):
@@ -140,6 +141,7 @@ class ClusterConfig(_Section):
 
     address: Optional[str] = Field(None, description="Address of an existing Ray cluster ('auto' or host:port); None starts a local one.")
     num_cpus: Optional[int] = Field(None, ge=1, description="CPUs for a local Ray instance; default all.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("SPREAD", description="Ray placement-group strategy for the rollout actors and, separately, the train workers: SPREAD puts them on as many nodes as it can.")
 
 
 class Config(_Section):

@@ -6,6 +6,7 @@ if an upgrade changes one, the test that fails names the assumption that broke.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pathlib
@@ -88,6 +89,47 @@ def test_session_cluster_is_up(mooncake_cluster):
     assert f"--rpc_port={c.rpc_port}" in flags and f"--metrics_port={c.rpc_port + 1}" in flags
     assert c.url == f"mooncake://127.0.0.1:{c.rpc_port}"
     assert mc.default_admin_address(c.master_address) == c.admin_address
+
+
+def _listening(pid: int) -> list[str]:
+    """'IP:PORT' of every TCP socket process `pid` listens on, from /proc (no ss or psutil needed)."""
+    import ipaddress
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hexip, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexip)
+                # /proc prints the address as 32-bit words in host (little-endian) order
+                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                if ip.version == 6 and ip.ipv4_mapped:
+                    ip = ip.ipv4_mapped
+                out.append(f"{ip}:{int(hexport, 16)}")
+    return out
+
+
+def test_local_store_listens_only_on_loopback(mooncake_cluster):
+    """A one-machine store says 127.0.0.1 and listens only there: the master by its flags, the holders
+    (whose Mooncake listeners bind every interface) through the bind shim."""
+    from dataplane_rl.store.bind_shim import shim_path
+
+    assert shim_path() is not None, "the bind shim could not be built (no C compiler?): holders listen on all interfaces"
+    c = mooncake_cluster
+    for pid in c.pids():
+        socks = _listening(pid)
+        assert len(socks) >= 2, f"pid {pid} listens on {socks}: expected RPC + admin (master) or handshake + data (holder)"
+        assert all(s.startswith("127.0.0.1:") for s in socks), f"pid {pid} of the local store listens on {socks}"
+    assert all(h.segment_name.startswith("127.0.0.1:") for h in c.holders)
 
 
 def test_start_and_stop_leaves_no_processes():

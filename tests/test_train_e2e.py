@@ -35,6 +35,20 @@ def run(tmp_path: Path, name: str, *overrides: str):
     return summary, metrics, data
 
 
+def assert_store_failure_left_a_consistent_run(returncode: int, out: str, run_dir: Path) -> None:
+    """A run stopped by a lost store: exit 2, the store error named, whole lines, one train_data file per
+    logged step, a failed summary."""
+    assert returncode == 2, out[-3000:]
+    assert "StoreUnavailableError" in out or "CorruptChunkError" in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert summary["steps_completed"] == len(lines) >= 1
+    for line in lines:
+        json.loads(line)
+    assert len(list((run_dir / "train_data").glob("step_*.jsonl"))) == len(lines)
+
+
 def assert_close(a: dict, b: dict, rel=1e-5, abs_=1e-7):
     for k in TRAIN_KEYS:
         assert math.isclose(a[k], b[k], rel_tol=rel, abs_tol=abs_), f"{k}: {a[k]} vs {b[k]}"
@@ -230,12 +244,4 @@ def test_mooncake_holder_killed_mid_run_fails_clearly(tmp_path):
         out, _ = proc.communicate(timeout=400)
     finally:
         cluster.close()
-    assert proc.returncode == 2, out[-3000:]
-    assert "StoreUnavailableError" in out or "CorruptChunkError" in out, out[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["error"]
-    lines = metrics.read_text().splitlines()
-    assert summary["steps_completed"] == len(lines) >= 1
-    for line in lines:
-        json.loads(line)
-    assert len(list((run_dir / "train_data").glob("step_*.jsonl"))) == len(lines)
+    assert_store_failure_left_a_consistent_run(proc.returncode, out, run_dir)

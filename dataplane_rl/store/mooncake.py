@@ -111,7 +111,7 @@ _MAX_PROBE = 64
 PACK_BYTES = MIN_SEGMENT_SIZE
 CLIENT_ARENA_BYTES = 32 << 20
 _TRANSPORT_DEFAULTS = {k: p.default for k, p in inspect.signature(connect_client).parameters.items()
-                       if k in ("protocol", "device_name", "metadata_server")}
+                       if k in ("protocol", "device_name", "metadata_server", "local_hostname")}
 LOCK_TIMEOUT_S = 120.0  # longer than the master's put_start_discard_timeout_sec (30 s), which frees dead locks
 
 
@@ -249,7 +249,8 @@ class MooncakeStore(ColumnStore):
                  cluster: MooncakeCluster | None = None, transport: dict[str, str] | None = None) -> None:
         """address None and no cluster: start a cluster (sized by `config`, a MooncakeConfig) and own it.
         `cluster`: use that started cluster (not owned). `transport`: protocol / device_name /
-        metadata_server of a client opened by URL alone (they come from the URL; default tcp)."""
+        metadata_server / local_hostname of a client opened by URL alone (they come from the URL; default tcp,
+        and the node's own IP: see advertise_host)."""
         super().__init__()
         import_mooncake_store()  # StoreUnavailableError: install the `mooncake` extra (and libibverbs1)
         self._owns_cluster = address is None and cluster is None
@@ -260,14 +261,16 @@ class MooncakeStore(ColumnStore):
         self.config = config
         if config is not None:
             transport = {"protocol": config.protocol, "device_name": config.device_name,
-                         "metadata_server": config.metadata_server}
+                         "metadata_server": config.metadata_server, "local_hostname": config.local_hostname}
         if self._owns_cluster:
-            cluster = MooncakeCluster(config.num_holders, config.global_segment_size_mb << 20, **transport).start()
+            cluster = MooncakeCluster(config.num_holders, config.global_segment_size_mb << 20,
+                                      **{k: v for k, v in transport.items() if k != "local_hostname"}).start()
         self.cluster = cluster
         if cluster is not None:
             address, admin = cluster.master_address, cluster.admin_address
             transport = {"protocol": cluster.protocol, "device_name": cluster.device_name,
-                         "metadata_server": cluster.metadata_server}
+                         "metadata_server": cluster.metadata_server,
+                         "local_hostname": (transport or {}).get("local_hostname")}
         split_address(address)  # StoreUnavailableError unless HOST:PORT
         self._address, self._admin = address, admin or default_admin_address(address)
         self._transport = {k: v for k, v in (transport or {}).items() if v != _TRANSPORT_DEFAULTS[k]}
@@ -299,7 +302,7 @@ class MooncakeStore(ColumnStore):
         if unknown or "/" in address or (not address and (admin or params)):
             raise ConfigError(f"mooncake://{rest}: unknown option(s) {unknown or query or address!r}; use mooncake:// "
                               "(start a local cluster, sized and configured by config=MooncakeConfig(...)) or "
-                              "mooncake://HOST:PORT[?admin=HOST:PORT&protocol=...&device_name=...&metadata_server=...]")
+                              "mooncake://HOST:PORT[?admin=HOST:PORT&protocol=...&device_name=...&metadata_server=...&local_hostname=IP]")
         return cls(address or None, config=config, admin=admin, transport=params or None)
 
     @property

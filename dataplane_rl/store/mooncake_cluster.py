@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dataplane_rl.errors import StoreUnavailableError
+from dataplane_rl.hosts import HOST_ENV, advertise_host, is_loopback, quiet_glog
+from dataplane_rl.store.bind_shim import bind_env
 
 INSTALL_HINT = ("install the `mooncake` extra: pip install 'dataplane-rl[mooncake]' "
                 "(package mooncake-transfer-engine-non-cuda), and Debian libibverbs1 (apt-get install libibverbs1)")
@@ -249,7 +251,7 @@ def no_eviction_config(replica_num: int = 1, preferred_segment: str | None = Non
 
 # ---- client ------------------------------------------------------------------------------------
 def connect_client(master_address: str, local_buffer_size: int, protocol: str = "tcp", device_name: str = "",
-                   metadata_server: str = "P2PHANDSHAKE", *, local_hostname: str = "127.0.0.1",
+                   metadata_server: str = "P2PHANDSHAKE", *, local_hostname: str | None = None,
                    connect_timeout: float = 5.0):
     """A `MooncakeDistributedStore` client that contributes no memory (global_segment_size=0).
 
@@ -258,24 +260,29 @@ def connect_client(master_address: str, local_buffer_size: int, protocol: str = 
     zero-copy calls (`batch_put_from`, `batch_get_into` on buffers you `register_buffer`) do not use it.
     With local_buffer_size=0, `get()` returns b"" even for keys that exist.
 
+    `local_hostname`: the address peers reach this client at; None: `advertise_host` (this node's IP, or
+    127.0.0.1 for a master on loopback). With a metadata server other than P2PHANDSHAKE, Mooncake takes
+    that address from MC_TCP_BIND_ADDRESS instead, so it is set too (unless already set).
     The master is probed first: Mooncake's own setup() against a dead address blocks for ~90 s.
     Sets CLIENT_ENV_DEFAULTS in os.environ (if unset) first, so big batch calls do not wedge the client;
-    still keep each batch call to about MAX_KEYS_PER_BATCH keys.
-    `close()` on the returned client takes about 1 s.
+    still keep each batch call to about MAX_KEYS_PER_BATCH keys. Mooncake's glog lines are silenced
+    (`quiet_glog`). `close()` on the returned client takes about 1 s.
     """
     store_mod = import_mooncake_store()
     if not port_open(master_address, timeout=connect_timeout):
         raise StoreUnavailableError(f"Mooncake master at {master_address} is not accepting connections "
                                     f"(waited {connect_timeout}s); start one with MooncakeCluster or check the address")
-    for k, v in CLIENT_ENV_DEFAULTS.items():
+    host = advertise_host(master_address, local_hostname)
+    for k, v in {**CLIENT_ENV_DEFAULTS, "MC_TCP_BIND_ADDRESS": host}.items():
         os.environ.setdefault(k, v)
+    quiet_glog()
     client = store_mod.MooncakeDistributedStore()
-    rc = client.setup(local_hostname, metadata_server, 0, int(local_buffer_size), protocol, device_name,
+    rc = client.setup(host, metadata_server, 0, int(local_buffer_size), protocol, device_name,
                       master_address)
     if rc != 0:
-        raise StoreUnavailableError(f"Mooncake client setup(master={master_address}, protocol={protocol}, "
-                                    f"device={device_name!r}, local_buffer_size={local_buffer_size}) failed "
-                                    f"with rc={rc}")
+        raise StoreUnavailableError(f"Mooncake client setup(master={master_address}, local_hostname={host}, "
+                                    f"protocol={protocol}, device={device_name!r}, "
+                                    f"local_buffer_size={local_buffer_size}) failed with rc={rc}")
     return client
 
 
@@ -491,8 +498,10 @@ class MooncakeCluster:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ready)
         with open(log_path, "wb") as log:
+            # the shim makes the holder's listeners bind self.host instead of every interface (bind_shim.py)
             proc = subprocess.Popen(self._holder_cmd(index, ready), stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent,
+                                    stderr=subprocess.STDOUT, env=bind_env(self.host, self.env),
+                                    preexec_fn=_die_with_parent,
                                     start_new_session=True)
         self._holder_procs.append(proc)
         return index, proc, ready, log_path
@@ -640,8 +649,8 @@ class MooncakeCluster:
                 f"{state})")
 
 
-__all__ = ["CLIENT_ENV_DEFAULTS", "ERROR_NAMES", "HolderInfo", "INSTALL_HINT", "MAX_KEYS_PER_BATCH", "MIN_SEGMENT_SIZE",
+__all__ = ["CLIENT_ENV_DEFAULTS", "ERROR_NAMES", "HOST_ENV", "HolderInfo", "INSTALL_HINT", "MAX_KEYS_PER_BATCH", "MIN_SEGMENT_SIZE",
            "MooncakeCluster", "connect_client",
            "default_admin_address", "error_name", "find_master_binary", "free_port_pair",
-           "import_mooncake_store", "list_keys", "list_segments", "master_health", "no_eviction_config",
-           "port_open", "split_address"]
+           "advertise_host", "import_mooncake_store", "is_loopback", "list_keys", "list_segments", "master_health", "no_eviction_config",
+           "port_open", "quiet_glog", "split_address"]

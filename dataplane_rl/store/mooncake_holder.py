@@ -7,12 +7,16 @@ and `MooncakeCluster` starts these dedicated holders instead:
     python -m dataplane_rl.store.mooncake_holder --master 127.0.0.1:50051 \\
         --segment-size 536870912 --ready-file /tmp/x/holder-0.json
 
+It advertises `--local-hostname`, by default this host's address on the route to the master (127.0.0.1 for
+a master on loopback; $DATAPLANE_RL_MOONCAKE_HOST overrides it): clients on other hosts connect there.
+
 The holder calls `setup()` contributing `--segment-size` bytes, writes `--ready-file` (JSON: pid and the
 segment name the master knows it by) and prints READY, then sleeps. SIGTERM or SIGINT unmounts the
 segment (`close()`, about 1 s; its keys then read as OBJECT_NOT_FOUND at once) and exits 0. It also exits
 when its parent process goes away. A failed setup exits 2 with the reason on stderr.
 
-Only the standard library and `mooncake.store` are imported here, so a holder starts in well under a second.
+Only the standard library, `dataplane_rl.hosts` and `mooncake.store` are imported here, so a holder starts
+in well under a second.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--master", required=True, help="master RPC address HOST:PORT")
     p.add_argument("--segment-size", type=int, required=True, help="bytes this holder contributes")
     p.add_argument("--ready-file", default="", help="written (atomically) once the segment is mounted")
-    p.add_argument("--local-hostname", default="127.0.0.1")
+    p.add_argument("--local-hostname", default=None,
+                   help="address clients reach this holder at (default: this host's IP on the route to the master)")
     p.add_argument("--metadata-server", default="P2PHANDSHAKE")
     p.add_argument("--protocol", default="tcp")
     p.add_argument("--device-name", default="", help="RDMA device(s); empty for tcp")
@@ -71,12 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
 
+    from dataplane_rl.hosts import advertise_host
+
+    try:
+        host = advertise_host(args.master, args.local_hostname)
+    except Exception as e:  # StoreUnavailableError: no route to the master
+        print(f"mooncake_holder: {e}", file=sys.stderr, flush=True)
+        return EXIT_SETUP_FAILED
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)  # Mooncake's address source without P2PHANDSHAKE
     store = MooncakeDistributedStore()
     t0 = time.monotonic()
-    rc = store.setup(args.local_hostname, args.metadata_server, args.segment_size, args.local_buffer_size,
+    rc = store.setup(host, args.metadata_server, args.segment_size, args.local_buffer_size,
                      args.protocol, args.device_name, args.master)
     if rc != 0:
-        print(f"mooncake_holder: setup(master={args.master}, segment_size={args.segment_size}, "
+        print(f"mooncake_holder: setup(master={args.master}, local_hostname={host}, segment_size={args.segment_size}, "
               f"protocol={args.protocol}) failed with rc={rc}", file=sys.stderr, flush=True)
         return EXIT_SETUP_FAILED
     info = {"pid": os.getpid(), "segment_name": store.get_hostname(), "segment_size": args.segment_size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import logging
 import os
 import signal
 import time
@@ -67,6 +68,13 @@ def open_run_store(cfg: Config):
     return open_store(url)
 
 
+def quiet_ray_token_warning() -> None:
+    """Ray 2.60 logs a warning about token authentication on every ray.init() unless RAY_AUTH_MODE is set;
+    it says nothing about this run (a user who sets RAY_AUTH_MODE=token asked for it, and gets no warning
+    either). Errors of that module still show."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
 class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -78,35 +86,46 @@ class GRPOTrainer:
         self.rollout: list = []
         self.workers: list = []
         self.policy_ref = None  # the last refit's full state dict, in the object store
+        self._groups: list = []  # placement groups: rollout, train
+        self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
         self._ray_started = False
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
         import ray
 
+        from dataplane_rl.train import placement
+
         cfg = self.cfg
+        placement.check_store_reachable(cfg)  # before Ray: a wrong address fails in seconds
         if not ray.is_initialized():
+            quiet_ray_token_warning()
             # set first: a Ctrl-C inside ray.init must still shut down what it started (close())
             self._ray_started = True
             # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
             # even a dead `ray start` head, instead of starting this run's own instance
             ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
                      include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+        ray_nodes = placement.alive_nodes()
+        placement.check_backend_spans(cfg, ray_nodes)
         self.store = open_run_store(cfg)
         self.store_url = self.store.url if cfg.data_plane.enabled else None
         cfg_dict = cfg.model_dump(mode="json", by_alias=True)
         cpus = os.cpu_count() or 1
         gen_threads = max(1, cpus // cfg.generation.num_workers)
         train_threads = max(1, cpus // cfg.policy.dp_size)
-        # num_cpus=0: the phases run one after another, so actors share the cores instead of reserving them
-        Rollout = ray.remote(num_cpus=0)(RolloutWorker)
-        gpus = 1 if cfg.policy.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= cfg.policy.dp_size else 0
-        Train = ray.remote(num_cpus=0, num_gpus=gpus)(TrainWorker)
-        self.rollout = [Rollout.remote(cfg_dict, self.model_folder, self.store_url, gen_threads)
-                        for _ in range(cfg.generation.num_workers)]
-        D = cfg.policy.dp_size
-        self.workers = [Train.remote(cfg_dict, self.model_folder, self.store_url, r, D, train_threads) for r in range(D)]
-        init_method = ray.get(self.workers[0].address.remote())
+        N, D = cfg.generation.num_workers, cfg.policy.dp_size
+        rollout_gpus, train_gpus = placement.gpu_plan(cfg)
+        self._groups = [placement.placement_group("rollout", N, rollout_gpus, cfg, ray_nodes),
+                        placement.placement_group("train", D, train_gpus, cfg, ray_nodes)]
+        Rollout, Train = ray.remote(RolloutWorker), ray.remote(TrainWorker)
+        self.rollout = [Rollout.options(**placement.options(self._groups[0], i, rollout_gpus)).remote(
+            cfg_dict, self.model_folder, self.store_url, gen_threads) for i in range(N)]
+        self.workers = [Train.options(**placement.options(self._groups[1], r, train_gpus)).remote(
+            cfg_dict, self.model_folder, self.store_url, r, D, train_threads) for r in range(D)]
+        self.nodes = {"rollout": placement.node_ips(self.rollout), "train": placement.node_ips(self.workers)}
+        placement.pin_gloo_interfaces(self.workers)
+        init_method = ray.get(self.workers[0].address.remote())  # rank 0's node IP
         ray.get([w.init_dist.remote(init_method) for w in self.workers] + [a.ready.remote() for a in self.rollout])
 
     def close(self) -> None:
@@ -124,6 +143,10 @@ class GRPOTrainer:
                         ray.kill(actor)
             finally:
                 self.rollout, self.workers = [], []
+                for pg in self._groups:
+                    with contextlib.suppress(Exception):  # gone with a dead cluster
+                        ray.util.remove_placement_group(pg)
+                self._groups = []
                 try:
                     if self.store is not None:
                         self.store.close()
@@ -392,6 +415,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         finally:
             try:
                 summary = run.finish(status, error, {"run_dir": str(run.path), "signal": stop.signum,
+                                                     "nodes": trainer.nodes if trainer else {},
                                                      "store_url": trainer.store_url if trainer else None})
             finally:
                 run.close()
