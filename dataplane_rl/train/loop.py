@@ -9,6 +9,7 @@ store and hands each worker its rows by reference. Both run this same code; only
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -60,17 +61,30 @@ def open_run_store(cfg: Config):
     return open_store(url)
 
 
+def preflight(cfg: Config) -> str:
+    """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
+    an actor's traceback: the task and its file, the model folder, the engine. Returns the model folder."""
+    get_task(cfg.task.name, cfg.task.path)
+    folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
+    if cfg.generation.backend == "vllm":
+        from dataplane_rl.rollout.vllm_engine import require_vllm
+
+        require_vllm()
+    return str(folder)
+
+
 class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.schema = load_schema(cfg.data_plane.schema_name)
+        self.model_folder = preflight(cfg)
         self.task = get_task(cfg.task.name, cfg.task.path)
-        self.model_folder = str(resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir))
         self.store = None
         self.store_url: str | None = None
         self.rollout: list = []
         self.workers: list = []
         self._ray_started = False
+        self.kept_store_url: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -85,6 +99,13 @@ class GRPOTrainer:
             self._ray_started = True
         self.store = open_run_store(cfg)
         self.store_url = self.store.url if cfg.data_plane.enabled else None
+        if cfg.data_plane.keep_partitions:
+            if hasattr(self.store, "keep"):
+                self.store.keep()  # an auto-made shm:// folder must outlive the run, or nothing is kept
+            self.kept_store_url = self.store_url
+            print(f"data_plane.keep_partitions: every step's partition stays in {self.store_url}\n"
+                  f"  inspect: dataplane-rl store ls {self.store_url}   free: dataplane-rl store drop "
+                  f"{self.store_url} --all", file=sys.stderr)
         cfg_dict = cfg.model_dump(mode="json", by_alias=True)
         cpus = os.cpu_count() or 1
         gen_threads = max(1, cpus // cfg.generation.num_workers)
@@ -248,7 +269,7 @@ class GRPOTrainer:
     def _metrics(self, step, train, rounds_rewards, kept_rewards, rounds, io: StepIO) -> dict:
         m = {"step": step}
         for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
-                  "probs_ratio_mean", "approx_entropy", "grad_norm", "global_valid_toks", "logprob_mismatch"):
+                  "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch", "lr"):
             m[f"train/{k}"] = train[k]
         m["train/reward"] = float(np.mean(np.concatenate(rounds_rewards)))
         m["train/filtered_reward"] = float(np.mean(kept_rewards))
@@ -277,6 +298,23 @@ def _merge(steps: list[RowSet]) -> RowSet:
     return out
 
 
+class StepProgress:
+    """The console bar: it advances when a step ends, showing that step's numbers (never step k's at k-1/N)."""
+
+    def __init__(self, total: int, enabled: bool = True, file=None) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="grpo", unit="step", disable=not enabled, dynamic_ncols=True, file=file)
+
+    def step_done(self, metrics: dict) -> None:
+        self.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
+                             step_s=f"{metrics['timing/step']:.1f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def train(cfg: Config) -> dict:
     """Run GRPO as configured; returns the summary. The run folder is consistent however it ends."""
     run = RunDir(cfg.logger.run_dir, dump_config(cfg))
@@ -285,15 +323,11 @@ def train(cfg: Config) -> dict:
     bar = None
     try:
         trainer.start()
-        from tqdm import tqdm
-
-        bar = tqdm(range(1, cfg.grpo.max_num_steps + 1), desc="grpo", unit="step", disable=not cfg.logger.progress,
-                   dynamic_ncols=True)
-        for step in bar:
+        bar = StepProgress(cfg.grpo.max_num_steps, enabled=cfg.logger.progress)
+        for step in range(1, cfg.grpo.max_num_steps + 1):
             metrics, samples = trainer.step(step)
             run.log_step(metrics, samples)
-            bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
-                            step_s=f"{metrics['timing/step']:.1f}")
+            bar.step_done(metrics)
         status = "completed"
     except KeyboardInterrupt:
         status, error = "interrupted", "KeyboardInterrupt"
@@ -307,5 +341,6 @@ def train(cfg: Config) -> dict:
         try:
             trainer.close()
         finally:
-            summary = run.finish(status, error, {"run_dir": str(run.path), "store_url": trainer.store_url})
+            summary = run.finish(status, error, {"run_dir": str(run.path), "store_url": trainer.store_url,
+                                                 "kept_store_url": trainer.kept_store_url})
     return summary

@@ -96,14 +96,21 @@ def load_tokenizer(folder: Path):
     return tok
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False):
     """Log-prob of each token given the tokens before it, aligned with positions; position 0 is 0.
 
-    input_ids, attention_mask: [B, T], right-padded.
+    input_ids, attention_mask: [B, T], right-padded. with_entropy: also return, detached, the entropy of
+    the temperature-scaled distribution each token was drawn from, aligned the same way.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
     picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
     out = torch.zeros_like(input_ids, dtype=picked.dtype)  # [B, T]
     out[:, 1:] = picked
-    return out * attention_mask
+    if not with_entropy:
+        return out * attention_mask
+    with torch.no_grad():
+        ent = torch.zeros_like(out)  # [B, T]
+        ent[:, 1:] = -(logp.exp() * logp).sum(-1)  # [B, T-1]
+    return out * attention_mask, ent * attention_mask
