@@ -106,7 +106,7 @@ class DataPlaneConfig(_Section):
     backend: str = Field("shm://", description="Store URL: shm://[DIR] (one machine), mooncake://[HOST:PORT] (many; empty starts a local one), memory://, ray://.")
     schema_name: str = Field("grpo", alias="schema", description="Built-in schema name or path to a schema YAML file.")
     train_fields: Optional[list[str]] = Field(None, description="Columns each train worker fetches; default: the schema's DP_TRAIN_FIELDS.")
-    keep_partitions: bool = Field(False, description="Keep each step's partition after training (for inspection with `store ls`).")
+    keep_partitions: bool = Field(False, description="Keep each step's partition after training, for `dataplane-rl store ls RUN_DIR`; an auto-made shm:// folder then outlives the run (summary.json kept_store_url).")
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)

@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return rc
     except DataPlaneError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

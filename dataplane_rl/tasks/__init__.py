@@ -86,7 +86,11 @@ class MathJsonlTask:
         p = Path(self.path)
         if not p.is_file():
             raise ConfigError(f"task.path '{p}' not found; math_jsonl needs a JSONL file with question and answer fields")
-        for i, line in enumerate(p.read_text().splitlines(), 1):
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"task.path '{p}' cannot be read ({e}); math_jsonl needs a readable UTF-8 JSONL file") from None
+        for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:

@@ -301,10 +301,11 @@ def _merge(steps: list[RowSet]) -> RowSet:
 class StepProgress:
     """The console bar: it advances when a step ends, showing that step's numbers (never step k's at k-1/N)."""
 
-    def __init__(self, total: int, enabled: bool = True, file=None) -> None:
+    def __init__(self, total: int, enabled: bool = True, file=None, mininterval: float = 0.1) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc="grpo", unit="step", disable=not enabled, dynamic_ncols=True, file=file)
+        self.bar = tqdm(total=total, desc="grpo", unit="step", disable=not enabled, dynamic_ncols=True, file=file,
+                        mininterval=mininterval)
 
     def step_done(self, metrics: dict) -> None:
         self.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",

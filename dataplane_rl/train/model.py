@@ -65,6 +65,12 @@ def resolve_model(name: str, seed: int, cache_dir: str | None = None) -> Path:
     if not (p / "config.json").is_file():
         raise ConfigError(f"policy.model '{name}' is neither 'tiny' nor a local Hugging Face folder with config.json; "
                           "nothing is downloaded, so save the model locally first")
+    missing = [what for what, patterns in (("weights", ("*.safetensors", "*.bin")),
+                                           ("tokenizer", ("tokenizer.json", "tokenizer_config.json")))
+               if not any(next(p.glob(pat), None) for pat in patterns)]
+    if missing:
+        raise ConfigError(f"policy.model '{name}' has config.json but no {' and no '.join(missing)} files; save the "
+                          "whole model with save_pretrained(folder) and its tokenizer's save_pretrained(folder)")
     return p
 
 

@@ -22,6 +22,7 @@ def reward_figure(metrics: list[dict], title: str):
 
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [m["step"] for m in metrics]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
@@ -47,6 +48,7 @@ def reward_figure(metrics: list[dict], title: str):
         if all(key in m for m in metrics):
             lines += ax.plot(steps, [m[key] for m in metrics], marker=".", color=color, label=key)
     bottom.set_xlabel("step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     bottom.set_ylabel("loss, KL penalty")
     right.set_ylabel("entropy (nats per token)")
     bottom.grid(alpha=0.3)
