@@ -18,6 +18,7 @@ command without vllm installed must be refused with the install hint, before Ray
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -155,8 +156,6 @@ def workdir(tmp_path_factory, ray_session) -> tuple[Path, dict, str]:
                PYTHONUNBUFFERED="1")
     yield cwd, env, ray_session.get_runtime_context().gcs_address
     for store in cwd.glob("runs/*/summary.json"):  # a kept store the README did not drop
-        import json
-
         url = json.loads(store.read_text()).get("kept_store_url")
         if url and url.startswith("shm://") and Path(url[len("shm://"):].split("?")[0]).is_dir():
             subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "store", "drop", url, "--all"], env=env,
