@@ -58,3 +58,25 @@ def test_progress_bar_shows_a_steps_numbers_only_once_it_is_done():
         if "reward=0.750" in frame:
             assert "2/2" in frame, frame
     assert any("1/2" in f and "reward=0.250" in f for f in frames)
+
+
+def test_entropy_from_the_train_pass_logits():
+    """train/entropy's per-token value: uniform logits over V give ln V; a one-hot-ish row gives ~0.
+    Position 0 (no prediction) and padding are 0, like the log-probs."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from dataplane_rl.train.model import token_logprobs
+
+    V = 5
+    logits = torch.zeros(2, 3, V)  # [B, T, V]: row 0 uniform
+    logits[1, :, 0] = 50.0  # row 1: all mass on token 0
+    model = lambda input_ids, attention_mask: SimpleNamespace(logits=logits)  # noqa: E731
+    ids = torch.zeros(2, 3, dtype=torch.long)  # [B, T]
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # [B, T] row 1 padded at the end
+    lp, ent = token_logprobs(model, ids, mask, with_entropy=True)
+    assert ent[0].tolist() == pytest.approx([0.0, math.log(V), math.log(V)])
+    assert ent[1].tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
+    assert lp[0, 1:].tolist() == pytest.approx([-math.log(V)] * 2)

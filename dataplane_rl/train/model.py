@@ -118,5 +118,6 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         return out * attention_mask
     with torch.no_grad():
         ent = torch.zeros_like(out)  # [B, T]
-        ent[:, 1:] = -(logp.exp() * logp).sum(-1)  # [B, T-1]
+        for i in range(len(logp)):  # a row at a time: the temporary is [T-1, V], not another [B, T-1, V]
+            ent[i, 1:] = -(logp[i].exp() * logp[i]).sum(-1)  # [T-1]
     return out * attention_mask, ent * attention_mask
