@@ -61,24 +61,23 @@ def open_run_store(cfg: Config):
     return open_store(url)
 
 
-def preflight(cfg: Config) -> str:
+def preflight(cfg: Config):
     """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
-    an actor's traceback: the task and its file, the model folder, the engine. Returns the model folder."""
-    get_task(cfg.task.name, cfg.task.path)
+    an actor's traceback: the task and its file, the model folder, the engine. Returns (task, model folder)."""
+    task = get_task(cfg.task.name, cfg.task.path)
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     if cfg.generation.backend == "vllm":
         from dataplane_rl.rollout.vllm_engine import require_vllm
 
         require_vllm()
-    return str(folder)
+    return task, str(folder)
 
 
 class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.schema = load_schema(cfg.data_plane.schema_name)
-        self.model_folder = preflight(cfg)
-        self.task = get_task(cfg.task.name, cfg.task.path)
+        self.task, self.model_folder = preflight(cfg)
         self.store = None
         self.store_url: str | None = None
         self.rollout: list = []
@@ -269,7 +268,8 @@ class GRPOTrainer:
     def _metrics(self, step, train, rounds_rewards, kept_rewards, rounds, io: StepIO) -> dict:
         m = {"step": step}
         for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
-                  "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch", "lr"):
+                  "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch",
+                  "lr"):
             m[f"train/{k}"] = train[k]
         m["train/reward"] = float(np.mean(np.concatenate(rounds_rewards)))
         m["train/filtered_reward"] = float(np.mean(kept_rewards))
