@@ -80,3 +80,12 @@ def test_entropy_from_the_train_pass_logits():
     assert ent[0].tolist() == pytest.approx([0.0, math.log(V), math.log(V)])
     assert ent[1].tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)
     assert lp[0, 1:].tolist() == pytest.approx([-math.log(V)] * 2)
+
+
+def test_a_resumed_runs_bar_starts_at_the_steps_done():
+    out = io.StringIO()
+    bar = StepProgress(5, file=out, mininterval=0, initial=3)
+    bar.step_done({"train/reward": 0.5, "train/loss": 0.1, "timing/step": 1.0})
+    bar.close()
+    frames = out.getvalue().replace("\n", "\r").split("\r")
+    assert all("4/5" in f for f in frames if "reward=0.500" in f) and any("reward=0.500" in f for f in frames)

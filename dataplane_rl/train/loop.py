@@ -301,11 +301,12 @@ def _merge(steps: list[RowSet]) -> RowSet:
 class StepProgress:
     """The console bar: it advances when a step ends, showing that step's numbers (never step k's at k-1/N)."""
 
-    def __init__(self, total: int, enabled: bool = True, file=None, mininterval: float = 0.1) -> None:
+    def __init__(self, total: int, enabled: bool = True, file=None, mininterval: float = 0.1, initial: int = 0) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc="grpo", unit="step", disable=not enabled, dynamic_ncols=True, file=file,
-                        mininterval=mininterval)
+        # initial: steps already done (a resumed run starts its bar there)
+        self.bar = tqdm(total=total, initial=initial, desc="grpo", unit="step", disable=not enabled,
+                        dynamic_ncols=True, file=file, mininterval=mininterval)
 
     def step_done(self, metrics: dict) -> None:
         self.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
