@@ -9,8 +9,9 @@ What runs: in a shell block (bash, or a console block whose lines start with `$ 
 (`\\`-continued lines joined, `# comments` dropped) is split on `&&`, and every part whose program is
 `dataplane-rl` (or a path ending in /dataplane-rl) runs through bash, with the CLI of this checkout's
 interpreter. Other programs (pip, apt-get, ray, python -m pytest) are the user's setup and do not run.
-`train` gets a tiny step budget appended as overrides, and joins this session's Ray instead of
-starting its own. In a console block, the lines after a command are its expected output: they must
+`train` gets a tiny budget appended as overrides (small batches; one step, unless the command itself
+names at most MAX_STEPS steps, as a checkpoint/resume/export sequence must), and joins this session's
+Ray instead of starting its own. In a console block, the lines after a command are its expected output: they must
 appear in what it prints; an expected `error:` means exit status 2. A `generation.backend=vllm`
 command without vllm installed must be refused with the install hint, before Ray starts.
 """
@@ -34,9 +35,11 @@ README = ROOT / "README.md"
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
 FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
 SHELL = {"bash", "sh", "shell", "console", ""}
-# a train command's budget: one step of 2 prompts x 2 samples, short responses (any dp_size up to 2)
-TRAIN_BUDGET = ["grpo.max_num_steps=1", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+# a train command's budget: steps of 2 prompts x 2 samples, short responses (any dp_size up to 2), and one
+# step unless the command names a small step count itself (a checkpoint/resume/export sequence needs its own)
+TRAIN_BUDGET = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
                 "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2", "generation.max_new_tokens=4"]
+MAX_STEPS = 10
 TIMEOUT_S = 300
 
 
@@ -134,7 +137,9 @@ def prepare(part: str, ray_address: str | None) -> tuple[str, list[str]]:
     head, pipe, tail = part.partition("|")
     argv = words(head)[1:]
     if argv and argv[0] == "train":
-        argv += TRAIN_BUDGET
+        steps = [w.split("=", 1)[1] for w in argv if w.startswith("grpo.max_num_steps=")]
+        small = bool(steps) and steps[-1].isdigit() and int(steps[-1]) <= MAX_STEPS
+        argv += TRAIN_BUDGET + ([] if small else ["grpo.max_num_steps=1"])
         if ray_address and not any(w.startswith("cluster.address=") for w in argv):
             argv.append(f"cluster.address={ray_address}")  # one Ray start for every command, not one each
     cli = f"{shlex.quote(sys.executable)} -m dataplane_rl.cli.main"
@@ -210,6 +215,8 @@ def test_readme_parser_finds_the_commands():
         ("dataplane-rl x", ["out 1"]), ("dataplane-rl y", [])]
     script, argv = prepare("dataplane-rl train --config c.yaml k=v | tail -1", "1.2.3.4:5")
     assert argv[:3] == ["train", "--config", "c.yaml"] and "grpo.max_num_steps=1" in argv
+    assert "grpo.max_num_steps=1" not in prepare("dataplane-rl train grpo.max_num_steps=4", None)[1]
+    assert prepare("dataplane-rl train grpo.max_num_steps=30", None)[1][-1] == "grpo.max_num_steps=1"
     assert argv[-1] == "cluster.address=1.2.3.4:5" and script.endswith("| tail -1")
 
 
