@@ -41,6 +41,9 @@ TRAIN_BUDGET = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=
                 "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2", "generation.max_new_tokens=4"]
 MAX_STEPS = 10
 TIMEOUT_S = 300
+# what a block that needs a Ray cluster, other hosts or a GPU names: ray start, a cluster address, the head
+# node, CUDA, a daemon's pid file, the Mooncake master
+NEEDS_CLUSTER_OR_GPU = re.compile(r"ray start|cluster\.address|--address|\bHEAD\b|cuda|\.pid\b|mooncake_master")
 
 
 @dataclass
@@ -225,6 +228,8 @@ def test_skip_markers_are_for_clusters_and_gpus_only():
         if b.skip is not None:
             assert re.search(r"cluster|GPU|host|node", b.skip, re.IGNORECASE), \
                 f"{b.id} is skipped for '{b.skip}': the marker is only for blocks that need a cluster, hosts or a GPU"
+        if b.skip is not None:  # and the block it skips really needs one (a marker misplaced by a merge fails)
+            assert NEEDS_CLUSTER_OR_GPU.search(b.text), f"{b.id} is skipped for '{b.skip}' but needs no cluster or GPU"
     markers = [line for line in README.read_text().splitlines() if SKIP.fullmatch(line.strip())]
     assert len(markers) == sum(b.skip is not None for b in BLOCKS), \
         "a skip marker that is not directly before a fenced block skips nothing"
