@@ -33,6 +33,15 @@ class GRPOConfig(_Section):
     use_dynamic_sampling: bool = Field(False, description="Keep only whole groups whose rewards are not all equal; generate more rounds until enough groups.")
     max_gen_batches: int = Field(4, ge=1, description="Most generation rounds per step with dynamic sampling before it fails.")
     overlong_filtering: bool = Field(False, description="Mask (sample_mask=0) samples that hit the generation length limit.")
+    num_epochs: int = Field(1, ge=1, description="Passes over each step's rows (PPO epochs); prev_logprobs stay those from before the step, so later passes are clipped.")
+
+
+class SchedulerConfig(_Section):
+    """`policy.scheduler.*`: the learning-rate schedule, a torch LambdaLR stepped once per optimizer step."""
+
+    name: Literal["constant", "cosine"] = Field("constant", description="After warmup: constant keeps policy.learning_rate; cosine decays it to min_lr_ratio * learning_rate at the last optimizer step.")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from learning_rate / (warmup_steps + 1) up to learning_rate.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine only: the final learning rate as a fraction of policy.learning_rate.")
 
 
 class PolicyConfig(_Section):
@@ -43,12 +52,14 @@ class PolicyConfig(_Section):
     train_global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, over all ranks.")
     train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward on one rank; does not change the numbers, only memory.")
     dp_size: int = Field(1, ge=1, description="Data-parallel training workers (torch.distributed ranks).")
-    learning_rate: float = Field(1e-2, gt=0.0, description="AdamW learning rate.")
+    learning_rate: float = Field(1e-2, gt=0.0, description="AdamW learning rate (the peak, with policy.scheduler).")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
     precision: Literal["float32", "bfloat16"] = Field("float32", description="Train compute dtype; bfloat16 is an FSDP2 mixed-precision policy (fp32 master weights and gradient reduction), CUDA only.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder block's activations in backward: less memory, more compute; same numbers.")
+    max_total_sequence_length: Optional[int] = Field(None, ge=2, description="Most prompt + response tokens per sample; longer responses are cut to fit and marked truncated. None: prompt + generation.max_new_tokens.")
 
 
 class VLLMConfig(_Section):
@@ -68,6 +79,7 @@ class GenerationConfig(_Section):
     max_new_tokens: int = Field(8, ge=1, description="Response length limit; longer responses are truncated.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p; 1.0 disables it. Log-probs stay full-vocabulary.")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     @model_validator(mode="after")
@@ -75,7 +87,7 @@ class GenerationConfig(_Section):
         if self.backend == "vllm":
             from dataplane_rl.rollout.vllm_engine import logprobs_mode
 
-            logprobs_mode(self.temperature, self.top_k)  # raises, naming the keys, when no vLLM mode fits
+            logprobs_mode(self.temperature, self.top_k, self.top_p)  # raises, naming the keys, when no vLLM mode fits
         return self
 
 
@@ -98,7 +110,7 @@ class DataPlaneConfig(_Section):
     backend: str = Field("shm://", description="Store URL: shm://[DIR] (one machine), mooncake://[HOST:PORT] (many; empty starts a local one), memory://, ray://.")
     schema_name: str = Field("grpo", alias="schema", description="Built-in schema name or path to a schema YAML file.")
     train_fields: Optional[list[str]] = Field(None, description="Columns each train worker fetches; default: the schema's DP_TRAIN_FIELDS.")
-    keep_partitions: bool = Field(False, description="Keep each step's partition after training (for inspection with `store ls`).")
+    keep_partitions: bool = Field(False, description="Keep each step's partition after training, for `dataplane-rl store ls RUN_DIR`; an auto-made shm:// folder then outlives the run (summary.json kept_store_url).")
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
 
     model_config = ConfigDict(**CONFIG, populate_by_name=True)
@@ -175,6 +187,18 @@ class Config(_Section):
             )
         if (g.use_leave_one_out_baseline or g.use_dynamic_sampling or g.normalize_rewards) and g.num_generations_per_prompt < 2:
             raise ValueError("grpo.num_generations_per_prompt must be >= 2 for group baselines, normalisation and dynamic sampling")
+        dp = self.data_plane
+        if dp.keep_partitions:
+            url = dp.backend
+            gone = ("with data_plane.enabled=false the columns live in the driver's memory" if not dp.enabled else
+                    "memory:// lives in the driver's process" if url.startswith("memory://") else
+                    "mooncake:// without an address is a store the run starts and stops" if url.rstrip("/") == "mooncake:" else
+                    "ray:// lives in the run's own Ray instance" if url.startswith("ray://") and not self.cluster.address
+                    else None)
+            if gone:
+                raise ValueError(f"data_plane.keep_partitions=true would keep nothing: {gone}, which ends with the run; "
+                                 "use data_plane.enabled=true with shm:// (the default) or a long-running "
+                                 "mooncake://HOST:PORT store")
         schema = load_schema(self.data_plane.schema_name)
         fields = self.train_fields(schema)
         for f in fields:

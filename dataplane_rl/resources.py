@@ -20,3 +20,9 @@ def data_dir(kind: str) -> Path:
         f"dataplane-rl data folder '{kind}' not found next to {_PACKAGE}; reinstall the package "
         "(pip install dataplane-rl) or run from a full checkout"
     )
+
+
+def project_root() -> Path | None:
+    """The checkout this package runs from (the folder with pyproject.toml), or None for an installed wheel."""
+    root = _PACKAGE.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "schema").is_dir() else None

@@ -93,3 +93,20 @@ def test_schema_validate_reports_every_violation(tmp_path):
 def test_schema_validate_missing_file(tmp_path):
     p = run("schema", "validate", str(tmp_path / "nope.parquet"))
     assert p.returncode != 0 and "not found" in p.stderr
+
+
+def test_schema_show_names_the_file_relative_to_the_checkout(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "schema", "show"], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)  # from any folder: the path the README names
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == "schema grpo v1 (schema/grpo.yaml)"
+
+
+def test_closed_pipe_exits_quietly():
+    """`dataplane-rl schema show --json | head`: the reader is gone before the command writes."""
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "schema", "show", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # this process held the only read end: every write of the child now fails (EPIPE)
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert proc.returncode == 141  # 128 + SIGPIPE, what `cat` reports in the same place

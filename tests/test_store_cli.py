@@ -97,3 +97,43 @@ def test_ls_mooncake(mooncake_store):
     finally:
         for pid in mooncake_store.list_partitions():
             mooncake_store.drop_partition(pid)
+
+
+def test_drop_one_then_all_removes_a_kept_folder(tmp_path):
+    """`store drop URL PARTITION|--all`: --all also frees a kept shm:// folder, nothing left in /dev/shm."""
+    from pathlib import Path
+
+    store = open_store("shm://")
+    fill(store)
+    store.keep()  # what a run with data_plane.keep_partitions=true does: the folder outlives the store
+    url, folder = store.url, Path(store.path)
+    store.close()
+    try:
+        assert folder.is_dir(), "keep() must leave the auto-made folder in place at close"
+        p = run("drop", url, "step-000002")
+        assert p.returncode == 0 and "dropped 1 partition(s)" in p.stdout, p.stderr
+        assert json.loads(run("ls", url, "--json").stdout)["partitions"][0]["partition"] == "step-000001"
+        p = run("drop", url, "step-000002")
+        assert p.returncode == 2 and "PartitionNotFoundError" in p.stderr and "step-000002" in p.stderr
+        p = run("drop", url, "--all")
+        assert p.returncode == 0 and f"removed {folder}" in p.stdout, p.stderr
+        assert not folder.exists()
+        p = run("drop", url)
+        assert p.returncode == 2 and "--all" in p.stderr  # a partition or --all is required
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_run_folder_names_its_kept_store(tmp_path, shm_url):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "kept_store_url": shm_url}))
+    p = run("ls", str(run_dir))
+    assert p.returncode == 0 and f"store {shm_url}: 2 partition(s)" in p.stdout, p.stderr
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "kept_store_url": None}))
+    p = run("ls", str(run_dir))
+    assert p.returncode == 2 and "kept no partitions" in p.stderr and "keep_partitions=true" in p.stderr
+    p = run("ls", str(tmp_path / "nope"))
+    assert p.returncode == 2 and "neither a store URL" in p.stderr

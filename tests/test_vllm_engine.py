@@ -127,14 +127,16 @@ def test_refit_loads_the_new_policy(engine, tiny):
 
 
 def test_grpo_run_with_vllm_on_the_data_plane(tmp_path, ray_session):
-    """5 GRPO steps with generation.backend=vllm in the rollout actor, data plane on: every step trains
-    with the VAPO term, and the generation log-probs equal the trainer's (refit after every step)."""
+    """5 GRPO steps with generation.backend=vllm in the rollout actor, data plane on, top_p and top_k
+    sampling: every step trains with the VAPO term, and the generation log-probs equal the trainer's
+    full-vocabulary ones (raw_logprobs at temperature 1; refit after every step)."""
     need_vllm()
     from dataplane_rl.train.loop import train
 
     run_dir = tmp_path / "vllm"
     summary = train(load_config(None, [*SMALL, "generation.backend=vllm", "data_plane.enabled=true",
                                        "loss_fn.positive_example_nll_weight=0.1", "grpo.max_num_steps=5",
+                                       "generation.top_p=0.9", "generation.top_k=20",
                                        f"logger.run_dir={run_dir}"]))
     assert summary["status"] == "completed"
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -152,6 +154,7 @@ def test_grpo_run_with_vllm_on_the_data_plane(tmp_path, ray_session):
 
 @pytest.mark.parametrize("overrides,key", [
     (["generation.backend=vllm", "generation.top_k=5", "generation.temperature=0.7"], "generation.top_k"),
+    (["generation.backend=vllm", "generation.top_p=0.9", "generation.temperature=0.7"], "generation.top_p"),
     (["generation.vllm.dtype=fp8"], "generation.vllm.dtype"),
     (["generation.vllm.kv_cache_space_gb=0"], "generation.vllm.kv_cache_space_gb"),
     (["generation.vllm.gpu_memory_utilization=1.5"], "generation.vllm.gpu_memory_utilization"),

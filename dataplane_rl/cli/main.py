@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from dataplane_rl.errors import DataPlaneError
@@ -37,13 +39,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return rc
     except DataPlaneError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`dataplane-rl schema show --json | head`): stop quietly, as `cat` does. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise the same error again
+        # (the recipe of Python's signal docs, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

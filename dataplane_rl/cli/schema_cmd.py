@@ -43,12 +43,20 @@ def show_cmd(args) -> int:
     table = [(r["name"], r["dtype"], r["kind"], r["writer"], ",".join(r["field_sets"]) or "-", r["alias"] or "-")
              for r in rows]
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
-    title = f"schema {schema.name} v{schema.version} ({schema.source})"
+    title = f"schema {schema.name} v{schema.version} ({shown_path(schema.source)})"
     print(title + (f", field set {args.field_set}" if args.field_set else ""))
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     for t in table:
         print("  ".join(v.ljust(w) for v, w in zip(t, widths)))
     return 0
+
+
+def shown_path(source) -> str:
+    """A schema file inside the checkout as the README names it (schema/grpo.yaml); any other absolute."""
+    from dataplane_rl.resources import project_root
+
+    path, root = Path(str(source)).resolve(), project_root()
+    return str(path.relative_to(root)) if root is not None and path.is_relative_to(root) else str(source)
 
 
 def read_columns(path: Path):

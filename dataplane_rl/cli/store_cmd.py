@@ -1,9 +1,12 @@
-"""`dataplane-rl store ls|show`: look into a live column store by URL."""
+"""`dataplane-rl store ls|show|drop`: look into (or free) a live column store, by URL or by the run folder
+of a run that kept its partitions (its summary.json names the store)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 SHOW_DEFAULT_ROWS = "0-9"
 
@@ -12,22 +15,50 @@ def add_parser(sub) -> None:
     p = sub.add_parser("store", help="inspect a live column store (shm://DIR, mooncake://HOST:PORT, ray://...)")
     ssub = p.add_subparsers(dest="store_command", required=True, metavar="ACTION")
     ls = ssub.add_parser("ls", help="partitions, columns, rows written of total, bytes")
-    ls.add_argument("url", help="store URL, e.g. shm:///dev/shm/dataplane-rl-1234 or mooncake://127.0.0.1:50051")
+    ls.add_argument("url", help=URL_HELP)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=ls_cmd)
     show = ssub.add_parser("show", help="print rows of a partition (token columns abbreviated)")
-    show.add_argument("url", help="store URL")
+    show.add_argument("url", help=URL_HELP)
     show.add_argument("partition", help="partition id, e.g. step-000042")
     show.add_argument("--rows", default=SHOW_DEFAULT_ROWS, help=f"rows like 0-9,12 (default {SHOW_DEFAULT_ROWS})")
     show.add_argument("--fields", help="comma-separated columns (default: every column with rows written)")
     show.set_defaults(func=show_cmd)
+    drop = ssub.add_parser("drop", help="drop a partition, or --all (an shm:// store's folder goes with the last)")
+    drop.add_argument("url", help=URL_HELP)
+    which = drop.add_mutually_exclusive_group(required=True)
+    which.add_argument("partition", nargs="?", help="partition id, e.g. step-000042")
+    which.add_argument("--all", action="store_true", help="every partition; an shm:// folder is then removed")
+    drop.set_defaults(func=drop_cmd)
 
 
-def _open(url: str):
+URL_HELP = ("store URL (shm:///dev/shm/dataplane-rl-..., mooncake://HOST:PORT, ...) or the run folder of a run "
+            "with data_plane.keep_partitions=true, e.g. runs/latest")
+
+
+def store_url(arg: str) -> str:
+    """A store URL as given, or the one a run folder's summary.json records as kept."""
+    from dataplane_rl.errors import ConfigError
+
+    if "://" in arg:
+        return arg
+    summary = Path(arg) / "summary.json"
+    if not summary.is_file():
+        raise ConfigError(f"'{arg}' is neither a store URL (shm://DIR, mooncake://HOST:PORT, ...) nor a run folder "
+                          "with summary.json")
+    doc = json.loads(summary.read_text())
+    if not doc.get("kept_store_url"):
+        raise ConfigError(f"the run in '{arg}' kept no partitions: its store ended with it; run with "
+                          "data_plane.enabled=true data_plane.keep_partitions=true to inspect them afterwards")
+    return doc["kept_store_url"]
+
+
+def _open(arg: str, **options):
     from dataplane_rl.store import open_store
 
+    url = store_url(arg)
     # looking must not create: a mistyped shm:// folder is an error, not a new empty store
-    return open_store(url, create=False) if url.startswith("shm://") else open_store(url)
+    return open_store(url, create=False, **options) if url.startswith("shm://") else open_store(url, **options)
 
 
 def human_bytes(n: int) -> str:
@@ -151,4 +182,21 @@ def show_cmd(args) -> int:
         print(f"row {r}")
         for f, values in columns.items():
             print(f"  {f.ljust(width)}  {_cell(values[i], schema.by_name[f].kind == 'token')}")
+    return 0
+
+
+def drop_cmd(args) -> int:
+    # pool_bytes=0: a dropped partition's chunk files are deleted, not pooled for reuse by a run that is over
+    url = store_url(args.url)
+    store = _open(url, **({"pool_bytes": 0} if url.startswith("shm://") else {}))
+    try:
+        pids = store.list_partitions() if args.all else [args.partition]
+        for pid in pids:
+            store.drop_partition(pid)
+        folder = store.path if args.all and hasattr(store, "path") else None
+    finally:
+        store.close()
+    print(f"dropped {len(pids)} partition(s) from {url}" + (f"; removed {folder}" if folder else ""))
+    if folder is not None:
+        shutil.rmtree(folder)  # the store is empty; its folder (marker, chunk pool) is all that is left
     return 0

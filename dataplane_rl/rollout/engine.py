@@ -30,7 +30,7 @@ class Generation:
 
 class GenerationEngine(Protocol):
     def generate(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, temperature: float,
-                 top_k: int) -> list[Generation]:
+                 top_k: int, top_p: float = 1.0) -> list[Generation]:
         ...
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -42,7 +42,7 @@ class HFEngine:
 
     Sampling is Gumbel-max with per-row noise from the row's own generator; the log-prob of each sampled
     token comes from the same forward pass, at the temperature-scaled full distribution (what the trainer
-    recomputes), not the top-k renormalised one.
+    recomputes), not the top-k/top-p renormalised one.
     """
 
     def __init__(self, model, eos_token_id: int | None, pad_token_id: int) -> None:
@@ -55,7 +55,7 @@ class HFEngine:
         self.model.load_state_dict(state_dict)
 
     @torch.no_grad()
-    def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0):
+    def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0):
         B = len(prompts)
         if B == 0:
             return []
@@ -79,6 +79,8 @@ class HFEngine:
             if top_k and top_k < scores.shape[-1]:
                 kth = scores.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
                 scores[scores < kth] = float("-inf")
+            if top_p < 1.0:
+                scores = nucleus(scores, top_p)
             V = scores.shape[-1]
             u = torch.stack([torch.rand(V, generator=g, dtype=torch.float64) for g in gens])  # [B, V]
             gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
@@ -99,6 +101,18 @@ class HFEngine:
             logits, past = out.logits[:, -1], out.past_key_values
         return [Generation(tokens[i], logps[i], truncated=not (tokens[i] and tokens[i][-1] == self.eos))
                 for i in range(B)]
+
+
+def nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep, per row, the most likely tokens until their probability reaches top_p (at least one); the rest
+    become -inf. Applied after top-k, on its renormalised distribution, as vLLM and HF's TopPLogitsWarper do.
+
+    scores: [B, V] log-probs or logits.
+    """
+    probs, order = torch.softmax(scores, dim=-1).sort(dim=-1, descending=True)  # [B, V]
+    before = probs.cumsum(-1) - probs  # [B, V] mass of the more likely tokens
+    drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= top_p)  # [B, V] in vocab order
+    return scores.masked_fill(drop, float("-inf"))
 
 
 def make_engine(cfg, model_folder, tokenizer) -> GenerationEngine:

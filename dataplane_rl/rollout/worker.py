@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from dataplane_rl.rollout.engine import Generation
+
 
 @dataclass
 class RolloutJob:
@@ -57,6 +59,28 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int) 
         "prompt_text": pa.array(ptext, type=pa.string()),
         "response_text": pa.array(rtext, type=pa.string()),
     })
+
+
+def response_rooms(prompt_ids: list[list[int]], max_new_tokens: int, max_total: int | None) -> list[int]:
+    """Most response tokens per prompt: generation.max_new_tokens, less where prompt + response would
+    exceed policy.max_total_sequence_length."""
+    if max_total is None:
+        return [max_new_tokens] * len(prompt_ids)
+    rooms = [min(max_new_tokens, max_total - len(p)) for p in prompt_ids]
+    if rooms and min(rooms) < 1:
+        longest = max(len(p) for p in prompt_ids)
+        from dataplane_rl.errors import ConfigError
+
+        raise ConfigError(f"a prompt of {longest} tokens leaves no room for a response within "
+                          f"policy.max_total_sequence_length={max_total}; raise it above the longest prompt")
+    return rooms
+
+
+def cut(g: Generation, room: int) -> Generation:
+    """The generation cut to `room` tokens; a cut one is truncated (it did not end by itself)."""
+    if len(g.tokens) <= room:
+        return g
+    return Generation(g.tokens[:room], g.logprobs[:room], truncated=True)
 
 
 class RolloutWorker:
@@ -115,7 +139,9 @@ class RolloutWorker:
         prompt_ids = [self.encode(p) for p in job.prompts]
         flat = [p for p in prompt_ids for _ in range(G)]
         seeds = [sample_seed(seed, job.step, job.round, gid, s) for gid in job.group_ids for s in range(G)]
-        gens = self.engine.generate(flat, seeds, gen.max_new_tokens, gen.temperature, gen.top_k)
+        rooms = response_rooms(prompt_ids, gen.max_new_tokens, self.cfg.policy.max_total_sequence_length)
+        gens = self.engine.generate(flat, seeds, max(rooms), gen.temperature, gen.top_k, gen.top_p)
+        gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
         table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G)
         receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "bytes_written": 0, "put_s": 0.0}
         if self.store is None:

@@ -1,7 +1,7 @@
 """`shm://DIR`: the embedded default, shared by every process on one machine (DESIGN §4).
 
 A store is a folder, on /dev/shm so the bytes live in RAM. `shm://` alone makes a fresh folder that the
-store removes on close; `shm://DIR` opens (or makes) DIR and leaves it in place.
+store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes) DIR and leaves it in place.
 
     DIR/.dataplane-rl                  marker: this folder is a store
     DIR/.pool/<bytes>-<hex>            chunk files of dropped partitions, kept for reuse
@@ -235,6 +235,12 @@ class ShmStore(ColumnStore):
     @property
     def path(self) -> Path:
         return Path(self._dir)
+
+    def keep(self) -> None:
+        """Leave the folder in place at close, even one made for `shm://` (data_plane.keep_partitions)."""
+        if self._cleanup is not None:
+            self._cleanup.detach()
+            self._cleanup = None
 
     def _open_dir(self, create: bool) -> None:
         marker = os.path.join(self._dir, _MARKER)

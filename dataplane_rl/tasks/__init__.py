@@ -91,6 +91,9 @@ class MathJsonlTask:
         except UnicodeDecodeError as e:
             raise ConfigError(f"task.path '{p}' is not UTF-8 text ({e.reason} at byte {e.start}); math_jsonl needs a "
                               "JSONL file with question and answer fields") from None
+        except OSError as e:
+            raise ConfigError(f"task.path '{p}' cannot be read ({e.strerror}); math_jsonl needs a readable UTF-8 "
+                              "JSONL file") from None
         for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue

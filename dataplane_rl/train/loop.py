@@ -13,6 +13,7 @@ import math
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -73,14 +74,23 @@ def quiet_ray_token_warning() -> None:
     it says nothing about this run (a user who sets RAY_AUTH_MODE=token asked for it, and gets no warning
     either). Errors of that module still show."""
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+def preflight(cfg: Config):
+    """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
+    an actor's traceback: the task and its file, the model folder, the engine. Returns (task, model folder)."""
+    task = get_task(cfg.task.name, cfg.task.path)
+    folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
+    if cfg.generation.backend == "vllm":
+        from dataplane_rl.rollout.vllm_engine import require_vllm
+
+        require_vllm()
+    return task, str(folder)
 
 
 class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.schema = load_schema(cfg.data_plane.schema_name)
-        self.task = get_task(cfg.task.name, cfg.task.path)
-        self.model_folder = str(resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir))
+        self.task, self.model_folder = preflight(cfg)
         self.store = None
         self.store_url: str | None = None
         self.rollout: list = []
@@ -89,6 +99,7 @@ class GRPOTrainer:
         self._groups: list = []  # placement groups: rollout, train
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
         self._ray_started = False
+        self.kept_store_url: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -110,6 +121,13 @@ class GRPOTrainer:
         placement.check_backend_spans(cfg, ray_nodes)
         self.store = open_run_store(cfg)
         self.store_url = self.store.url if cfg.data_plane.enabled else None
+        if cfg.data_plane.keep_partitions:
+            if hasattr(self.store, "keep"):
+                self.store.keep()  # an auto-made shm:// folder must outlive the run, or nothing is kept
+            self.kept_store_url = self.store_url
+            print(f"data_plane.keep_partitions: every step's partition stays in {self.store_url}\n"
+                  f"  inspect: dataplane-rl store ls {self.store_url}   free: dataplane-rl store drop "
+                  f"{self.store_url} --all", file=sys.stderr)
         cfg_dict = cfg.model_dump(mode="json", by_alias=True)
         cpus = os.cpu_count() or 1
         gen_threads = max(1, cpus // cfg.generation.num_workers)
@@ -295,7 +313,8 @@ class GRPOTrainer:
     def _metrics(self, step, train, rounds_rewards, kept_rewards, rounds, io: StepIO) -> dict:
         m = {"step": step}
         for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
-                  "probs_ratio_mean", "approx_entropy", "grad_norm", "global_valid_toks", "logprob_mismatch"):
+                  "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch",
+                  "lr"):
             m[f"train/{k}"] = train[k]
         m["train/reward"] = float(np.mean(np.concatenate(rounds_rewards)))
         m["train/filtered_reward"] = float(np.mean(kept_rewards))
@@ -322,6 +341,25 @@ def _merge(steps: list[RowSet]) -> RowSet:
             else:
                 out.append((pid, rows))
     return out
+
+
+class StepProgress:
+    """The console bar: it advances when a step ends, showing that step's numbers (never step k's at k-1/N)."""
+
+    def __init__(self, total: int, enabled: bool = True, file=None, mininterval: float = 0.1, initial: int = 0) -> None:
+        from tqdm import tqdm
+
+        # initial: steps already done (a resumed run starts its bar there)
+        self.bar = tqdm(total=total, initial=initial, desc="grpo", unit="step", disable=not enabled,
+                        dynamic_ncols=True, file=file, mininterval=mininterval)
+
+    def step_done(self, metrics: dict) -> None:
+        self.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
+                             step_s=f"{metrics['timing/step']:.1f}", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class NonFiniteError(DataPlaneError):
@@ -375,18 +413,14 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 trainer.refit()
             else:
                 run.begin(config_yaml)
-            from tqdm import tqdm
-
             last = cfg.grpo.max_num_steps
-            bar = tqdm(range(first, last + 1), desc="grpo", unit="step", disable=not cfg.logger.progress,
-                       dynamic_ncols=True, initial=first - 1, total=last)
+            bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1)
             done = first - 1  # the last step finished
-            for step in bar:
+            for step in range(first, last + 1):
                 metrics, samples = trainer.step(step)
                 check_finite(metrics)
                 run.log_step(metrics, samples)
-                bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
-                                step_s=f"{metrics['timing/step']:.1f}")
+                bar.step_done(metrics)
                 if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
                                                   or stop.requested):
                     ckpt.save(trainer, step, config_yaml)
@@ -416,7 +450,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
             try:
                 summary = run.finish(status, error, {"run_dir": str(run.path), "signal": stop.signum,
                                                      "nodes": trainer.nodes if trainer else {},
-                                                     "store_url": trainer.store_url if trainer else None})
+                                                     "store_url": trainer.store_url if trainer else None,
+                                                     "kept_store_url": trainer.kept_store_url if trainer else None})
             finally:
                 run.close()
     return summary

@@ -65,6 +65,12 @@ def resolve_model(name: str, seed: int, cache_dir: str | None = None) -> Path:
     if not (p / "config.json").is_file():
         raise ConfigError(f"policy.model '{name}' is neither 'tiny' nor a local Hugging Face folder with config.json; "
                           "nothing is downloaded, so save the model locally first")
+    missing = [what for what, patterns in (("weights", ("*.safetensors", "*.bin")),
+                                           ("tokenizer", ("tokenizer.json", "tokenizer_config.json")))
+               if not any(next(p.glob(pat), None) for pat in patterns)]
+    if missing:
+        raise ConfigError(f"policy.model '{name}' has config.json but no {' and no '.join(missing)} files; save the "
+                          "whole model with save_pretrained(folder) and its tokenizer's save_pretrained(folder)")
     return p
 
 
@@ -96,14 +102,22 @@ def load_tokenizer(folder: Path):
     return tok
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False):
     """Log-prob of each token given the tokens before it, aligned with positions; position 0 is 0.
 
-    input_ids, attention_mask: [B, T], right-padded.
+    input_ids, attention_mask: [B, T], right-padded. with_entropy: also return, detached, the entropy of
+    the temperature-scaled distribution each token was drawn from, aligned the same way.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
     picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
     out = torch.zeros_like(input_ids, dtype=picked.dtype)  # [B, T]
     out[:, 1:] = picked
-    return out * attention_mask
+    if not with_entropy:
+        return out * attention_mask
+    with torch.no_grad():
+        ent = torch.zeros_like(out)  # [B, T]
+        for i in range(len(logp)):  # a row at a time: the temporary is [T-1, V], not another [B, T-1, V]
+            ent[i, 1:] = -(logp[i].exp() * logp[i]).sum(-1)  # [T-1]
+    return out * attention_mask, ent * attention_mask

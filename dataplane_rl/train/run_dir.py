@@ -175,21 +175,9 @@ class RunDir:
         return summary
 
     def plot(self) -> None:
-        import matplotlib
+        import yaml
 
-        matplotlib.use("Agg")  # no display on training machines
-        import matplotlib.pyplot as plt
+        from dataplane_rl.train.plot import run_title, save_reward_png
 
-        steps = [m["step"] for m in self.metrics]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, [m["train/reward"] for m in self.metrics], marker="o", label="train/reward (all rounds)")
-        ax.plot(steps, [m["train/filtered_reward"] for m in self.metrics], marker=".", label="train/filtered_reward")
-        ax.set_xlabel("step")
-        ax.set_ylabel("mean reward")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        tmp = self.path / "reward.tmp.png"
-        fig.savefig(tmp, dpi=100)
-        plt.close(fig)
-        os.replace(tmp, self.path / "reward.png")
+        config = yaml.safe_load((self.path / "config.yaml").read_text()) or {}
+        save_reward_png(self.metrics, run_title(config, len(self.metrics)), self.path / "reward.png")

@@ -2,7 +2,8 @@
 
 It computes its shard's policy and reference log-probs (written back as columns), then runs the
 microbatch loop: global counts all-reduced once per optimizer step, ClippedPGLoss, FSDP2's gradient
-reduce-scatter, norm clipping over the sharded gradients, AdamW on the shards.
+reduce-scatter, norm clipping over the sharded gradients, AdamW on the shards and the learning-rate
+schedule; grpo.num_epochs times.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class TrainWorker:
         from torch.distributed.device_mesh import init_device_mesh
 
         from dataplane_rl.train.fsdp import shard
+        from dataplane_rl.train.scheduler import build_scheduler
 
         p = self.cfg.policy
         mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
@@ -75,6 +77,7 @@ class TrainWorker:
         if self.ref is not None:
             shard(self.ref, mesh, self.device, p.precision)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=p.learning_rate, weight_decay=p.weight_decay)
+        self.scheduler = build_scheduler(self.opt, self.cfg)  # a torch LRScheduler: a checkpoint saves its state
         return os.getpid()
 
     # -- column movement: the store (data plane on) or tables handed over by the driver (off) --------
@@ -127,40 +130,50 @@ class TrainWorker:
 
     # -- train pass ---------------------------------------------------------------------------------
     def train(self, steps: list[RowSet], tables: list[pa.Table] | None = None) -> dict:
-        """One optimizer step per row set (this rank's shard of each global batch); global metrics."""
+        """grpo.num_epochs passes over this rank's shards of the step's global batches, one optimizer step
+        per shard per pass; prev_logprobs stay those of the log-prob pass. Returns global metrics."""
+        from dataplane_rl.algorithms.loss import batch_masks
         from dataplane_rl.train.counts import all_reduce_counts, local_counts, reduce_metrics
         from dataplane_rl.train.model import token_logprobs
 
         p = self.cfg.policy
         self.model.train()
+        batches = [build_train_batch(self._fetch(rs, self.train_fields, tables[i] if tables is not None else None),
+                                     self.schema, self.device) for i, rs in enumerate(steps)]
         history = []
         mismatch = torch.zeros(2, dtype=torch.float64)  # [sum |gen - prev| over valid tokens, count]
-        for i, rs in enumerate(steps):
-            table = self._fetch(rs, self.train_fields, tables[i] if tables is not None else None)
-            batch = build_train_batch(table, self.schema, self.device)
-            counts = all_reduce_counts(local_counts(batch))
+        for batch in batches:
             if "generation_logprobs" in batch:
                 m = batch["token_mask"] * batch["sample_mask"][:, None]  # [B, T]
                 mismatch[0] += float(((batch["generation_logprobs"] - batch["prev_logprobs"]).abs() * m).sum())
                 mismatch[1] += float(m.sum())
-            self.opt.zero_grad(set_to_none=True)
-            per_mb = []
-            # every microbatch's backward reduce-scatters into the sharded grads (FSDP2's default):
-            # skipping the sync would accumulate full-size unsharded grads, the memory FSDP saves
-            for mb in microbatches(batch, p.train_micro_batch_size):
-                lp = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"], self.cfg.generation.temperature)
-                # FSDP2 averages gradients over the D ranks; the loss carries the factor D, so the
-                # reduced gradient is the global one (sum over all tokens / the global counts)
-                loss, metrics = self.loss_fn(lp, mb, counts)
-                loss.backward()
-                per_mb.append(metrics)
-            # the grads are DTensor shards: clip_grad_norm_ reduces the norm over ranks (a DTensor)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
-            self.opt.step()
-            metrics = reduce_metrics(per_mb)  # sums this rank's microbatches, all-reduces over ranks
-            metrics["grad_norm"] = to_float(grad_norm)
-            metrics["global_valid_toks"] = float(counts.tokens)
-            history.append(metrics)
+        for _ in range(self.cfg.grpo.num_epochs):
+            for batch in batches:
+                counts = all_reduce_counts(local_counts(batch))
+                self.opt.zero_grad(set_to_none=True)
+                per_mb = []
+                # every microbatch's backward reduce-scatters into the sharded grads (FSDP2's default):
+                # skipping the sync would accumulate full-size unsharded grads, the memory FSDP saves
+                for mb in microbatches(batch, p.train_micro_batch_size):
+                    lp, ent = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"],
+                                             self.cfg.generation.temperature, with_entropy=True)  # [b, t] each
+                    # FSDP2 averages gradients over the D ranks; the loss carries the factor D, so the
+                    # reduced gradient is the global one (sum over all tokens / the global counts)
+                    loss, metrics = self.loss_fn(lp, mb, counts)
+                    loss.backward()
+                    valid = batch_masks(mb)[0]  # [b, t]
+                    metrics["entropy"] = (ent * valid).sum() / max(counts.tokens, 1)  # this mb's share, like the loss's
+                    per_mb.append(metrics)
+                # the grads are DTensor shards: clip_grad_norm_ reduces the norm over ranks (a DTensor)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
+                lr = self.opt.param_groups[0]["lr"]
+                self.opt.step()
+                self.scheduler.step()
+                metrics = reduce_metrics(per_mb)  # sums this rank's microbatches, all-reduces over ranks
+                metrics["grad_norm"] = to_float(grad_norm)
+                metrics["global_valid_toks"] = float(counts.tokens)
+                metrics["lr"] = lr
+                history.append(metrics)
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(mismatch)
         out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}

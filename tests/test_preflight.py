@@ -1,0 +1,65 @@
+"""Every check that needs no Ray is made before Ray starts: one clear ConfigError, no actor traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dataplane_rl.config import load_config
+from dataplane_rl.errors import ConfigError
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """ray.init made to fail: a test passes only if the error comes before Ray would start."""
+    import ray
+
+    def refuse(*a, **k):
+        raise AssertionError("Ray was started before the pre-start checks failed")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+def train(tmp_path, *overrides):
+    from dataplane_rl.train.loop import train as run
+
+    return run(load_config(None, ["grpo.max_num_steps=1", "logger.progress=false",
+                                  f"logger.run_dir={tmp_path / 'run'}", *overrides]))
+
+
+def test_vllm_backend_without_vllm_is_refused_before_ray(tmp_path, no_ray, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed, whatever this environment holds
+    with pytest.raises(ConfigError, match="install the `vllm` extra"):
+        train(tmp_path, "generation.backend=vllm")
+
+
+def test_model_folder_without_weights_or_tokenizer_is_refused_before_ray(tmp_path, no_ray):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="neither 'tiny' nor a local Hugging Face folder"):
+        train(tmp_path, f"policy.model={folder}")
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no weights and no tokenizer files"):
+        train(tmp_path, f"policy.model={folder}")
+
+
+def test_task_file_missing_or_unreadable_is_refused_before_ray(tmp_path, no_ray):
+    with pytest.raises(ConfigError, match="task.path .* not found"):
+        train(tmp_path, "task.name=math_jsonl", f"task.path={tmp_path / 'nope.jsonl'}")
+    binary = tmp_path / "q.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="cannot be read|not UTF-8"):  # main words the decode error its own way
+        train(tmp_path, "task.name=math_jsonl", f"task.path={binary}")
+
+
+def test_cli_prints_one_error_line_and_no_traceback(tmp_path):
+    """`dataplane-rl train generation.backend=vllm` without vllm: exit 2, the hint, no ActorDiedError."""
+    code = ("import sys; sys.modules['vllm'] = None; from dataplane_rl.cli.main import main; "
+            f"sys.exit(main(['train', 'generation.backend=vllm', 'logger.run_dir={tmp_path / 'run'}']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "error: ConfigError: generation.backend=vllm but vllm is not installed" in p.stderr
+    assert "Traceback" not in p.stderr and "ActorDiedError" not in p.stderr, p.stderr[-3000:]

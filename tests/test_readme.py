@@ -1,0 +1,243 @@
+"""The README, run as a user would: every `dataplane-rl ...` command line and every Python block.
+
+Blocks run top to bottom, each a subprocess, in one temporary working directory that looks like a
+checkout (its files linked in, no `runs/`), so a later block may use what an earlier one made
+(`runs/latest`). A block preceded by `<!-- readme-test: skip (REASON) -->` does not run; the marker is
+only for blocks that need a Ray cluster, several hosts or a GPU.
+
+What runs: in a shell block (bash, or a console block whose lines start with `$ `), each command line
+(`\\`-continued lines joined, `# comments` dropped) is split on `&&`, and every part whose program is
+`dataplane-rl` (or a path ending in /dataplane-rl) runs through bash, with the CLI of this checkout's
+interpreter. Other programs (pip, apt-get, ray, python -m pytest) are the user's setup and do not run.
+`train` gets a tiny budget appended as overrides (small batches; one step, unless the command itself
+names at most MAX_STEPS steps, as a checkpoint/resume/export sequence must), and joins this session's
+Ray instead of starting its own. In a console block, the lines after a command are its expected output: they must
+appear in what it prints; an expected `error:` means exit status 2. A `generation.backend=vllm`
+command without vllm installed must be refused with the install hint, before Ray starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
+FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
+SHELL = {"bash", "sh", "shell", "console", ""}
+# a train command's budget: steps of 2 prompts x 2 samples, short responses (any dp_size up to 2), and one
+# step unless the command names a small step count itself (a checkpoint/resume/export sequence needs its own)
+TRAIN_BUDGET = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
+                "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2", "generation.max_new_tokens=4"]
+MAX_STEPS = 10
+TIMEOUT_S = 300
+# what a block that needs a Ray cluster, other hosts or a GPU names: ray start, a cluster address, the head
+# node, CUDA, a daemon's pid file, the Mooncake master
+NEEDS_CLUSTER_OR_GPU = re.compile(r"ray start|cluster\.address|--address|\bHEAD\b|cuda|\.pid\b|mooncake_master")
+
+
+@dataclass
+class Block:
+    lang: str
+    line: int                      # 1-based line of the opening fence
+    text: str
+    skip: str | None = None        # the marker's reason
+    commands: list[tuple[str, list[str]]] = field(default_factory=list)  # (command line, expected output lines)
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}-{self.lang or 'text'}"
+
+
+def parse_blocks(markdown: str) -> list[Block]:
+    blocks, lines, i = [], markdown.splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        i += 1
+        before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        marker = SKIP.search(before)
+        block = Block(m["lang"], start + 1, "\n".join(body) + "\n", marker["reason"] if marker else None)
+        if block.lang in SHELL:
+            block.commands = shell_commands(body, block.lang)
+        blocks.append(block)
+    return blocks
+
+
+def strip_comment(text: str) -> str:
+    """The line without its `# comment` (a # outside quotes, at the start or after a space)."""
+    quote = None
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or text[i - 1].isspace()):
+            return text[:i]
+    return text
+
+
+def words(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError:  # not shell (an unbalanced quote): it is no command of ours either
+        return text.split()
+
+
+def shell_commands(body: list[str], lang: str = "bash") -> list[tuple[str, list[str]]]:
+    """(command line, expected output) per command; a console block (`$ ` lines) carries its output.
+    A plain block without `$ ` lines is text (a diagram, a formula), not commands."""
+    console = any(line.startswith("$ ") for line in body)
+    if lang in ("", "console") and not console:
+        return []
+    out: list[tuple[str, list[str]]] = []
+    pending = ""
+    for line in body:
+        if console and not line.startswith("$ "):
+            if out and not pending:
+                out[-1][1].append(line.rstrip())
+            continue
+        text = line[2:] if console else line
+        if text.rstrip().endswith("\\"):
+            pending += text.rstrip()[:-1].strip() + " "
+            continue
+        text = text.strip() if pending else text
+        text, pending = strip_comment(pending + text).strip(), ""
+        if text:
+            out.append((text, []))
+    return [(cmd, [x for x in expected if x.strip()]) for cmd, expected in out]
+
+
+def is_cli(part: str) -> bool:
+    w = words(part)
+    return bool(w) and (w[0] == "dataplane-rl" or w[0].endswith("/dataplane-rl"))
+
+
+def runnable(command: str) -> list[str]:
+    """The `dataplane-rl` parts of a command line (split on &&), as they are to run."""
+    return [p.strip() for p in command.split("&&") if is_cli(p.strip())]
+
+
+def prepare(part: str, ray_address: str | None) -> tuple[str, list[str]]:
+    """(bash command, its argv words): this interpreter's CLI, and for train the budget and the shared Ray."""
+    head, pipe, tail = part.partition("|")
+    argv = words(head)[1:]
+    if argv and argv[0] == "train":
+        steps = [w.split("=", 1)[1] for w in argv if w.startswith("grpo.max_num_steps=")]
+        small = bool(steps) and steps[-1].isdigit() and int(steps[-1]) <= MAX_STEPS
+        argv += TRAIN_BUDGET + ([] if small else ["grpo.max_num_steps=1"])
+        if ray_address and not any(w.startswith("cluster.address=") for w in argv):
+            argv.append(f"cluster.address={ray_address}")  # one Ray start for every command, not one each
+    cli = f"{shlex.quote(sys.executable)} -m dataplane_rl.cli.main"
+    return " ".join([cli, *map(shlex.quote, argv)]) + (f" |{tail}" if pipe else ""), argv
+
+
+BLOCKS = parse_blocks(README.read_text())
+RUN = [b for b in BLOCKS if b.skip is None and (b.lang == "python" or any(runnable(c) for c, _ in b.commands))]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, ray_session) -> tuple[Path, dict, str]:
+    """A fresh folder that looks like the checkout, where the README's commands run in order."""
+    cwd = tmp_path_factory.mktemp("readme")
+    for entry in ROOT.iterdir():
+        if not entry.name.startswith(".") and entry.name != "runs":
+            (cwd / entry.name).symlink_to(entry)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               PYTHONUNBUFFERED="1")
+    yield cwd, env, ray_session.get_runtime_context().gcs_address
+    for store in cwd.glob("runs/*/summary.json"):  # a kept store the README did not drop
+        url = json.loads(store.read_text()).get("kept_store_url")
+        if url and url.startswith("shm://") and Path(url[len("shm://"):].split("?")[0]).is_dir():
+            subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "store", "drop", url, "--all"], env=env,
+                           capture_output=True, timeout=120)
+
+
+def check_expected(command: str, expected: list[str], p: subprocess.CompletedProcess) -> None:
+    shown = [line.rstrip() for line in (p.stdout + p.stderr).splitlines()]
+    missing = [line for line in expected if line not in shown]
+    assert not missing, f"`{command}`: the README shows lines it did not print: {missing}\n--- it printed:\n" \
+                        + "\n".join(shown[-40:])
+
+
+@pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
+def test_readme_block(block: Block, workdir):
+    cwd, env, ray_address = workdir
+    if block.lang == "python":
+        p = subprocess.run([sys.executable, "-c", block.text], cwd=cwd, env=env, capture_output=True, text=True,
+                           timeout=TIMEOUT_S)
+        assert p.returncode == 0, f"{block.id}: the Python block failed\n{p.stderr[-3000:]}"
+        return
+    for command, expected in block.commands:
+        for part in runnable(command):
+            script, argv = prepare(part, ray_address)
+            p = subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                               timeout=TIMEOUT_S)
+            if "generation.backend=vllm" in argv and importlib.util.find_spec("vllm") is None:
+                # the extra is not installed here: the run must say so, before Ray, in one line
+                assert p.returncode == 2 and "install the `vllm` extra" in p.stderr, p.stderr[-3000:]
+                assert "Traceback" not in p.stderr and "ActorDiedError" not in p.stderr, p.stderr[-3000:]
+                continue
+            wants_error = any(line.startswith("error:") for line in expected)
+            assert p.returncode == (2 if wants_error else 0), \
+                f"{block.id}: `{part}` exited {p.returncode}\n{p.stderr[-3000:]}"
+            check_expected(part, expected, p)
+
+
+def test_readme_parser_finds_the_commands():
+    """The extractor itself: it finds commands in every kind of block, so a README edit cannot slip past it."""
+    commands = [c for b in BLOCKS for c, _ in b.commands]
+    assert "pip install -e . && dataplane-rl train" in commands
+    assert runnable("pip install -e . && dataplane-rl train") == ["dataplane-rl train"]
+    assert runnable("/opt/venv-vllm/bin/dataplane-rl train generation.backend=vllm")
+    assert not runnable("python -m pytest -q") and not runnable("apt-get update")
+    assert any(b.lang == "python" for b in RUN)
+    # continuation lines are joined and comments dropped
+    assert shell_commands(["dataplane-rl train a=1 \\", "    b=2   # two keys"]) == [("dataplane-rl train a=1 b=2", [])]
+    assert shell_commands(["pip install '.[x]'  # quoted"]) == [("pip install '.[x]'", [])]
+    assert shell_commands(["driver  get DRIVER_FIELDS"], "") == []  # a diagram, not a command
+    # a console block: the lines after `$ cmd` are its output
+    assert shell_commands(["$ dataplane-rl x", "out 1", "", "$ dataplane-rl y"]) == [
+        ("dataplane-rl x", ["out 1"]), ("dataplane-rl y", [])]
+    script, argv = prepare("dataplane-rl train --config c.yaml k=v | tail -1", "1.2.3.4:5")
+    assert argv[:3] == ["train", "--config", "c.yaml"] and "grpo.max_num_steps=1" in argv
+    assert "grpo.max_num_steps=1" not in prepare("dataplane-rl train grpo.max_num_steps=4", None)[1]
+    assert prepare("dataplane-rl train grpo.max_num_steps=30", None)[1][-1] == "grpo.max_num_steps=1"
+    assert argv[-1] == "cluster.address=1.2.3.4:5" and script.endswith("| tail -1")
+
+
+def test_skip_markers_are_for_clusters_and_gpus_only():
+    for b in BLOCKS:
+        if b.skip is not None:
+            assert re.search(r"cluster|GPU|host|node", b.skip, re.IGNORECASE), \
+                f"{b.id} is skipped for '{b.skip}': the marker is only for blocks that need a cluster, hosts or a GPU"
+        if b.skip is not None:  # and the block it skips really needs one (a marker misplaced by a merge fails)
+            assert NEEDS_CLUSTER_OR_GPU.search(b.text), f"{b.id} is skipped for '{b.skip}' but needs no cluster or GPU"
+    markers = [line for line in README.read_text().splitlines() if SKIP.fullmatch(line.strip())]
+    assert len(markers) == sum(b.skip is not None for b in BLOCKS), \
+        "a skip marker that is not directly before a fenced block skips nothing"
+
+
+def test_apt_install_updates_the_package_lists_first():
+    """On a fresh machine `apt-get install` fails without package lists: every install line updates first."""
+    for b in BLOCKS:
+        for command, _ in b.commands:
+            if "apt-get install" in command:
+                assert "apt-get update" in command.split("apt-get install")[0], f"{b.id}: `{command}`"

@@ -1,0 +1,34 @@
+"""The README's note on what the tiny model can learn, checked: on math_jsonl its samples score 0, so
+every advantage is 0 (nothing to learn); on repeat, groups have differing rewards from the start.
+If a change to a task or the model makes this false, update the README's Tasks note with it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dataplane_rl.algorithms.grpo import advantages
+from dataplane_rl.config import load_config
+from dataplane_rl.rollout.worker import RolloutJob, RolloutWorker
+from dataplane_rl.train.model import build_tiny
+
+
+def step_one_rewards(task: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rewards and group ids of step 1 at the default shape (16 prompts x 8 samples), the tiny model."""
+    cfg = load_config(None, [f"task.name={task}"])
+    worker = RolloutWorker(cfg.model_dump(mode="json", by_alias=True), str(build_tiny(cfg.grpo.seed)), None, 1)
+    P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
+    job = RolloutJob("step-000001", 1, 0, 0, list(range(P)), worker.task.prompts(cfg.grpo.seed, 1, 0, P))
+    table, _ = worker.generate(job)
+    return table.column("total_reward").to_numpy().astype(np.float64), table.column("group_id").to_numpy()
+
+
+def test_tiny_model_scores_nothing_on_math_jsonl_so_nothing_is_learned():
+    rewards, groups = step_one_rewards("math_jsonl")
+    assert rewards.size == 128 and not rewards.any()
+    assert not advantages(rewards, groups).any()
+
+
+def test_tiny_model_gets_differing_rewards_on_repeat():
+    rewards, groups = step_one_rewards("repeat")
+    spread = [np.ptp(rewards[groups == g]) for g in np.unique(groups)]
+    assert sum(s > 0 for s in spread) >= len(spread) // 2
