@@ -177,19 +177,22 @@ KL_CASES = [
     #   k1 = -d:          -0.5, 1, -20 -> -10
     #   k2 = d^2/2:       0.125, 0.5, 200 -> 10
     #   k3 = e^d - 1 - d: e^0.5 - 1.5, e^-1, e^20 - 21 -> 10
-    ("k1", 20.0, 10.0, [-0.5, 1.0, -10.0], [1.0, 1.0, 0.0]),
+    # gradient d/d(lp): k1 and k3 carry the score term k * s (s = exp(lp - lp.detach()), d s/d lp = 1):
+    #   k1: 1 + k1 = 1 - d  -> 0.5, 2;      k2 (no s): -d -> -0.5, 1
+    #   k3: -(e^d - 1) + k3 = -d -> -0.5, 1; the third token's d is input-clamped: no gradient at all
+    ("k1", 20.0, 10.0, [-0.5, 1.0, -10.0], [0.5, 2.0, 0.0]),
     ("k2", 20.0, 10.0, [0.125, 0.5, 10.0], [-0.5, 1.0, 0.0]),
-    ("k3", 20.0, 10.0, [E(0.5) - 1.5, E(-1), 10.0], [-(E(0.5) - 1), -(E(-1) - 1), 0.0]),
+    ("k3", 20.0, 10.0, [E(0.5) - 1.5, E(-1), 10.0], [-0.5, 1.0, 0.0]),
     # input clamp 2, output clamp 1000: d = 30 -> 2, so k1 = -2, k2 = 2, k3 = e^2 - 3; clamped d has grad 0
-    ("k1", 2.0, 1000.0, [-0.5, 1.0, -2.0], [1.0, 1.0, 0.0]),
+    ("k1", 2.0, 1000.0, [-0.5, 1.0, -2.0], [0.5, 2.0, 0.0]),
     ("k2", 2.0, 1000.0, [0.125, 0.5, 2.0], [-0.5, 1.0, 0.0]),
-    ("k3", 2.0, 1000.0, [E(0.5) - 1.5, E(-1), E(2) - 3], [-(E(0.5) - 1), -(E(-1) - 1), 0.0]),
+    ("k3", 2.0, 1000.0, [E(0.5) - 1.5, E(-1), E(2) - 3], [-0.5, 1.0, 0.0]),
 ]
 
 
 @pytest.mark.parametrize("kind,in_clamp,out_clamp,per_token,dkl_dlp", KL_CASES)
 def test_kl_estimators_and_clamps(kind, in_clamp, out_clamp, per_token, dkl_dlp):
-    # A = 0 so pg = 0; loss = beta * mean(kl); d(kl)/d(lp): k1 -> +1, k2 -> -d, k3 -> -(e^d - 1).
+    # A = 0 so pg = 0; loss = beta * mean(kl); d(kl)/d(lp) as derived in KL_CASES.
     beta = 0.5
     lp, batch = one([[-1.0, -1.0, -1.0]], reference_policy_logprobs=[[-0.5, -2.0, 29.0]])
     cfg = LossConfig(reference_policy_kl_penalty=beta, reference_policy_kl_type=kind,
@@ -198,6 +201,56 @@ def test_kl_estimators_and_clamps(kind, in_clamp, out_clamp, per_token, dkl_dlp)
     close(m["kl_penalty"], sum(per_token) / 3)
     close(loss, beta * sum(per_token) / 3)
     close(grad, [[beta * g / 3 for g in dkl_dlp]])
+
+
+def expected_kl_grad(kind: str, logits: torch.Tensor, ref_lp: torch.Tensor, out_clamp: float = 10.0) -> torch.Tensor:
+    """sum over the whole vocabulary of pi(y).detach() * grad(per-token KL loss of token y), exactly.
+
+    One row holds every token y once; the importance weight w = exp(lp_old - lp_gen) with lp_old = lp
+    and lp_gen = 0 is the detached pi(y), and A = 0, beta = 1, N_tok = V: the loss is sum_y pi(y) kl_y / V.
+    """
+    lp = logits.log_softmax(-1)[None]  # [1, V]: log pi(y) for each y
+    V = lp.shape[1]
+    batch = {"token_mask": torch.ones(1, V, dtype=torch.int8), "sample_mask": torch.ones(1, dtype=torch.int8),
+             "prev_logprobs": lp.detach(), "generation_logprobs": torch.zeros(1, V, dtype=torch.float64),
+             "advantages": torch.zeros(1, dtype=torch.float64), "reference_policy_logprobs": ref_lp[None]}
+    cfg = LossConfig(reference_policy_kl_penalty=1.0, reference_policy_kl_type=kind, kl_output_clamp_value=out_clamp,
+                     use_importance_sampling_correction=True)
+    loss, _ = ClippedPGLoss(cfg)(lp, batch, GlobalCounts(V, 1, 0))
+    (grad,) = torch.autograd.grad(V * loss, logits)
+    return grad  # [V]
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_expected_kl_gradient_is_the_kl_gradient(kind, seed):
+    # On-policy, E_pi[grad loss] must equal grad KL(pi || pi_ref) = grad sum_y pi(y) (log pi(y) - log pi_ref(y)).
+    g = torch.Generator().manual_seed(seed)
+    logits = (1.5 * torch.randn(VOCAB, generator=g, dtype=torch.float64)).requires_grad_(True)  # [V]
+    ref_lp = (1.5 * torch.randn(VOCAB, generator=g, dtype=torch.float64)).log_softmax(-1)  # [V]
+    lp = logits.log_softmax(-1)
+    (want,) = torch.autograd.grad((lp.exp() * (lp - ref_lp)).sum(), logits)
+    assert (lp - ref_lp).abs().max() < 10 and want.abs().max() > 0.05  # no clamp active, a real gradient
+    got = expected_kl_grad(kind, logits, ref_lp, out_clamp=1e6)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    if kind == "k3":  # without the score term this is the forward KL's gradient: the test can tell
+        (forward,) = torch.autograd.grad(-(ref_lp.exp() * logits.log_softmax(-1)).sum(), logits)
+        assert (forward - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3"])
+def test_expected_kl_gradient_with_output_clamp(kind):
+    # "clamp the estimate, then weight": a token whose estimate is output-clamped still carries
+    # k_clamped * grad log pi, so the expected gradient is that of E_pi[clamp(k)], the reported value.
+    logits = torch.tensor([4.0, 0.0, -1.0, 1.0], dtype=torch.float64, requires_grad=True)
+    lp = logits.log_softmax(-1)
+    ref_lp = lp.detach() + torch.tensor([-5.0, 0.3, -0.2, 0.1], dtype=torch.float64)  # d = -5 -> k1 5, k3 4.0
+    clamp = 2.0
+    d = ref_lp - lp
+    k = -d if kind == "k1" else torch.expm1(d) - d
+    assert (k.abs() > clamp).any() and (k.abs() < clamp).any()
+    (want,) = torch.autograd.grad((lp.exp() * k.clamp(-clamp, clamp)).sum(), logits)
+    torch.testing.assert_close(expected_kl_grad(kind, logits, ref_lp, out_clamp=clamp), want, rtol=0, atol=1e-9)
 
 
 def test_positive_example_nll():
@@ -218,8 +271,9 @@ def test_positive_example_nll():
 def test_importance_sampling_correction():
     # A = 1, r = 1 (lp = lp_old), w = exp(lp_old - lp_gen) = 2 and 0.5: pg = -1 per token.
     # k1 with d = 0.5 -> -0.5 per token, beta = 1. Weighted: pg_loss = (-2 - 0.5)/2 = -1.25,
-    # kl_penalty = (2 * -0.5 + 0.5 * -0.5)/2 = -0.625. grad = w * (-A r + beta * 1) / N = w * 0 = 0;
-    # so check the PG-only grad too: w * (-1) / 2 = (-1, -0.25). w is detached: no grad to lp_gen.
+    # kl_penalty = (2 * -0.5 + 0.5 * -0.5)/2 = -0.625. grad = w * (-A r + beta * (1 + k1)) / N
+    # = w * (-1 + 0.5) / 2 = (-0.5, -0.125); the PG-only grad: w * (-1) / 2 = (-1, -0.25).
+    # w is detached: no grad to lp_gen.
     lp_rows = [[-1.0, -2.0]]
     gen = torch.tensor([[-1.0 - L(2), -2.0 + L(2)]], dtype=torch.float64, requires_grad=True)
     lp, batch = one(lp_rows, advantages=[1.0], reference_policy_logprobs=[[-0.5, -1.5]])
@@ -229,7 +283,7 @@ def test_importance_sampling_correction():
     close(m["pg_loss"], -1.25)
     close(m["kl_penalty"], -0.625)
     close(loss, -1.875)
-    close(grad, [[0.0, 0.0]])
+    close(grad, [[-0.5, -0.125]])
     assert gen.grad is None
     lp, batch = one(lp_rows, advantages=[1.0], generation_logprobs=gen.detach())
     _, _, grad = call(LossConfig(use_importance_sampling_correction=True, **PG_ONLY), lp, batch)
@@ -374,6 +428,9 @@ def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCoun
                 d = torch.clamp(batch["reference_policy_logprobs"][i, t] - lp[i, t], -cfg.kl_input_clamp_value, cfg.kl_input_clamp_value)
                 kl = {"k1": -d, "k2": d * d / 2, "k3": torch.exp(d) - 1 - d}[cfg.reference_policy_kl_type]
                 kl = torch.clamp(kl, -cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+                raw = batch["reference_policy_logprobs"][i, t] - lp[i, t]
+                if cfg.reference_policy_kl_type != "k2" and abs(raw.item()) <= cfg.kl_input_clamp_value:
+                    kl = kl * torch.exp(lp[i, t] - lp[i, t].detach())  # the score term (see kl_estimate)
             w = math.exp(batch["prev_logprobs"][i, t] - batch["generation_logprobs"][i, t]) if cfg.use_importance_sampling_correction else 1.0
             seq_pg, seq_kl, seq_n = seq_pg + w * pg, seq_kl + w * kl, seq_n + 1
             if "rewards" in batch and batch["rewards"][i] > 0:
