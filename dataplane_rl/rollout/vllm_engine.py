@@ -93,7 +93,8 @@ class VLLMEngine:
 
         if not prompts:
             return []
-        if logprobs_mode(temperature, top_k) != self.mode:
+        # greedy (temperature 0, validation): nothing trains on these log-probs, so any mode will do
+        if temperature > 0 and logprobs_mode(temperature, top_k) != self.mode:
             raise ConfigError(f"this engine was built to report {self.mode}, which are not the trainer's log-probs at "
                               f"temperature={temperature} top_k={top_k}; build the engine with these generation settings")
         stop = [self.eos] if self.eos is not None else None
