@@ -32,6 +32,10 @@ class GRPOConfig(_Section):
     use_dynamic_sampling: bool = Field(False, description="Keep only whole groups whose rewards are not all equal; generate more rounds until enough groups.")
     max_gen_batches: int = Field(4, ge=1, description="Most generation rounds per step with dynamic sampling before it fails.")
     overlong_filtering: bool = Field(False, description="Mask (sample_mask=0) samples that hit the generation length limit.")
+    val_period: int = Field(10, ge=0, description="Validate on the task's held-out prompts every this many steps and after the last step; 0 turns validation off.")
+    val_at_start: bool = Field(False, description="Also validate the initial policy, logged at step 0.")
+    max_val_samples: int = Field(128, ge=1, description="Held-out prompts per validation (fewer if the task holds out fewer); one sample each.")
+    val_batch_size: int = Field(64, ge=1, description="Held-out prompts per validation partition (one generate round each).")
 
 
 class PolicyConfig(_Section):
@@ -65,6 +69,7 @@ class GenerationConfig(_Section):
     max_new_tokens: int = Field(8, ge=1, description="Response length limit; longer responses are truncated.")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
+    val_temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of validation; 0 decodes greedily.")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     @model_validator(mode="after")
@@ -72,7 +77,11 @@ class GenerationConfig(_Section):
         if self.backend == "vllm":
             from dataplane_rl.rollout.vllm_engine import logprobs_mode
 
-            logprobs_mode(self.temperature, self.top_k)  # raises, naming the keys, when no vLLM mode fits
+            mode = logprobs_mode(self.temperature, self.top_k)  # raises, naming the keys, when no vLLM mode fits
+            if self.val_temperature > 0 and logprobs_mode(self.val_temperature, self.top_k) != mode:
+                raise ValueError(f"generation.val_temperature={self.val_temperature} needs another vLLM logprobs mode "
+                                 f"than generation.temperature={self.temperature} with top_k={self.top_k}; "
+                                 "use val_temperature=0 (greedy) or top_k=0")
         return self
 
 
@@ -111,7 +120,7 @@ class DataPlaneConfig(_Section):
 class TaskConfig(_Section):
     """`task.*`: the prompts and the reward function."""
 
-    name: str = Field("repeat", description="Registered task (see dataplane_rl.tasks): repeat, count, math_jsonl.")
+    name: str = Field("next", description="Registered task (see dataplane_rl.tasks): next, repeat, count, math_jsonl.")
     path: Optional[str] = Field(None, description="Data file for file-based tasks (math_jsonl: JSONL with question and answer fields).")
 
 
@@ -120,6 +129,19 @@ class LoggerConfig(_Section):
 
     run_dir: str = Field("runs/latest", description="Run folder: config.yaml, metrics.jsonl, train_data/, reward.png, summary.json.")
     progress: bool = Field(True, description="Show a progress bar.")
+    tensorboard_enabled: bool = Field(True, description="Write every metric to RUN_DIR/tensorboard/ (`tensorboard --logdir runs/`).")
+    wandb_enabled: bool = Field(False, description="Also log to Weights & Biases, offline, into RUN_DIR/wandb/; needs `pip install wandb`.")
+    wandb_project: str = Field("dataplane-rl", description="W&B project name (with wandb_enabled).")
+
+    @field_validator("wandb_enabled")
+    @classmethod
+    def _wandb_installed(cls, on: bool) -> bool:
+        import importlib.util
+
+        if on and importlib.util.find_spec("wandb") is None:
+            raise ValueError("logger.wandb_enabled=true needs the wandb package, which is not installed: "
+                             "pip install wandb (or set logger.wandb_enabled=false)")
+        return on
 
 
 class ClusterConfig(_Section):

@@ -27,6 +27,7 @@ class RunDir:
             old.unlink()
         _atomic_write(self.path / "config.yaml", config_yaml)
         self.metrics: list[dict] = []
+        self.validation: list[dict] = []  # validation-only lines (grpo.val_at_start: step 0), not steps
 
     def log_step(self, metrics: dict, samples: list[dict]) -> None:
         step = int(metrics["step"])
@@ -35,6 +36,12 @@ class RunDir:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         self.metrics.append(metrics)
+
+    def log_validation(self, metrics: dict) -> None:
+        """A metrics line that is not a training step (no train_data, not in steps_completed)."""
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self.validation.append(metrics)
 
     def finish(self, status: str, error: str | None = None, extra: dict | None = None) -> dict:
         rewards = [m["train/reward"] for m in self.metrics]
@@ -65,6 +72,10 @@ class RunDir:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, [m["train/reward"] for m in self.metrics], marker="o", label="train/reward (all rounds)")
         ax.plot(steps, [m["train/filtered_reward"] for m in self.metrics], marker=".", label="train/filtered_reward")
+        val = [m for m in self.validation + self.metrics if "validation/reward" in m]
+        if val:
+            ax.plot([m["step"] for m in val], [m["validation/reward"] for m in val], marker="s", linestyle="--",
+                    label="validation/reward (held-out)")
         ax.set_xlabel("step")
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
