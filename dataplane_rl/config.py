@@ -210,7 +210,11 @@ class Config(_Section):
             return tuple(self.data_plane.train_fields)
         from dataplane_rl.schema import load_schema
 
-        return (schema or load_schema(self.data_plane.schema_name)).field_set("DP_TRAIN_FIELDS")
+        fields = (schema or load_schema(self.data_plane.schema_name)).field_set("DP_TRAIN_FIELDS")
+        if self.loss_fn.reference_policy_kl_penalty == 0:
+            # beta = 0 skips the reference pass, so nothing writes the column: do not fetch it
+            fields = tuple(f for f in fields if f != "reference_policy_logprobs")
+        return fields
 
 
 DEFAULT_CONFIG = "grpo_tiny.yaml"

@@ -113,3 +113,9 @@ def test_validation_keys():
     for bad in ("grpo.val_period=-1", "grpo.max_val_samples=0", "grpo.val_batch_size=0", "generation.val_temperature=-1"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(None, [bad])
+
+
+def test_kl_off_does_not_fetch_reference_logprobs():
+    # beta = 0 skips the reference pass; the default train fields must not ask for its column
+    assert "reference_policy_logprobs" in load_config().train_fields()
+    assert "reference_policy_logprobs" not in load_config(None, ["loss_fn.reference_policy_kl_penalty=0"]).train_fields()
