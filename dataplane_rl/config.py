@@ -25,7 +25,7 @@ class GRPOConfig(_Section):
 
     num_prompts_per_step: int = Field(16, ge=1, description="Prompts (groups) trained on per step.")
     num_generations_per_prompt: int = Field(8, ge=1, description="Samples per prompt (G); the group for the baseline.")
-    max_num_steps: int = Field(30, ge=1, description="Rollout steps to run.")
+    max_num_steps: int = Field(120, ge=1, description="Rollout steps to run.")
     seed: int = Field(0, description="Seeds the model init, the prompts and every (step, prompt, sample) generation.")
     normalize_rewards: bool = Field(True, description="Divide advantages by the group std (+1e-6).")
     use_leave_one_out_baseline: bool = Field(False, description="Baseline = mean of the other samples in the group instead of the group mean.")
@@ -46,7 +46,7 @@ class PolicyConfig(_Section):
     train_global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, over all ranks.")
     train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward on one rank; does not change the numbers, only memory.")
     dp_size: int = Field(1, ge=1, description="Data-parallel training workers (torch.distributed ranks).")
-    learning_rate: float = Field(1e-2, gt=0.0, description="AdamW learning rate.")
+    learning_rate: float = Field(1e-3, gt=0.0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
@@ -120,7 +120,7 @@ class DataPlaneConfig(_Section):
 class TaskConfig(_Section):
     """`task.*`: the prompts and the reward function."""
 
-    name: str = Field("next", description="Registered task (see dataplane_rl.tasks): next, repeat, count, math_jsonl.")
+    name: str = Field("repeat", description="Registered task (see dataplane_rl.tasks): repeat, next, count, math_jsonl.")
     path: Optional[str] = Field(None, description="Data file for file-based tasks (math_jsonl: JSONL with question and answer fields).")
 
 

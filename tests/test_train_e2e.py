@@ -197,13 +197,19 @@ def test_ctrl_c_leaves_a_consistent_run_folder(tmp_path):
 
 @pytest.mark.slow
 def test_default_config_learns(tmp_path):
-    """The README's promise: the default run raises the reward clearly."""
+    """The README's promise, the whole default run (seed 0, 120 steps, ~1 min on 2 idle cores): the task is
+    mastered, in the sampled train reward and in greedy decoding of held-out prompts."""
     run_dir = tmp_path / "learn"
     p = cli("train", f"logger.run_dir={run_dir}", "logger.progress=false")
     assert p.returncode == 0, p.stderr[-3000:]
-    rewards = [json.loads(x)["train/reward"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.1 and last > 2 * first, f"reward did not rise: first 5 {first:.3f}, last 5 {last:.3f}"
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_completed"] == len(metrics) == 120
+    assert summary["reward_first_quarter"] < 0.5, "the untrained policy must not already solve the task"
+    assert summary["reward_last_quarter"] >= 0.8, summary
+    val = [m for m in metrics if "validation/reward" in m]
+    assert [m["step"] for m in val] == list(range(10, 121, 10))
+    assert val[-1]["validation/reward"] >= 0.9 and val[-1]["validation/num_samples"] == 128, val[-1]
 
 
 def test_mooncake_holder_killed_mid_run_fails_clearly(tmp_path):

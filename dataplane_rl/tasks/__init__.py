@@ -79,8 +79,9 @@ class DigitTask:
 
 @dataclass
 class RepeatTask(DigitTask):
-    """Repeat the prompt's last digit: '407' -> '777777'. Easy to a fault: an untrained model's greedy
-    decoding already copies its last token."""
+    """Repeat the prompt's last digit: '407' -> '777777'. The default task: the tiny model's sampled
+    reward climbs from ~0.04 to ~0.95 in ~100 steps. Its greedy decoding copies its last token even
+    untrained (held-out reward ~0.9 at step 0); training first breaks that, then relearns it."""
 
     name: str = "repeat"
 
@@ -90,10 +91,11 @@ class RepeatTask(DigitTask):
 
 @dataclass
 class NextTask(DigitTask):
-    """The digit after the prompt's last digit, repeated: '407' -> '888888' (9 -> 0). The default task.
+    """The digit after the prompt's last digit, repeated: '407' -> '888888' (9 -> 0).
 
-    Unlike `repeat`, an untrained model does not solve it by chance: a freshly initialised model's
-    greedy output tends to copy its last input token, which scores ~0.9 on `repeat` and 0 here."""
+    Unlike `repeat`, an untrained model does not solve it by chance (its greedy output tends to copy
+    the last input token, ~0.9 on `repeat`, ~0 here), and it is harder to learn: the same input digit
+    must map to its successor at the prompt's end but to itself inside the response."""
 
     name: str = "next"
 
