@@ -292,8 +292,9 @@ def train(cfg: Config) -> dict:
     status, error = "failed", None
     bar = loggers = None
     try:
-        loggers = MetricLoggers(cfg.logger, run.path, cfg.model_dump(mode="json", by_alias=True))
         trainer.start()
+        # after the start: a run refused before it touches nothing in the folder
+        loggers = MetricLoggers(cfg.logger, run.path, cfg.model_dump(mode="json", by_alias=True))
         from tqdm import tqdm
 
         if cfg.grpo.val_at_start:
