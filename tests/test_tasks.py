@@ -94,3 +94,26 @@ def test_math_task_reward_on_the_sample_file():
     assert task.reward(half, "answer: 4.50") == 1.0 and task.reward(half, "4") == 0.0
     with pytest.raises(ConfigError, match="not a question"):
         task.reward("Q: what?\nA: ", "1")
+
+
+def test_a_task_without_held_out_prompts_is_refused_before_the_start():
+    from dataplane_rl.config import load_config
+    from dataplane_rl.tasks import register_task
+    from dataplane_rl.train.loop import GRPOTrainer
+
+    class NoHeldOut:
+        name = "no_held_out"
+
+        def prompts(self, seed, step, round_, n):
+            return ["1"] * n
+
+        def reward(self, prompt, response):
+            return 0.0
+
+    register_task("no_held_out", lambda path=None: NoHeldOut())
+    try:
+        with pytest.raises(ConfigError, match=r"no_held_out.*val_prompts.*grpo.val_period=0"):
+            GRPOTrainer(load_config(None, ["task.name=no_held_out"]))
+        GRPOTrainer(load_config(None, ["task.name=no_held_out", "grpo.val_period=0"]))  # no validation: fine
+    finally:
+        TASKS.pop("no_held_out")

@@ -67,6 +67,7 @@ class GRPOTrainer:
         self.cfg = cfg
         self.schema = load_schema(cfg.data_plane.schema_name)
         self.task = get_task(cfg.task.name, cfg.task.path)
+        validation.check_task(cfg.grpo, self.task)
         self.model_folder = str(resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir))
         self.store = None
         self.store_url: str | None = None

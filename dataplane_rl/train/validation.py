@@ -11,7 +11,15 @@ import time
 
 import numpy as np
 
+from dataplane_rl.errors import ConfigError
 from dataplane_rl.store import to_numpy
+
+
+def check_task(grpo_cfg, task) -> None:
+    """Before the start: validation needs the task's held-out prompts (a registered task may lack them)."""
+    if (grpo_cfg.val_period > 0 or grpo_cfg.val_at_start) and not callable(getattr(task, "val_prompts", None)):
+        raise ConfigError(f"task '{getattr(task, 'name', task)}' has no val_prompts(n) to validate on; add one "
+                          "(held-out prompts, disjoint from prompts()) or set grpo.val_period=0 grpo.val_at_start=false")
 
 
 def due(grpo_cfg, step: int) -> bool:
