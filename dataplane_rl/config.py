@@ -25,7 +25,7 @@ class GRPOConfig(_Section):
 
     num_prompts_per_step: int = Field(16, ge=1, description="Prompts (groups) trained on per step.")
     num_generations_per_prompt: int = Field(8, ge=1, description="Samples per prompt (G); the group for the baseline.")
-    max_num_steps: int = Field(120, ge=1, description="Rollout steps to run.")
+    max_num_steps: int = Field(100, ge=1, description="Rollout steps to run.")
     seed: int = Field(0, description="Seeds the model init, the prompts and every (step, prompt, sample) generation.")
     normalize_rewards: bool = Field(True, description="Divide advantages by the group std (+1e-6).")
     use_leave_one_out_baseline: bool = Field(False, description="Baseline = mean of the other samples in the group instead of the group mean.")

@@ -197,18 +197,18 @@ def test_ctrl_c_leaves_a_consistent_run_folder(tmp_path):
 
 @pytest.mark.slow
 def test_default_config_learns(tmp_path):
-    """The README's promise, the whole default run (seed 0, 120 steps, ~1 min on 2 idle cores): the task is
+    """The README's promise, the whole default run (seed 0, 100 steps; 2-4 min on the shared 2-core box): the task is
     mastered, in the sampled train reward and in greedy decoding of held-out prompts."""
     run_dir = tmp_path / "learn"
     p = cli("train", f"logger.run_dir={run_dir}", "logger.progress=false")
     assert p.returncode == 0, p.stderr[-3000:]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps_completed"] == len(metrics) == 120
+    assert summary["steps_completed"] == len(metrics) == 100
     assert summary["reward_first_quarter"] < 0.5, "the untrained policy must not already solve the task"
     assert summary["reward_last_quarter"] >= 0.8, summary
     val = [m for m in metrics if "validation/reward" in m]
-    assert [m["step"] for m in val] == list(range(10, 121, 10))
+    assert [m["step"] for m in val] == list(range(10, 101, 10))
     assert val[-1]["validation/reward"] >= 0.9 and val[-1]["validation/num_samples"] == 128, val[-1]
 
 
