@@ -26,7 +26,7 @@ class GRPOConfig(_Section):
 
     num_prompts_per_step: int = Field(16, ge=1, description="Prompts (groups) trained on per step.")
     num_generations_per_prompt: int = Field(8, ge=1, description="Samples per prompt (G); the group for the baseline.")
-    max_num_steps: int = Field(30, ge=1, description="Rollout steps to run.")
+    max_num_steps: int = Field(100, ge=1, description="Rollout steps to run.")
     seed: int = Field(0, description="Seeds the model init, the prompts and every (step, prompt, sample) generation.")
     normalize_rewards: bool = Field(True, description="Divide advantages by the group std (+1e-6).")
     use_leave_one_out_baseline: bool = Field(False, description="Baseline = mean of the other samples in the group instead of the group mean.")
@@ -34,6 +34,10 @@ class GRPOConfig(_Section):
     max_gen_batches: int = Field(4, ge=1, description="Most generation rounds per step with dynamic sampling before it fails.")
     overlong_filtering: bool = Field(False, description="Mask (sample_mask=0) samples that hit the generation length limit.")
     num_epochs: int = Field(1, ge=1, description="Passes over each step's rows (PPO epochs); prev_logprobs stay those from before the step, so later passes are clipped.")
+    val_period: int = Field(10, ge=0, description="Validate on the task's held-out prompts every this many steps and after the last step; 0 turns validation off.")
+    val_at_start: bool = Field(False, description="Also validate the initial policy, logged at step 0.")
+    max_val_samples: int = Field(128, ge=1, description="Held-out prompts per validation (fewer if the task holds out fewer); one sample each.")
+    val_batch_size: int = Field(64, ge=1, description="Held-out prompts per validation partition (one generate round each).")
 
 
 class SchedulerConfig(_Section):
@@ -52,7 +56,7 @@ class PolicyConfig(_Section):
     train_global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, over all ranks.")
     train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward on one rank; does not change the numbers, only memory.")
     dp_size: int = Field(1, ge=1, description="Data-parallel training workers (torch.distributed ranks).")
-    learning_rate: float = Field(1e-2, gt=0.0, description="AdamW learning rate (the peak, with policy.scheduler).")
+    learning_rate: float = Field(1e-3, gt=0.0, description="AdamW learning rate (the peak, with policy.scheduler).")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
@@ -80,6 +84,7 @@ class GenerationConfig(_Section):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p; 1.0 disables it. Log-probs stay full-vocabulary.")
+    val_temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of validation; 0 decodes greedily.")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
     @model_validator(mode="after")
@@ -87,7 +92,11 @@ class GenerationConfig(_Section):
         if self.backend == "vllm":
             from dataplane_rl.rollout.vllm_engine import logprobs_mode
 
-            logprobs_mode(self.temperature, self.top_k, self.top_p)  # raises, naming the keys, when no vLLM mode fits
+            mode = logprobs_mode(self.temperature, self.top_k, self.top_p)  # raises, naming the keys, when no vLLM mode fits
+            if self.val_temperature > 0 and logprobs_mode(self.val_temperature, self.top_k, self.top_p) != mode:
+                raise ValueError(f"generation.val_temperature={self.val_temperature} needs another vLLM logprobs mode "
+                                 f"than generation.temperature={self.temperature} with top_k={self.top_k}, "
+                                 f"top_p={self.top_p}; use val_temperature=0 (greedy) or top_k=0 and top_p=1")
         return self
 
 
@@ -127,7 +136,7 @@ class DataPlaneConfig(_Section):
 class TaskConfig(_Section):
     """`task.*`: the prompts and the reward function."""
 
-    name: str = Field("repeat", description="Registered task (see dataplane_rl.tasks): repeat, count, math_jsonl.")
+    name: str = Field("repeat", description="Registered task (see dataplane_rl.tasks): repeat, next, count, math_jsonl.")
     path: Optional[str] = Field(None, description="Data file for file-based tasks (math_jsonl: JSONL with question and answer fields).")
 
 
@@ -137,6 +146,19 @@ class LoggerConfig(_Section):
     run_dir: Optional[str] = Field(None, description="Run folder: config.yaml, metrics.jsonl, train_data/, reward.png, summary.json. Unset: a fresh runs/YYYYmmdd-HHMMSS, with runs/latest pointing at it.")
     overwrite: bool = Field(False, description="Let a run replace the run already in logger.run_dir (its files go once the new run has started).")
     progress: bool = Field(True, description="Show a progress bar.")
+    tensorboard_enabled: bool = Field(True, description="Write every metric to RUN_DIR/tensorboard/ (`tensorboard --logdir runs/`).")
+    wandb_enabled: bool = Field(False, description="Also log to Weights & Biases, offline, into RUN_DIR/wandb/; needs `pip install wandb`.")
+    wandb_project: str = Field("dataplane-rl", description="W&B project name (with wandb_enabled).")
+
+    @field_validator("wandb_enabled")
+    @classmethod
+    def _wandb_installed(cls, on: bool) -> bool:
+        import importlib.util
+
+        if on and importlib.util.find_spec("wandb") is None:
+            raise ValueError("logger.wandb_enabled=true needs the wandb package, which is not installed: "
+                             "pip install wandb (or set logger.wandb_enabled=false)")
+        return on
 
 
 class CheckpointingConfig(_Section):
@@ -228,7 +250,11 @@ class Config(_Section):
             return tuple(self.data_plane.train_fields)
         from dataplane_rl.schema import load_schema
 
-        return (schema or load_schema(self.data_plane.schema_name)).field_set("DP_TRAIN_FIELDS")
+        fields = (schema or load_schema(self.data_plane.schema_name)).field_set("DP_TRAIN_FIELDS")
+        if self.loss_fn.reference_policy_kl_penalty == 0:
+            # beta = 0 skips the reference pass, so nothing writes the column: do not fetch it
+            fields = tuple(f for f in fields if f != "reference_policy_logprobs")
+        return fields
 
 
 DEFAULT_CONFIG = "grpo_tiny.yaml"

@@ -94,3 +94,28 @@ def test_every_field_has_a_doc():
     undocumented = [k for k, f in ALL_KEYS.items() if not f.description
                     and not (isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))]
     assert undocumented == []
+
+
+def test_wandb_without_the_package_is_refused_with_an_install_hint():
+    import importlib.util
+
+    assert importlib.util.find_spec("wandb") is None, "this test checks the refusal where wandb is not installed"
+    assert load_config().logger.wandb_enabled is False
+    with pytest.raises(ConfigError, match=r"logger.wandb_enabled.*pip install wandb"):
+        load_config(None, ["logger.wandb_enabled=true"])
+
+
+def test_validation_keys():
+    cfg = load_config(None, ["grpo.val_period=0", "grpo.val_at_start=true", "grpo.max_val_samples=5",
+                             "grpo.val_batch_size=2", "generation.val_temperature=0.7"])
+    assert (cfg.grpo.val_period, cfg.grpo.val_at_start, cfg.grpo.max_val_samples, cfg.grpo.val_batch_size) == (0, True, 5, 2)
+    assert load_config().generation.val_temperature == 0.0  # greedy by default
+    for bad in ("grpo.val_period=-1", "grpo.max_val_samples=0", "grpo.val_batch_size=0", "generation.val_temperature=-1"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(None, [bad])
+
+
+def test_kl_off_does_not_fetch_reference_logprobs():
+    # beta = 0 skips the reference pass; the default train fields must not ask for its column
+    assert "reference_policy_logprobs" in load_config().train_fields()
+    assert "reference_policy_logprobs" not in load_config(None, ["loss_fn.reference_policy_kl_penalty=0"]).train_fields()

@@ -177,19 +177,22 @@ KL_CASES = [
     #   k1 = -d:          -0.5, 1, -20 -> -10
     #   k2 = d^2/2:       0.125, 0.5, 200 -> 10
     #   k3 = e^d - 1 - d: e^0.5 - 1.5, e^-1, e^20 - 21 -> 10
-    ("k1", 20.0, 10.0, [-0.5, 1.0, -10.0], [1.0, 1.0, 0.0]),
+    # gradient d/d(lp): k1 and k3 carry the score term k * s (s = exp(lp - lp.detach()), d s/d lp = 1):
+    #   k1: 1 + k1 = 1 - d  -> 0.5, 2;      k2 (no s): -d -> -0.5, 1
+    #   k3: -(e^d - 1) + k3 = -d -> -0.5, 1; the third token's d is input-clamped: no gradient at all
+    ("k1", 20.0, 10.0, [-0.5, 1.0, -10.0], [0.5, 2.0, 0.0]),
     ("k2", 20.0, 10.0, [0.125, 0.5, 10.0], [-0.5, 1.0, 0.0]),
-    ("k3", 20.0, 10.0, [E(0.5) - 1.5, E(-1), 10.0], [-(E(0.5) - 1), -(E(-1) - 1), 0.0]),
+    ("k3", 20.0, 10.0, [E(0.5) - 1.5, E(-1), 10.0], [-0.5, 1.0, 0.0]),
     # input clamp 2, output clamp 1000: d = 30 -> 2, so k1 = -2, k2 = 2, k3 = e^2 - 3; clamped d has grad 0
-    ("k1", 2.0, 1000.0, [-0.5, 1.0, -2.0], [1.0, 1.0, 0.0]),
+    ("k1", 2.0, 1000.0, [-0.5, 1.0, -2.0], [0.5, 2.0, 0.0]),
     ("k2", 2.0, 1000.0, [0.125, 0.5, 2.0], [-0.5, 1.0, 0.0]),
-    ("k3", 2.0, 1000.0, [E(0.5) - 1.5, E(-1), E(2) - 3], [-(E(0.5) - 1), -(E(-1) - 1), 0.0]),
+    ("k3", 2.0, 1000.0, [E(0.5) - 1.5, E(-1), E(2) - 3], [-0.5, 1.0, 0.0]),
 ]
 
 
 @pytest.mark.parametrize("kind,in_clamp,out_clamp,per_token,dkl_dlp", KL_CASES)
 def test_kl_estimators_and_clamps(kind, in_clamp, out_clamp, per_token, dkl_dlp):
-    # A = 0 so pg = 0; loss = beta * mean(kl); d(kl)/d(lp): k1 -> +1, k2 -> -d, k3 -> -(e^d - 1).
+    # A = 0 so pg = 0; loss = beta * mean(kl); d(kl)/d(lp) as derived in KL_CASES.
     beta = 0.5
     lp, batch = one([[-1.0, -1.0, -1.0]], reference_policy_logprobs=[[-0.5, -2.0, 29.0]])
     cfg = LossConfig(reference_policy_kl_penalty=beta, reference_policy_kl_type=kind,
@@ -218,8 +221,9 @@ def test_positive_example_nll():
 def test_importance_sampling_correction():
     # A = 1, r = 1 (lp = lp_old), w = exp(lp_old - lp_gen) = 2 and 0.5: pg = -1 per token.
     # k1 with d = 0.5 -> -0.5 per token, beta = 1. Weighted: pg_loss = (-2 - 0.5)/2 = -1.25,
-    # kl_penalty = (2 * -0.5 + 0.5 * -0.5)/2 = -0.625. grad = w * (-A r + beta * 1) / N = w * 0 = 0;
-    # so check the PG-only grad too: w * (-1) / 2 = (-1, -0.25). w is detached: no grad to lp_gen.
+    # kl_penalty = (2 * -0.5 + 0.5 * -0.5)/2 = -0.625. grad = w * (-A r + beta * (1 + k1)) / N
+    # = w * (-1 + 0.5) / 2 = (-0.5, -0.125); the PG-only grad: w * (-1) / 2 = (-1, -0.25).
+    # w is detached: no grad to lp_gen.
     lp_rows = [[-1.0, -2.0]]
     gen = torch.tensor([[-1.0 - L(2), -2.0 + L(2)]], dtype=torch.float64, requires_grad=True)
     lp, batch = one(lp_rows, advantages=[1.0], reference_policy_logprobs=[[-0.5, -1.5]])
@@ -229,7 +233,7 @@ def test_importance_sampling_correction():
     close(m["pg_loss"], -1.25)
     close(m["kl_penalty"], -0.625)
     close(loss, -1.875)
-    close(grad, [[0.0, 0.0]])
+    close(grad, [[-0.5, -0.125]])
     assert gen.grad is None
     lp, batch = one(lp_rows, advantages=[1.0], generation_logprobs=gen.detach())
     _, _, grad = call(LossConfig(use_importance_sampling_correction=True, **PG_ONLY), lp, batch)
@@ -374,6 +378,9 @@ def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCoun
                 d = torch.clamp(batch["reference_policy_logprobs"][i, t] - lp[i, t], -cfg.kl_input_clamp_value, cfg.kl_input_clamp_value)
                 kl = {"k1": -d, "k2": d * d / 2, "k3": torch.exp(d) - 1 - d}[cfg.reference_policy_kl_type]
                 kl = torch.clamp(kl, -cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+                raw = batch["reference_policy_logprobs"][i, t] - lp[i, t]
+                if cfg.reference_policy_kl_type != "k2" and abs(raw.item()) <= cfg.kl_input_clamp_value:
+                    kl = kl * torch.exp(lp[i, t] - lp[i, t].detach())  # the score term (see kl_estimate)
             w = math.exp(batch["prev_logprobs"][i, t] - batch["generation_logprobs"][i, t]) if cfg.use_importance_sampling_correction else 1.0
             seq_pg, seq_kl, seq_n = seq_pg + w * pg, seq_kl + w * kl, seq_n + 1
             if "rewards" in batch and batch["rewards"][i] > 0:

@@ -106,8 +106,22 @@ def batch_masks(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.
 
 
 def kl_estimate(lp: torch.Tensor, lp_ref: torch.Tensor, kind: str, input_clamp: float, output_clamp: float) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate (Schulman's k1/k2/k3), d = lp_ref - lp clamped on both sides."""
-    d = (lp_ref - lp).clamp(-input_clamp, input_clamp)  # [B, T]
+    """Per-token KL(pi || pi_ref) estimate (Schulman's k1/k2/k3), d = lp_ref - lp clamped on both sides.
+
+    The value is the clamped estimate. Its gradient is built so that, for tokens sampled from pi, the
+    expected gradient is grad KL(pi || pi_ref) for every kind:
+    - k1 and k3 are unbiased for the KL, so grad E_pi[k] = E_pi[grad k + k grad lp]: they are multiplied
+      by the score weight s = exp(lp - lp.detach()) (value 1, gradient grad lp). Without it the expected
+      gradient of k3 is that of the forward KL, and that of k1 is 0.
+    - k2's plain gradient E_pi[(lp - lp_ref) grad lp] already is grad KL; adding s would give the
+      gradient of E_pi[k2], which is not the KL, so k2 gets no s.
+    s is applied after the output clamp, so a clamped token still carries k_clamped * grad lp: the
+    expected gradient is that of E_pi[clamped estimate], the value reported as kl_penalty. Where the
+    input clamp is active, s is detached, as in NeMo-RL: d is then a constant, so such a token has no
+    gradient at all, and an outlier cannot push the policy through the score term either.
+    """
+    raw = lp_ref - lp  # [B, T]
+    d = raw.clamp(-input_clamp, input_clamp)  # [B, T]
     if kind == "k1":
         kl = -d
     elif kind == "k2":
@@ -117,7 +131,12 @@ def kl_estimate(lp: torch.Tensor, lp_ref: torch.Tensor, kind: str, input_clamp: 
         kl = torch.expm1(d) - d
     else:
         raise ValueError(f"unknown KL type {kind!r}; use k1, k2 or k3")
-    return kl.clamp(-output_clamp, output_clamp)  # [B, T]
+    kl = kl.clamp(-output_clamp, output_clamp)  # [B, T]
+    if kind == "k2":
+        return kl
+    score = torch.exp(lp - lp.detach())  # [B, T], exactly 1
+    score = torch.where(raw.abs() > input_clamp, score.detach(), score)  # [B, T]
+    return kl * score  # [B, T]
 
 
 class ClippedPGLoss:

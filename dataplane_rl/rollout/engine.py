@@ -42,7 +42,7 @@ class HFEngine:
 
     Sampling is Gumbel-max with per-row noise from the row's own generator; the log-prob of each sampled
     token comes from the same forward pass, at the temperature-scaled full distribution (what the trainer
-    recomputes), not the top-k/top-p renormalised one.
+    recomputes), not the top-k/top-p renormalised one. temperature=0 decodes greedily (validation).
     """
 
     def __init__(self, model, eos_token_id: int | None, pad_token_id: int) -> None:
@@ -73,18 +73,23 @@ class HFEngine:
         tokens: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
         done = torch.zeros(B, dtype=torch.bool)
+        greedy = temperature == 0
         for _ in range(max_new_tokens):
-            logp = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()  # [B, V]
-            scores = logp.clone()
-            if top_k and top_k < scores.shape[-1]:
-                kth = scores.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
-                scores[scores < kth] = float("-inf")
-            if top_p < 1.0:
-                scores = nucleus(scores, top_p)
-            V = scores.shape[-1]
-            u = torch.stack([torch.rand(V, generator=g, dtype=torch.float64) for g in gens])  # [B, V]
-            gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-            nxt = (scores.double() + gumbel).argmax(-1)  # [B]
+            # greedy: argmax, log-probs of the untempered distribution (temperature 0 has none)
+            logp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1).cpu()  # [B, V]
+            if greedy:
+                nxt = logp.argmax(-1)  # [B]
+            else:
+                scores = logp.clone()
+                if top_k and top_k < scores.shape[-1]:
+                    kth = scores.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
+                    scores[scores < kth] = float("-inf")
+                if top_p < 1.0:
+                    scores = nucleus(scores, top_p)
+                V = scores.shape[-1]
+                u = torch.stack([torch.rand(V, generator=g, dtype=torch.float64) for g in gens])  # [B, V]
+                gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+                nxt = (scores.double() + gumbel).argmax(-1)  # [B]
             for i in range(B):
                 if not done[i]:
                     t = int(nxt[i])

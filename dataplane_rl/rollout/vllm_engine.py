@@ -108,7 +108,8 @@ class VLLMEngine:
 
         if not prompts:
             return []
-        if logprobs_mode(temperature, top_k, top_p) != self.mode:
+        # greedy (temperature 0, validation): nothing trains on these log-probs, so any mode will do
+        if temperature > 0 and logprobs_mode(temperature, top_k, top_p) != self.mode:
             raise ConfigError(f"this engine was built to report {self.mode}, which are not the trainer's log-probs at "
                               f"temperature={temperature} top_k={top_k} top_p={top_p}; build the engine with these "
                               "generation settings")

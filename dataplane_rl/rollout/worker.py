@@ -22,6 +22,7 @@ class RolloutJob:
     row_start: int
     group_ids: list[int]       # one per prompt (the prompt's index in the round)
     prompts: list[str]
+    validation: bool = False   # held-out prompts: 1 sample each at generation.val_temperature
 
 
 def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int) -> pa.Table:
@@ -135,12 +136,20 @@ class RolloutWorker:
         from dataplane_rl.rollout.engine import sample_seed
 
         gen, G, seed = self.cfg.generation, self.cfg.grpo.num_generations_per_prompt, self.cfg.grpo.seed
+        temperature, top_k, top_p = gen.temperature, gen.top_k, gen.top_p
+        if job.validation:
+            # top_k/top_p mean nothing to greedy decoding; 0 and 1 keep vLLM's log-prob mode check quiet
+            G, temperature = 1, gen.val_temperature
+            if temperature == 0:
+                top_k, top_p = 0, 1.0
         t0 = time.perf_counter()
         prompt_ids = [self.encode(p) for p in job.prompts]
         flat = [p for p in prompt_ids for _ in range(G)]
-        seeds = [sample_seed(seed, job.step, job.round, gid, s) for gid in job.group_ids for s in range(G)]
+        # validation rounds use round -1: their seeds never coincide with a training sample's
+        seeds = [sample_seed(seed, job.step, -1 if job.validation else job.round, gid, s)
+                 for gid in job.group_ids for s in range(G)]
         rooms = response_rooms(prompt_ids, gen.max_new_tokens, self.cfg.policy.max_total_sequence_length)
-        gens = self.engine.generate(flat, seeds, max(rooms), gen.temperature, gen.top_k, gen.top_p)
+        gens = self.engine.generate(flat, seeds, max(rooms), temperature, top_k, top_p)
         gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
         table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G)
         receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "bytes_written": 0, "put_s": 0.0}

@@ -101,7 +101,9 @@ class CheckpointManager:
     """Saves, finds and prunes the checkpoints of one run; the driver calls it between steps."""
 
     def __init__(self, root: str | Path, keep_top_k: int | None = None) -> None:
-        self.root = Path(root)
+        # absolute: the train workers write their shards from their own working directory (Ray's), so a
+        # relative logger.run_dir would put them somewhere the driver never looks
+        self.root = Path(root).absolute()
         self.keep_top_k = keep_top_k
 
     @classmethod

@@ -27,9 +27,11 @@ from dataplane_rl.rollout.worker import RolloutJob, RolloutWorker
 from dataplane_rl.schema import load_schema
 from dataplane_rl.store import MemoryStore, open_store, to_numpy
 from dataplane_rl.tasks import get_task
+from dataplane_rl.train import validation
 from dataplane_rl.train.batch import RowSet, fetch, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.checkpoint import CheckpointManager, step_of
 from dataplane_rl.train.export import export_hf
+from dataplane_rl.train.loggers import MetricLoggers
 from dataplane_rl.train.model import resolve_model
 from dataplane_rl.train.preempt import StopSignals
 from dataplane_rl.train.reaper import deferred_sigint
@@ -91,6 +93,7 @@ class GRPOTrainer:
         self.cfg = cfg
         self.schema = load_schema(cfg.data_plane.schema_name)
         self.task, self.model_folder = preflight(cfg)
+        validation.check_task(cfg.grpo, self.task)
         self.store = None
         self.store_url: str | None = None
         self.rollout: list = []
@@ -198,23 +201,29 @@ class GRPOTrainer:
             write(self.store, rs, out)
         return outs
 
-    def generate_round(self, step: int, round_: int, io: StepIO) -> tuple[str, pa.Table]:
+    def rollout_round(self, pid: str, step: int, round_: int, prompts: list[str], G: int, io: StepIO | None = None,
+                      group_offset: int = 0, validation: bool = False) -> list[dict]:
+        """Create partition `pid`, have the rollout actors fill it with G samples per prompt; the receipts."""
         import ray
 
+        self.store.create_partition(pid, self.schema, len(prompts) * G)
+        splits = np.array_split(np.arange(len(prompts)), len(self.rollout))
+        jobs = [RolloutJob(pid, step, round_, int(s[0]) * G, (s + group_offset).tolist(), [prompts[i] for i in s],
+                           validation=validation) for s in splits if s.size]
+        results = ray.get([a.generate.remote(j) for a, j in zip(self.rollout, jobs)])
+        for job, (table, receipt) in zip(jobs, results):
+            if io is not None:
+                io.add(receipt)
+            if table is not None:  # data plane off: the driver holds the columns
+                write(self.store, [(pid, np.arange(job.row_start, job.row_start + table.num_rows))], table)
+        return [r for _, r in results]
+
+    def generate_round(self, step: int, round_: int, io: StepIO) -> tuple[str, pa.Table]:
         cfg = self.cfg
         P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
         pid = f"step-{step:06d}" if round_ == 0 else f"step-{step:06d}-r{round_}"
-        self.store.create_partition(pid, self.schema, P * G)
-        prompts = self.task.prompts(cfg.grpo.seed, step, round_, P)
-        splits = np.array_split(np.arange(P), len(self.rollout))
-        jobs = [RolloutJob(pid, step, round_, int(s[0]) * G, s.tolist(), [prompts[i] for i in s])
-                for s in splits if s.size]
-        results = ray.get([a.generate.remote(j) for a, j in zip(self.rollout, jobs)])
-        for job, (table, receipt) in zip(jobs, results):
-            io.add(receipt)
-            if table is not None:  # data plane off: the driver holds the columns
-                write(self.store, [(pid, np.arange(job.row_start, job.row_start + table.num_rows))], table)
-        io.timing["generate"] = io.timing.get("generate", 0.0) + max(r["generate_s"] for _, r in results)
+        receipts = self.rollout_round(pid, step, round_, self.task.prompts(cfg.grpo.seed, step, round_, P), G, io)
+        io.timing["generate"] = io.timing.get("generate", 0.0) + max(r["generate_s"] for r in receipts)
         t0 = time.perf_counter()
         scalars = self.store.get(pid, self.schema.field_set("DRIVER_FIELDS"))
         io.get_s += time.perf_counter() - t0
@@ -398,7 +407,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         cfg.logger.run_dir = str(run.path)
     ckpt = CheckpointManager.for_config(cfg)
     config_yaml = dump_config(cfg)
-    trainer = None
+    trainer = loggers = None
     status, error, bar = "failed", None, None
     stop = StopSignals()
     try:
@@ -413,13 +422,22 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 trainer.refit()
             else:
                 run.begin(config_yaml)
+            # after the start: a run refused before it touches nothing in the folder
+            loggers = MetricLoggers(cfg.logger, run.path, cfg.model_dump(mode="json", by_alias=True))
+            if cfg.grpo.val_at_start and first == 1:
+                start_metrics = {"step": 0, **validation.validate(trainer, 0)}
+                run.log_validation(start_metrics)
+                loggers.log(start_metrics, 0)
             last = cfg.grpo.max_num_steps
             bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1)
             done = first - 1  # the last step finished
             for step in range(first, last + 1):
                 metrics, samples = trainer.step(step)
                 check_finite(metrics)
+                if validation.due(cfg.grpo, step):
+                    metrics.update(validation.validate(trainer, step))
                 run.log_step(metrics, samples)
+                loggers.log(metrics, step)
                 bar.step_done(metrics)
                 if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
                                                   or stop.requested):
@@ -443,6 +461,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
     finally:
         if bar is not None:
             bar.close()
+        if loggers is not None:
+            loggers.close()
         try:
             if trainer is not None:
                 trainer.close()

@@ -16,8 +16,9 @@ def run_title(config: dict, steps_done: int) -> str:
     return f"GRPO {name} · model {Path(str(model.get('model', '?'))).name} · {steps_done}/{total} steps"
 
 
-def reward_figure(metrics: list[dict], title: str):
-    """Two panels over the steps: the rewards, then loss, KL penalty and entropy."""
+def reward_figure(metrics: list[dict], title: str, validation: list[dict] = ()):
+    """Two panels over the steps: the rewards (and held-out validation where logged, `validation` adding
+    lines that are not steps, e.g. step 0), then loss, KL penalty and entropy."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines
@@ -36,6 +37,10 @@ def reward_figure(metrics: list[dict], title: str):
     else:
         top.plot(steps, reward, marker="o", label="train/reward (all rounds)")
         top.plot(steps, filtered, marker=".", label="train/filtered_reward (rows trained on)")
+    val = [m for m in [*validation, *metrics] if "validation/reward" in m]
+    if val:
+        top.plot([m["step"] for m in val], [m["validation/reward"] for m in val], marker="s", linestyle="--",
+                 label="validation/reward (held-out, greedy by default)")
     top.set_ylabel("mean reward")
     top.grid(alpha=0.3)
     top.legend(fontsize="small")
@@ -57,11 +62,11 @@ def reward_figure(metrics: list[dict], title: str):
     return fig
 
 
-def save_reward_png(metrics: list[dict], title: str, path: Path) -> None:
+def save_reward_png(metrics: list[dict], title: str, path: Path, validation: list[dict] = ()) -> None:
     """Draw and write `path` atomically (a temporary file renamed)."""
     import matplotlib.pyplot as plt
 
-    fig = reward_figure(metrics, title)
+    fig = reward_figure(metrics, title, validation)
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)
     fig.savefig(tmp, dpi=100)
     plt.close(fig)

@@ -86,6 +86,7 @@ class RunDir:
         self.overwrite = overwrite
         self.started = False
         self.metrics: list[dict] = []
+        self.validation: list[dict] = []  # validation-only lines (grpo.val_at_start: step 0), not steps
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -136,8 +137,10 @@ class RunDir:
         dropped (they are run again), so metrics.jsonl and train_data/ have each step once."""
         metrics = self.path / "metrics.jsonl"
         lines = metrics.read_text().splitlines() if metrics.is_file() else []
-        self.metrics = [m for m in map(_parse, lines) if m is not None and m["step"] <= step]
-        _atomic_write(metrics, "".join(json.dumps(m) + "\n" for m in self.metrics))
+        kept = [m for m in map(_parse, lines) if m is not None and m["step"] <= step]
+        self.metrics = [m for m in kept if "train/reward" in m]
+        self.validation = [m for m in kept if "train/reward" not in m]  # grpo.val_at_start's step-0 line
+        _atomic_write(metrics, "".join(json.dumps(m) + "\n" for m in kept))
         (self.path / "train_data").mkdir(parents=True, exist_ok=True)
         for f in (self.path / "train_data").glob("step_*.jsonl"):
             if int(f.stem.split("_")[1]) > step:
@@ -153,6 +156,12 @@ class RunDir:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         self.metrics.append(metrics)
+
+    def log_validation(self, metrics: dict) -> None:
+        """A metrics line that is not a training step (no train_data, not in steps_completed)."""
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self.validation.append(metrics)
 
     def finish(self, status: str, error: str | None = None, extra: dict | None = None) -> dict:
         rewards = [m["train/reward"] for m in self.metrics]
@@ -180,4 +189,4 @@ class RunDir:
         from dataplane_rl.train.plot import run_title, save_reward_png
 
         config = yaml.safe_load((self.path / "config.yaml").read_text()) or {}
-        save_reward_png(self.metrics, run_title(config, len(self.metrics)), self.path / "reward.png")
+        save_reward_png(self.metrics, run_title(config, len(self.metrics)), self.path / "reward.png", self.validation)

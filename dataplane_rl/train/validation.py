@@ -1,0 +1,54 @@
+"""The validation phase: the policy on the task's held-out prompts, through the rollout engine and the
+store like a training round, but nothing is trained (no advantages, no log-probs, no optimizer step).
+
+One sample per prompt at `generation.val_temperature` (0 = greedy), in partitions `val-STEP-CHUNK` of
+`grpo.val_batch_size` rows that are dropped as soon as their rewards are read.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dataplane_rl.errors import ConfigError
+from dataplane_rl.store import to_numpy
+
+
+def check_task(grpo_cfg, task) -> None:
+    """Before the start: validation needs the task's held-out prompts (a registered task may lack them)."""
+    if (grpo_cfg.val_period > 0 or grpo_cfg.val_at_start) and not callable(getattr(task, "val_prompts", None)):
+        raise ConfigError(f"task '{getattr(task, 'name', task)}' has no val_prompts(n) to validate on; add one "
+                          "(held-out prompts, disjoint from prompts()) or set grpo.val_period=0 grpo.val_at_start=false")
+
+
+def due(grpo_cfg, step: int) -> bool:
+    """Validate after this training step: every `val_period` steps, and after the last one."""
+    p = grpo_cfg.val_period
+    return p > 0 and (step % p == 0 or step == grpo_cfg.max_num_steps)
+
+
+def validate(trainer, step: int) -> dict:
+    """validation/reward (mean), validation/accuracy (share of reward 1.0), validation/num_samples and
+    timing/validation of the current policy; `trainer` is a started GRPOTrainer."""
+    g = trainer.cfg.grpo
+    t0 = time.perf_counter()
+    prompts = trainer.task.val_prompts(g.max_val_samples)
+    rewards = []
+    for start in range(0, len(prompts), g.val_batch_size):
+        chunk = prompts[start:start + g.val_batch_size]
+        pid = f"val-{step:06d}-{start // g.val_batch_size}"
+        # group ids are the prompts' global indices: distinct sample seeds when val_temperature > 0
+        trainer.rollout_round(pid, step, 0, chunk, G=1, group_offset=start, validation=True)
+        try:
+            table = trainer.store.get(pid, ["total_reward"])
+            rewards.append(to_numpy(table.column("total_reward")).astype(np.float64))
+        finally:
+            trainer.store.drop_partition(pid)
+    r = np.concatenate(rewards) if rewards else np.zeros(0)
+    return {
+        "validation/reward": float(r.mean()) if r.size else 0.0,
+        "validation/accuracy": float((r >= 1.0).mean()) if r.size else 0.0,
+        "validation/num_samples": int(r.size),
+        "timing/validation": time.perf_counter() - t0,
+    }
