@@ -172,7 +172,7 @@ def test_grpo_run_with_every_knob(tmp_path, ray_session):
         metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         # 32 rows / 16 per global batch = 2 optimizer steps per pass, 2 passes: 4 per step, 8 in the run
         assert [m["train/optimizer_steps"] for m in metrics] == [4, 4]
-        lrs = [0.01 * WarmupSchedule("cosine", 1, 8, 0.1)(s) for s in range(8)]
+        lrs = [cfg.policy.learning_rate * WarmupSchedule("cosine", 1, 8, 0.1)(s) for s in range(8)]
         assert metrics[0]["train/lr"] == pytest.approx(sum(lrs[:4]) / 4)
         assert metrics[1]["train/lr"] == pytest.approx(sum(lrs[4:]) / 4)
         for m in metrics:
