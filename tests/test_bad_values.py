@@ -98,7 +98,7 @@ def test_non_finite_loss_stops_the_run_naming_step_and_metric(tmp_path, ray_sess
                              "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
                              "generation.max_new_tokens=4", "logger.progress=false", "policy.learning_rate=1e30",
                              "policy.max_grad_norm=1e30", f"logger.run_dir={run_dir}"])
-    with pytest.raises(NonFiniteError, match=r"step \d: train/(loss|grad_norm) is (nan|inf|-inf)"):
+    with pytest.raises(NonFiniteError, match=r"step \d: train/(loss|grad_norm|param_norm) is (nan|inf|-inf)"):
         train(cfg)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "NonFiniteError: step" in summary["error"]

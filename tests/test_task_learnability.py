@@ -1,5 +1,5 @@
 """The README's note on what the tiny model can learn, checked: on math_jsonl its samples score 0, so
-every advantage is 0 (nothing to learn); on repeat, groups have differing rewards from the start.
+almost every advantage is 0 (next to nothing to learn); on repeat, groups have differing rewards from the start.
 If a change to a task or the model makes this false, update the README's Tasks note with it."""
 
 from __future__ import annotations
@@ -22,10 +22,14 @@ def step_one_rewards(task: str) -> tuple[np.ndarray, np.ndarray]:
     return table.column("total_reward").to_numpy().astype(np.float64), table.column("group_id").to_numpy()
 
 
-def test_tiny_model_scores_nothing_on_math_jsonl_so_nothing_is_learned():
+def test_tiny_model_almost_never_scores_on_math_jsonl():
     rewards, groups = step_one_rewards("math_jsonl")
-    assert rewards.size == 128 and not rewards.any()
-    assert not advantages(rewards, groups).any()
+    # the last-number rule lets a lucky digit score now and then: at most a couple of 16 groups differ
+    assert rewards.size == 128 and rewards.mean() <= 0.05
+    informative = [g for g in np.unique(groups) if np.ptp(rewards[groups == g]) > 0]
+    assert len(informative) <= 2
+    adv = advantages(rewards, groups)
+    assert not adv[~np.isin(groups, informative)].any()
 
 
 def test_tiny_model_gets_differing_rewards_on_repeat():

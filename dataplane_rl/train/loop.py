@@ -323,7 +323,7 @@ class GRPOTrainer:
         m = {"step": step}
         for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
                   "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch",
-                  "lr"):
+                  "lr", "param_norm"):
             m[f"train/{k}"] = train[k]
         m["train/reward"] = float(np.mean(np.concatenate(rounds_rewards)))
         m["train/filtered_reward"] = float(np.mean(kept_rewards))
@@ -376,8 +376,8 @@ class NonFiniteError(DataPlaneError):
 
 
 def check_finite(metrics: dict) -> None:
-    """Stop at the first step whose loss or gradient norm is not finite: every later step would be NaN too."""
-    for key in ("train/loss", "train/grad_norm"):
+    """Stop at the first step whose loss, gradient norm or weights are not finite: every later step would be NaN too."""
+    for key in ("train/loss", "train/grad_norm", "train/param_norm"):
         value = metrics.get(key)
         if value is not None and not math.isfinite(value):
             raise NonFiniteError(f"step {metrics['step']}: {key} is {value}; the weights are no longer usable. "

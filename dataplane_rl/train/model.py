@@ -61,7 +61,7 @@ def resolve_model(name: str, seed: int, cache_dir: str | None = None) -> Path:
     """'tiny' -> the built tiny folder; anything else must be a local Hugging Face folder."""
     if name == "tiny":
         return build_tiny(seed, cache_dir)
-    p = Path(name)
+    p = Path(name).absolute()  # actors run in Ray's working directory: a relative folder would not be found there
     if not (p / "config.json").is_file():
         raise ConfigError(f"policy.model '{name}' is neither 'tiny' nor a local Hugging Face folder with config.json; "
                           "nothing is downloaded, so save the model locally first")

@@ -173,6 +173,9 @@ class TrainWorker:
                 metrics["grad_norm"] = to_float(grad_norm)
                 metrics["global_valid_toks"] = float(counts.tokens)
                 metrics["lr"] = lr
+                # a step can leave the weights non-finite while its loss and grad norm were finite (a huge
+                # learning rate): the norm of the updated weights shows it before the next rollout uses them
+                metrics["param_norm"] = to_float(torch.nn.utils.get_total_norm([q.detach() for q in self.model.parameters()]))
                 history.append(metrics)
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(mismatch)
