@@ -51,6 +51,10 @@ class StoreFullError(StoreUnavailableError):
     """The store has no room for a write; nothing of that write was kept."""
 
 
+class StoreTimeoutError(DataPlaneError, TimeoutError):
+    """store.wait gave up: the named rows were not all written within the timeout."""
+
+
 def format_rows(rows) -> str:
     """Compact row description for error messages: '0-255', '3,7,9', '0-9,12 (11 rows)'."""
     rows = sorted(int(r) for r in rows)

@@ -49,8 +49,17 @@ def assert_store_failure_left_a_consistent_run(returncode: int, out: str, run_di
     assert len(list((run_dir / "train_data").glob("step_*.jsonl"))) == len(lines)
 
 
+# train/logprob_mismatch is the mean |generation - training| log-prob gap: float rounding, which changes
+# with the matmul shapes (micro-batch size, ranks). Runs that differ in shape must agree that it is noise,
+# not on the noise itself; runs with the same shapes still compare it bit for bit.
+NOISE_KEYS = {"train/logprob_mismatch": 1e-5}
+
+
 def assert_close(a: dict, b: dict, rel=1e-5, abs_=1e-7):
     for k in TRAIN_KEYS:
+        if k in NOISE_KEYS and (rel or abs_):
+            assert a[k] < NOISE_KEYS[k] and b[k] < NOISE_KEYS[k], f"{k}: {a[k]} vs {b[k]}"
+            continue
         assert math.isclose(a[k], b[k], rel_tol=rel, abs_tol=abs_), f"{k}: {a[k]} vs {b[k]}"
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from dataplane_rl.errors import (
     MissingColumnError,
     PartitionNotFoundError,
     SchemaError,
+    StoreTimeoutError,
     StoreUnavailableError,
     format_rows,
 )
@@ -367,6 +369,58 @@ class ColumnStore(ABC):
             written[ref.column] += len(ref.rows)
             nbytes[ref.column] += ref.nbytes
         return PartitionStatus(pid, schema.name, meta.num_rows, written, nbytes)
+
+    def ready(self, pid: str, fields: str | Sequence[str]) -> np.ndarray:
+        """The rows (sorted int64) on which every named field is written. Reads the catalog, never data."""
+        self._check_open()
+        meta = self._meta(self._check_pid(pid))
+        fields = self._field_list(pid, meta, fields, "ready")
+        written = np.zeros((len(fields), meta.num_rows), dtype=bool)
+        index = {f: i for i, f in enumerate(fields)}
+        for ref in self._chunks(pid):
+            i = index.get(ref.column)
+            if i is not None:
+                written[i, ref.rows] = True
+        return np.flatnonzero(written.all(axis=0)).astype(np.int64)
+
+    def wait(self, pid: str, fields: str | Sequence[str], rows: Any = None, timeout: float = 60.0) -> np.ndarray:
+        """Block until every named field is written on `rows` (default all); return those rows.
+
+        Raises StoreTimeoutError after `timeout` seconds naming the rows and fields still missing, and
+        PartitionNotFoundError at once if the partition does not exist (or is dropped while waiting)."""
+        self._check_open()
+        meta = self._meta(self._check_pid(pid))
+        fields = self._field_list(pid, meta, fields, "wait")
+        want = self._rows(pid, meta, rows, unique=False)
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while True:
+            missing = {}
+            for f in fields:
+                lack = np.setdiff1d(want, self.ready(pid, [f]), assume_unique=False)
+                if lack.size:
+                    missing[f] = lack
+            if not missing:
+                return want
+            left = deadline - time.monotonic()
+            if left <= 0:
+                detail = "; ".join(f"{f}: rows {format_rows(r)}" for f, r in missing.items())
+                raise StoreTimeoutError(f"partition {pid}: waited {timeout:g} s and these cells are still unwritten: "
+                                        f"{detail}; check that the writer is alive, or raise the timeout")
+            # back off from 0.5 ms to 20 ms: a catalog read per wake-up, no spinning
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.02)
+
+    def _field_list(self, pid: str, meta: PartitionMeta, fields: Any, what: str) -> list[str]:
+        schema = schema_of(meta)
+        if isinstance(fields, str):
+            fields = [fields]
+        elif not isinstance(fields, (list, tuple)) or not all(isinstance(f, str) for f in fields) or not fields:
+            raise SchemaError(f"partition {pid} {what}: fields must be a column name or a non-empty list of names, "
+                              f"got {fields!r}")
+        for f in fields:
+            schema.column(f)
+        return list(fields)
 
     def list_partitions(self) -> list[str]:
         self._check_open()
