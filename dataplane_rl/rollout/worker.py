@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.rollout.engine import Generation
+from dataplane_rl.store.tensors import list_array_of_rows
 
 
 @dataclass
@@ -44,10 +45,7 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int) 
             ptext.append(prompt)
             rtext.append(response)
 
-    def tok(parts, t):
-        offsets = np.zeros(len(parts) + 1, dtype=np.int32)
-        np.cumsum([len(x) for x in parts], out=offsets[1:])
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(parts), type=t))
+    tok = list_array_of_rows
 
     return pa.table({
         "input_ids": tok(ids, pa.int32()),

@@ -14,7 +14,7 @@ from typing import Any
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.store.base import ChunkRef, ColumnStore, PartitionMeta, PartitionStatus
 from dataplane_rl.store.memory import MemoryStore
-from dataplane_rl.store.tensors import pad_tokens, to_numpy
+from dataplane_rl.store.tensors import list_array, list_array_of_rows, pad_tokens, to_numpy
 
 # scheme -> (module, class); optional backends are imported only when asked for
 BACKENDS: dict[str, tuple[str, str]] = {
@@ -42,4 +42,4 @@ def open_store(url_or_store: str | ColumnStore, **options: Any) -> ColumnStore:
 
 
 __all__ = ["BACKENDS", "ChunkRef", "ColumnStore", "MemoryStore", "PartitionMeta", "PartitionStatus",
-           "open_store", "pad_tokens", "to_numpy"]
+           "list_array", "list_array_of_rows", "open_store", "pad_tokens", "to_numpy"]

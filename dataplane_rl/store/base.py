@@ -36,6 +36,7 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.schema import Column, Schema, load_schema
+from dataplane_rl.store.tensors import list_array
 
 _PID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Rows per partition: a read keeps two int64 arrays of num_rows, so more would be gigabytes of bookkeeping
@@ -177,10 +178,7 @@ def to_arrow(col: Column, data: Any, where: str) -> pa.Array:
                 raise SchemaError(f"{where} token column '{col.name}' row #{i} is {p.ndim}-D; each row must be 1-D")
         values = np.concatenate(parts) if parts else np.zeros(0, dtype=col.value_type.to_pandas_dtype())
         _check_np_dtype(col, values, where)
-        lengths = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
-        offsets = np.zeros(len(parts) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=offsets[1:])
-        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=col.value_type))
+        return list_array(values, [p.size for p in parts], col.value_type)
     if col.dtype == "string":
         values = list(data)
         if not all(isinstance(v, str) for v in values):

@@ -6,6 +6,23 @@ import numpy as np
 import pyarrow as pa
 
 
+def list_array(values: np.ndarray, lengths, value_type: pa.DataType) -> pa.ListArray:
+    """The one offsets-to-ListArray builder: flat `values` [N] cut into rows of `lengths` [B] (sum N)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(lengths.size + 1, dtype=np.int32)  # [B+1]
+    np.cumsum(lengths, out=offsets[1:])
+    if int(offsets[-1]) != len(values):
+        raise ValueError(f"list_array: lengths sum to {int(offsets[-1])}, values hold {len(values)}")
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+
+
+def list_array_of_rows(rows, value_type: pa.DataType) -> pa.ListArray:
+    """A token column from one 1-D array per row."""
+    rows = list(rows)
+    flat = np.concatenate(rows) if rows else np.zeros(0, dtype=value_type.to_pandas_dtype())
+    return list_array(flat, [len(r) for r in rows], value_type)
+
+
 def to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A sample column as numpy; zero-copy for one chunk of a fixed-width type."""
     if isinstance(column, pa.ChunkedArray):

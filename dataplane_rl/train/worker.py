@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from dataplane_rl.store.tensors import list_array
 from dataplane_rl.train.batch import RowSet, build_train_batch, fetch, microbatches, write
 from dataplane_rl.train.fsdp import to_float
 
@@ -123,9 +124,7 @@ class TrainWorker:
                 parts.append(token_logprobs(model, mb["input_ids"], mb["attention_mask"], temp).float().cpu())  # [b, t]
             rows = [row for part in parts for row in part.numpy()]  # padded, in batch order
             flat = np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)])
-            offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-            np.cumsum(lengths, out=offsets[1:])
-            out[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.float32()))
+            out[name] = list_array(flat, lengths, pa.float32())
         return self._emit(rs, pa.table(out))
 
     # -- train pass ---------------------------------------------------------------------------------
