@@ -25,6 +25,7 @@ from dataplane_rl.errors import (
     PartitionExistsError,
     PartitionNotFoundError,
     SchemaError,
+    StoreTimeoutError,
     StoreUnavailableError,
     format_rows,
 )
@@ -41,6 +42,7 @@ from store_workers import (
     grpo_columns,
     put_blocks,
     race,
+    wait_then_check,
     write,
 )
 
@@ -432,6 +434,71 @@ def test_url_reopens_the_same_store(store, part):
     finally:
         other.close()
     assert store.status(part).rows_written["total_reward"] == 4
+
+
+# ---- readiness -----------------------------------------------------------------------------------
+def test_ready_names_rows_with_every_field_written(store, part):
+    empty = store.ready(part, ["total_reward"])
+    assert empty.dtype == np.int64 and empty.tolist() == []
+    store.put(part, grpo_columns([7, 2, 5], ["total_reward", "group_id"]), [7, 2, 5])
+    store.put(part, grpo_columns([1, 2], ["advantages"]), [1, 2])
+    got = store.ready(part, ["total_reward", "group_id"])
+    assert got.dtype == np.int64 and got.tolist() == [2, 5, 7]  # sorted, not in write order
+    assert store.ready(part, "total_reward").tolist() == [2, 5, 7]
+    assert store.ready(part, ["total_reward", "advantages"]).tolist() == [2]  # every field, not any
+    assert store.ready(part, ["prev_logprobs"]).tolist() == []
+    with pytest.raises(SchemaError, match="no column 'nope'"):
+        store.ready(part, ["nope"])
+    with pytest.raises(SchemaError, match="non-empty list"):
+        store.ready(part, [])
+    with pytest.raises(PartitionNotFoundError, match="partition nope"):
+        store.ready("nope", ["total_reward"])
+
+
+def test_wait_returns_ready_rows_or_names_what_is_missing(store, part):
+    store.put(part, grpo_columns(range(4), ["total_reward", "group_id"]), range(4))
+    got = store.wait(part, ["total_reward", "group_id"], [3, 0, 1], timeout=5)
+    assert got.dtype == np.int64 and got.tolist() == [3, 0, 1]  # the waited rows, as asked
+    with pytest.raises(StoreTimeoutError, match=rf"partition {part}: waited 0.05 s .*total_reward: rows 4-5; "
+                                                r"advantages: rows 0,2,4-5"):
+        store.wait(part, ["total_reward", "advantages"], [0, 2, 4, 5], timeout=0.05)
+    with pytest.raises(PartitionNotFoundError, match="partition nope"):
+        store.wait("nope", ["total_reward"], timeout=5)
+    with pytest.raises(AlignmentError, match="out of range"):
+        store.wait(part, ["total_reward"], [N], timeout=5)
+    assert issubclass(StoreTimeoutError, TimeoutError)
+
+
+def test_wait_sees_a_put_made_while_it_waits(store, part):
+    """A thread of this process writes while the caller waits: wait returns once the put commits."""
+    import threading
+
+    rows = list(range(6))
+    writer = threading.Thread(target=lambda: [store.put(part, grpo_columns([r], ["total_reward"]), [r]) for r in rows])
+    writer.start()
+    try:
+        assert store.wait(part, "total_reward", rows, timeout=60).tolist() == rows
+    finally:
+        writer.join(60)
+    assert not writer.is_alive()
+    assert_rows(store, part, rows, ["total_reward"])
+
+
+@pytest.mark.parametrize("backend", CROSS_PROCESS)
+def test_reader_in_another_process_waits_while_this_one_writes(store, part, store_pool):
+    fields = ["input_lengths", "input_ids", "total_reward"]
+    job = store_pool.apply_async(wait_then_check, (store.url, part, range(N), fields, 120.0))
+    for lo in range(0, N, 3):  # four puts; the reader can only finish after the last
+        store.put(part, grpo_columns(range(lo, lo + 3), fields), range(lo, lo + 3))
+    assert job.get(timeout=180) == list(range(N))
+
+
+@pytest.mark.parametrize("backend", CROSS_PROCESS)
+def test_waiting_here_while_another_process_writes(store, part, store_pool):
+    job = store_pool.apply_async(write, (store.url, part, range(N), ["total_reward", "group_id"], 0, 4))
+    assert store.wait(part, ["total_reward", "group_id"], timeout=120).tolist() == list(range(N))
+    job.get(timeout=60)  # the writer finished cleanly too
+    assert_rows(store, part, range(N), ["total_reward", "group_id"])
 
 
 # ---- property-based ------------------------------------------------------------------------------

@@ -169,6 +169,30 @@ def run_backend(url: str, store, samples: int, min_len: int, max_len: int, reade
             "e2e_gbps": _stats(e2e)}
 
 
+def small_calls(store, min_len: int, max_len: int, repeats: int, rows: int = 64) -> dict[str, Any]:
+    """µs per put and per get of `rows` rows (a GRPO step of 8 groups of 8) of DP_TRAIN_FIELDS, in this
+    process: the fixed cost per call that the streaming trainer's many small puts and reads pay."""
+    from dataplane_rl.schema import DP_TRAIN_FIELDS
+
+    batch = make_batch(rows, min_len, max_len, seed=1)
+    puts, gets = [], []
+    for k in range(repeats + 1):  # call 0 warms up
+        pid = f"bench-small-{k:04d}"
+        store.create_partition(pid, "grpo", rows)
+        t0 = time.perf_counter()
+        store.put(pid, batch, range(rows))
+        t1 = time.perf_counter()
+        table = store.get(pid, DP_TRAIN_FIELDS, range(rows))
+        t2 = time.perf_counter()
+        assert table.num_rows == rows
+        del table
+        store.drop_partition(pid)
+        if k:
+            puts.append((t1 - t0) * 1e6)
+            gets.append((t2 - t1) * 1e6)
+    return {"rows": rows, "bytes": payload_bytes(batch), "put_us": _stats(puts), "get_us": _stats(gets)}
+
+
 def memcpy_ceiling(batch: dict[str, pa.Array], repeats: int) -> dict[str, Any]:
     """Copy the batch's buffers into pre-faulted memory, then touch every byte of the copy."""
     srcs = [v.view(np.uint8) for v in views_of(pa.table(batch))]
@@ -230,6 +254,7 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
         store = open_for_bench(name, seg_mb)
         try:
             results[name] = run_backend(store.url, store, samples, min_len, max_len, readers, repeats, nbytes)
+            results[name]["small"] = small_calls(store, min_len, max_len, max(repeats, 20))
             if name == "mooncake":
                 results["raw_mooncake"] = raw_mooncake(batch, readers, repeats, store.cluster)
         finally:
@@ -246,8 +271,9 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| backend | write GB/s | read GB/s | e2e GB/s (min-max) | x memcpy | x raw Mooncake |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| backend | write GB/s | read GB/s | e2e GB/s (min-max) | x memcpy | x raw Mooncake | "
+            "64-row put µs | 64-row get µs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in ("memcpy", "raw_mooncake", "shm", "mooncake", "ray"):
         if name not in results:
             continue
@@ -256,8 +282,10 @@ def table(results: dict[str, Any]) -> str:
         ratio_m = r.get("ratio_to_memcpy", r["e2e_gbps"]["median"] / results["memcpy"]["e2e_gbps"]["median"])
         raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
         ratio_r = f"{e['median'] / raw:.2f}" if raw else "-"
+        small = r.get("small")
+        lat = f"{small['put_us']['median']:.0f} | {small['get_us']['median']:.0f}" if small else "- | -"
         rows.append(f"| {name} | {r['write_gbps']['median']:.3f} | {r['read_gbps']['median']:.3f} | "
-                    f"{e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | {ratio_m:.2f} | {ratio_r} |")
+                    f"{e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | {ratio_m:.2f} | {ratio_r} | {lat} |")
     return "\n".join(rows)
 
 

@@ -159,19 +159,3 @@ def surely_valid(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarra
     if lengths is not None and len(lengths) and int(np.min(lengths)) < 0:
         return False
     return True
-
-
-def column_bytes(arr: pa.Array) -> int:
-    """Bytes of values (and offsets) a possibly sliced column refers to, in O(1): `Array.nbytes` walks
-    the offsets of a sliced list array, which cost more than the rest of a small put."""
-    n = len(arr)
-    t = arr.type
-    if pa.types.is_list(t):
-        offsets = arr.offsets.to_numpy(zero_copy_only=True)  # [n+1]
-        return 4 * (n + 1) + int(offsets[-1] - offsets[0]) * (t.value_type.bit_width // 8)
-    if pa.types.is_string(t):
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)  # [n+1]
-        return 4 * (n + 1) + int(offsets[-1] - offsets[0])
-    if pa.types.is_boolean(t):
-        return (n + 7) // 8
-    return n * t.bit_width // 8

@@ -41,8 +41,8 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.schema import Schema, load_schema
-from dataplane_rl.store.arrow import as_numpy, column_bytes, surely_valid, to_arrow
-from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot, checksum, decode_block
+from dataplane_rl.store.arrow import as_numpy, surely_valid, to_arrow
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, decode_block, make_blocks
 from dataplane_rl.store.index import RowIndex, overlap
 
 # Rows per partition: the row index keeps two int32 arrays of num_rows per column, so more would be
@@ -111,8 +111,8 @@ class ColumnStore(ABC):
         """Meta (with the backend's incarnation token) and committed refs; PartitionNotFoundError if unknown."""
 
     @abstractmethod
-    def _store(self, meta: PartitionMeta, blocks: list[tuple[np.ndarray, pa.RecordBatch]]) -> list[ChunkRef]:
-        """Store each (rows, batch) block with `chunks.write_block`; return one ref per block, in order.
+    def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
+        """Store each block's batch with `chunks.write_block`; return one ref per block, in order.
         Nothing is visible to readers yet. If it raises, it removes whatever it stored."""
 
     @abstractmethod
@@ -186,8 +186,7 @@ class ColumnStore(ABC):
         if err:
             raise err
         batch = pa.record_batch(list(arrays.values()), schema=block_schema(meta.schema_json, tuple(arrays)))
-        blocks = [(rows[lo:hi], batch.slice(lo, hi - lo)) for lo, hi in _row_blocks(batch, self.chunk_bytes)]
-        refs = self._store(meta, blocks)
+        refs = self._store(meta, make_blocks(rows, batch, self.chunk_bytes))
         try:
             self._commit(meta, refs)
         except BaseException:
@@ -389,7 +388,15 @@ class ColumnStore(ABC):
         used = np.unique(np.concatenate([w for w, _ in plans])).tolist() if rows.size else []
         needed = [refs[i] for i in used]
         batches = dict(zip(used, (self._decode(meta, r, p) for r, p in zip(needed, self._read(meta.pid, needed)))))
-        return [_gather(batches, which, pos, f, schema.by_name[f].arrow_type) for f, (which, pos) in zip(fields, plans)]
+        runs: list[tuple[np.ndarray, np.ndarray, list | None]] = []  # fields of one put share their plan
+        out = []
+        for f, (which, pos) in zip(fields, plans):
+            plan = next((r for r in runs if np.array_equal(r[0], which) and np.array_equal(r[1], pos)), None)
+            if plan is None:
+                plan = (which, pos, _runs(which, pos))
+                runs.append(plan)
+            out.append(_gather(batches, plan, f, schema.by_name[f].arrow_type))
+        return out
 
     def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str]) -> np.ndarray:
         length_col = schema_of(snap.meta).length_column
@@ -416,30 +423,30 @@ def _rows_text(rows: np.ndarray) -> str:
     return format_rows(rows)
 
 
-def _row_blocks(batch: pa.RecordBatch, limit: int) -> list[tuple[int, int]]:
-    """[lo, hi) row ranges splitting `batch` into blocks of about `limit` bytes (at least one block)."""
-    n, size = batch.num_rows, sum(column_bytes(c) for c in batch.columns)
-    if size <= limit or n <= 1:
-        return [(0, n)]
-    k = min(-(-size // limit), n)
-    bounds = np.linspace(0, n, k + 1).astype(np.int64).tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _gather(batches: dict[int, pa.RecordBatch], which: np.ndarray, pos: np.ndarray, name: str,
-            arrow_type: pa.DataType) -> pa.Array | pa.ChunkedArray:
-    """Column `name` for the rows at (block `which`, position `pos`). Runs of consecutive rows within a
-    block become zero-copy slices (a shard of a put costs no copy); scattered rows are gathered with take."""
+def _runs(which: np.ndarray, pos: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """(block, first position, length) of each run of consecutive rows within one block, or None when
+    the rows are so scattered that a take is cheaper than many slices."""
     n = which.size
     if not n:
-        return pa.array([], type=arrow_type)
+        return []
     breaks = np.flatnonzero((which[1:] != which[:-1]) | (pos[1:] != pos[:-1] + 1)) + 1
-    keys = np.unique(which).tolist()  # the blocks holding this column's rows
-    if breaks.size < 2 * len(keys):
-        starts = [0, *breaks.tolist()]
-        ends = [*starts[1:], n]
-        pieces = [batches[int(which[a])].column(name).slice(int(pos[a]), b - a) for a, b in zip(starts, ends)]
+    if breaks.size > 64:
+        return None
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], n]
+    return [(b, p, e - s) for b, p, s, e in zip(which[starts].tolist(), pos[starts].tolist(), starts, ends)]
+
+
+def _gather(batches: dict[int, pa.RecordBatch], plan, name: str, arrow_type: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    """Column `name` for the rows at (block `which`, position `pos`). Runs of consecutive rows within a
+    block become zero-copy slices (a shard of a put costs no copy); scattered rows are gathered with take."""
+    which, pos, runs = plan
+    if not which.size:
+        return pa.array([], type=arrow_type)
+    if runs is not None:
+        pieces = [batches[b].column(name).slice(p, n) for b, p, n in runs]
         return pieces[0] if len(pieces) == 1 else pa.chunked_array(pieces, type=arrow_type)
+    keys = np.unique(which).tolist()  # the blocks holding this column's rows
     if len(keys) > 1:
         sizes = np.array([batches[k].num_rows for k in keys], dtype=np.int64)
         base = np.zeros(max(keys) + 1, dtype=np.int64)

@@ -84,10 +84,8 @@ class ChunkRef:
                    tuple(int(n) for n in d["sizes"]))
 
     @classmethod
-    def of(cls, rows: np.ndarray, batch: pa.RecordBatch, key: str, nbytes: int, digest: int) -> "ChunkRef":
-        from dataplane_rl.store.arrow import column_bytes
-
-        return cls(tuple(batch.schema.names), rows, key, nbytes, digest, tuple(column_bytes(c) for c in batch.columns))
+    def of(cls, block: "Block", key: str, digest: int) -> "ChunkRef":
+        return cls(block.columns, block.rows, key, block.nbytes, digest, block.sizes)
 
 
 def refs_to_json(refs: Sequence[ChunkRef]) -> str:
@@ -125,6 +123,56 @@ class Snapshot(NamedTuple):
     refs: list[ChunkRef]
 
 
+# ---- blocks ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Block:
+    """A row block of a put: `batch` holds every column of the put for `rows`; `nbytes` is the size of
+    its record-batch message, `sizes` the bytes of each column's values in it."""
+
+    rows: np.ndarray  # [n] int64
+    batch: pa.RecordBatch
+    columns: tuple[str, ...]
+    nbytes: int
+    sizes: tuple[int, ...]
+
+
+def _row_bytes(arr: pa.Array) -> np.ndarray:
+    """[n] bytes each row of a column holds (values, and offsets for lists and strings)."""
+    t, n = arr.type, len(arr)
+    if pa.types.is_list(t) or pa.types.is_string(t):
+        if pa.types.is_list(t):
+            offsets, width = arr.offsets.to_numpy(zero_copy_only=True), t.value_type.bit_width / 8
+        else:
+            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
+            width = 1
+        return np.diff(offsets) * width + 4  # [n]
+    return np.full(n, t.bit_width / 8)
+
+
+def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int) -> list[Block]:
+    """Cut a put into row blocks of about `limit` bytes each (at least one block, split by bytes, not
+    rows, so long rows do not make one block huge)."""
+    n = batch.num_rows
+    per_col = np.stack([_row_bytes(c) for c in batch.columns]) if n else np.zeros((batch.num_columns, 0))  # [C, n]
+    cum = np.zeros((per_col.shape[0], n + 1))
+    np.cumsum(per_col, axis=1, out=cum[:, 1:])  # [C, n+1]
+    total = cum[:, -1].sum()
+    k = max(1, min(n, int(-(-total // limit))))
+    if k == 1:
+        bounds = [0, n]
+    else:
+        row_cum = cum.sum(axis=0)  # [n+1]
+        cuts = np.searchsorted(row_cum, total * np.arange(1, k) / k)
+        bounds = sorted({0, n, *cuts.tolist()})
+    names = tuple(batch.schema.names)
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        part = batch.slice(lo, hi - lo)
+        sizes = tuple(int(round(x)) for x in (cum[:, hi] - cum[:, lo]).tolist())
+        out.append(Block(rows[lo:hi], part, names, pa.ipc.get_record_batch_size(part), sizes))
+    return out
+
+
 # ---- block encoding ----------------------------------------------------------------------------
 @lru_cache(maxsize=1024)
 def head_bytes(schema: pa.Schema) -> int:
@@ -134,14 +182,9 @@ def head_bytes(schema: pa.Schema) -> int:
     return mock.size() - _EOS
 
 
-def block_bytes(batch: pa.RecordBatch) -> int:
-    """Size of the record-batch message `write_block` stores."""
-    return pa.ipc.get_record_batch_size(batch)
-
-
-def room(batch: pa.RecordBatch) -> int:
+def room(block: Block) -> int:
     """Bytes `write_block` touches from the block's offset on (the message and the writer's end marker)."""
-    return block_bytes(batch) + _EOS
+    return block.nbytes + _EOS
 
 
 def write_block(sink, batch: pa.RecordBatch) -> None:
@@ -153,18 +196,17 @@ def write_block(sink, batch: pa.RecordBatch) -> None:
         writer.write_batch(batch)
 
 
-def layout(batches: Sequence[pa.RecordBatch]) -> tuple[list[int], int]:
-    """Offsets of a put's blocks (all of one schema) packed into one object or file, and its size. Each
-    block's message starts 64-byte aligned, with room for its stream head just before it; a block's head
-    may overwrite the previous block's end marker, never its message."""
-    if not batches:
+def layout(blocks: Sequence[Block], head: int) -> tuple[list[int], int]:
+    """Offsets of a put's blocks (all of one schema, whose stream head is `head` bytes) packed into one
+    object or file, and its size. Each block's message starts 64-byte aligned, with room for its stream
+    head just before it; a block's head may overwrite the previous block's end marker, never its message."""
+    if not blocks:
         return [], 0
-    head = head_bytes(batches[0].schema)
     offsets, at = [], align(head)
-    for b in batches:
+    for b in blocks:
         offsets.append(at)
-        at = align(at + block_bytes(b) + head)
-    return offsets, offsets[-1] + room(batches[-1])
+        at = align(at + b.nbytes + head)
+    return offsets, offsets[-1] + room(blocks[-1])
 
 
 def encode_block(batch: pa.RecordBatch) -> pa.Buffer:
@@ -172,8 +214,7 @@ def encode_block(batch: pa.RecordBatch) -> pa.Buffer:
     sink = pa.BufferOutputStream()
     write_block(sink, batch)
     data = sink.getvalue()
-    head = head_bytes(batch.schema)
-    return data.slice(head, block_bytes(batch))
+    return data.slice(head_bytes(batch.schema), pa.ipc.get_record_batch_size(batch))
 
 
 def decode_block(buf: pa.Buffer, schema: pa.Schema) -> pa.RecordBatch:

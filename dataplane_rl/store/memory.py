@@ -53,9 +53,9 @@ class MemoryStore(ColumnStore):
     def _store(self, meta, blocks) -> list[ChunkRef]:
         refs = []
         try:
-            for rows, batch in blocks:
-                buf = chunks.encode_block(batch)
-                ref = ChunkRef.of(rows, batch, f"{meta.pid}/{meta.token}/{uuid.uuid4().hex}", buf.size, checksum(buf))
+            for block in blocks:
+                buf = chunks.encode_block(block.batch)
+                ref = ChunkRef.of(block, f"{meta.pid}/{meta.token}/{uuid.uuid4().hex}", checksum(buf))
                 with self._lock:
                     self._blobs[ref.key] = buf
                 refs.append(ref)

@@ -199,9 +199,9 @@ class RayStore(ColumnStore):
     def _store(self, meta: PartitionMeta, blocks) -> list[ChunkRef]:
         refs: list[ChunkRef] = []
         try:
-            for rows, batch in blocks:
-                buf = chunks.encode_block(batch)
-                ref = ChunkRef.of(rows, batch, f"{meta.pid}/{uuid.uuid4().hex}", buf.size, checksum(buf))
+            for block in blocks:
+                buf = chunks.encode_block(block.batch)
+                ref = ChunkRef.of(block, f"{meta.pid}/{uuid.uuid4().hex}", checksum(buf))
                 self._pending[ref.key] = ray.put(np.frombuffer(buf, dtype=np.uint8))
                 refs.append(ref)
         except BaseException:

@@ -61,7 +61,7 @@ from dataplane_rl.errors import (
 )
 from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
 from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, FILE_MODE, create_file, framed, unframe
 from dataplane_rl.store.shm_maps import Lease, Maps
 
@@ -317,11 +317,12 @@ class ShmStore(ColumnStore):
         return [n for n in os.listdir(self._dir) if PID.match(n)]
 
     # -- chunk hooks -----------------------------------------------------------------------------
-    def _store(self, meta: PartitionMeta, blocks: list[tuple[np.ndarray, pa.RecordBatch]]) -> list[ChunkRef]:
+    def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
         """Serialize every block of the put in place into one (pooled) file, each at an aligned offset
         with its own checksum: one claim, one map and one rename per put."""
         pid = meta.pid
-        offsets, end = layout([b for _, b in blocks])
+        head = chunks.head_bytes(blocks[0].batch.schema)
+        offsets, end = layout(blocks, head)
         name = f"put-{uuid.uuid4().hex}"
         folder = os.path.join(self._pdir(pid), "chunks")
         tmp = os.path.join(folder, f".tmp-{name}")
@@ -330,15 +331,14 @@ class ShmStore(ColumnStore):
             with self._os_errors(f"write a put of partition {pid}", max(end, 1)):
                 self._claim(pid, tmp, max(end, 1))
             with self._maps.file(tmp, end, writable=True) as f:
-                for (rows, batch), off in zip(blocks, offsets):
-                    size = chunks.block_bytes(batch)
-                    f.seek(off - chunks.head_bytes(batch.schema))
-                    chunks.write_block(f, batch)
-                    if f.tell() != off + chunks.room(batch):
-                        raise RuntimeError(f"shm block {name}@{off}: wrote {f.tell() - off} bytes, expected {size}")
+                for block, off in zip(blocks, offsets):
+                    f.seek(off - head)
+                    chunks.write_block(f, block.batch)
+                    if f.tell() != off + chunks.room(block):
+                        raise RuntimeError(f"shm block {name}@{off}: wrote {f.tell() - off} bytes, expected {block.nbytes}")
                     f.seek(off)
-                    digest = checksum(f.read_buffer(size))  # zero-copy view of what was written
-                    out.append(ChunkRef.of(rows, batch, f"{name}@{off}", size, digest))
+                    digest = checksum(f.read_buffer(block.nbytes))  # zero-copy view of what was written
+                    out.append(ChunkRef.of(block, f"{name}@{off}", digest))
             os.rename(tmp, os.path.join(folder, name))  # only complete files carry a final name
         except BaseException as e:
             with contextlib.suppress(OSError):

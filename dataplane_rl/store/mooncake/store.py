@@ -66,7 +66,7 @@ from dataplane_rl.errors import (
 )
 from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot, align, checksum, layout, split_key
+from dataplane_rl.store.chunks import Block, ChunkRef, PartitionMeta, Snapshot, align, checksum, layout, split_key
 from dataplane_rl.store.mooncake.buffers import Arenas, ReadPool
 from dataplane_rl.store.mooncake.catalog import PREFIX, Catalog, batches, block_object_key, inc_of
 from dataplane_rl.store.mooncake.client import (
@@ -253,14 +253,15 @@ class MooncakeStore(ColumnStore):
             self._catalog.parts.pop(pid, None)
 
     # -- blocks ----------------------------------------------------------------------------------
-    def _store(self, meta: PartitionMeta, blocks: list[tuple[np.ndarray, pa.RecordBatch]]) -> list[ChunkRef]:
+    def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
         """Serialize every block straight into this thread's registered arena (one copy), packed into
         objects of up to PACK_BYTES, then store all objects as put sessions (hard-pinned): reserve, fill
         and publish, one call each for the whole put."""
         groups: list[list[int]] = [[]]  # block indices per object
         size = 0
-        for i, (_, batch) in enumerate(blocks):
-            n = chunks.block_bytes(batch)
+        head = chunks.head_bytes(blocks[0].batch.schema)
+        for i, block in enumerate(blocks):
+            n = block.nbytes
             if groups[-1] and size + n > PACK_BYTES:
                 groups.append([])
                 size = 0
@@ -269,18 +270,16 @@ class MooncakeStore(ColumnStore):
         plans = []  # (object key, arena start, size, [block offsets])
         at = 0
         for g in groups:
-            offsets, end = layout([blocks[i][1] for i in g])
+            offsets, end = layout([blocks[i] for i in g], head)
             plans.append((block_object_key(meta.pid, meta.token), at, end, offsets))
             at = align(at + end)
         arena = self._arenas.get("arena", max(at, self._arena_bytes))
         refs: list[ChunkRef] = []
         for (key, start, _, offsets), g in zip(plans, groups):
             for i, off in zip(g, offsets):
-                rows, batch = blocks[i]
-                head = chunks.head_bytes(batch.schema)
-                chunks.write_block(pa.FixedSizeBufferWriter(pa.py_buffer(arena.array[start + off - head:])), batch)
-                n = chunks.block_bytes(batch)
-                refs.append(ChunkRef.of(rows, batch, f"{key}@{off}", n, checksum(arena.array[start + off:start + off + n])))
+                block, at = blocks[i], start + off
+                chunks.write_block(pa.FixedSizeBufferWriter(pa.py_buffer(arena.array[at - head:])), block.batch)
+                refs.append(ChunkRef.of(block, f"{key}@{off}", checksum(arena.array[at:at + block.nbytes])))
         self._put_objects(meta.pid, [(key, arena.ptr + start, end) for key, start, end, _ in plans], refs)
         return refs
 
