@@ -153,23 +153,21 @@ def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int) -> list[Blo
     """Cut a put into row blocks of about `limit` bytes each (at least one block, split by bytes, not
     rows, so long rows do not make one block huge)."""
     n = batch.num_rows
-    per_col = np.stack([_row_bytes(c) for c in batch.columns]) if n else np.zeros((batch.num_columns, 0))  # [C, n]
-    cum = np.zeros((per_col.shape[0], n + 1))
-    np.cumsum(per_col, axis=1, out=cum[:, 1:])  # [C, n+1]
-    total = cum[:, -1].sum()
+    if not n:
+        return [Block(rows, batch, tuple(batch.schema.names), pa.ipc.get_record_batch_size(batch),
+                      (0,) * batch.num_columns)]
+    per_col = np.stack([_row_bytes(c) for c in batch.columns])  # [C, n]
+    row_cum = np.cumsum(per_col.sum(axis=0))  # [n]
+    total = float(row_cum[-1])
     k = max(1, min(n, int(-(-total // limit))))
-    if k == 1:
-        bounds = [0, n]
-    else:
-        row_cum = cum.sum(axis=0)  # [n+1]
-        cuts = np.searchsorted(row_cum, total * np.arange(1, k) / k)
-        bounds = sorted({0, n, *cuts.tolist()})
+    cuts = np.searchsorted(row_cum, total * np.arange(1, k) / k, side="right").tolist() if k > 1 else []
+    bounds = sorted({0, n, *cuts})
+    sizes = np.add.reduceat(per_col, bounds[:-1], axis=1).round().astype(np.int64).T.tolist()  # [k][C]
     names = tuple(batch.schema.names)
     out = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for (lo, hi), size in zip(zip(bounds[:-1], bounds[1:]), sizes):
         part = batch.slice(lo, hi - lo)
-        sizes = tuple(int(round(x)) for x in (cum[:, hi] - cum[:, lo]).tolist())
-        out.append(Block(rows[lo:hi], part, names, pa.ipc.get_record_batch_size(part), sizes))
+        out.append(Block(rows[lo:hi], part, names, pa.ipc.get_record_batch_size(part), tuple(size)))
     return out
 
 

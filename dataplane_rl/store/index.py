@@ -65,10 +65,14 @@ class RowIndex:
 
 
 def overlap(index: RowIndex, refs: list[ChunkRef]) -> tuple[str, np.ndarray] | None:
-    """The first (column, rows) of `refs` already written in `index`, or None."""
+    """The first (column, rows) of `refs` already written in `index`, or None: one lookup per column."""
+    by_cols: dict[tuple[str, ...], list[np.ndarray]] = {}
     for ref in refs:
-        for col in ref.columns:
-            hit = index.written(col, ref.rows)
+        by_cols.setdefault(ref.columns, []).append(ref.rows)
+    for cols, parts in by_cols.items():
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        for col in cols:
+            hit = index.written(col, rows)
             if hit.size:
-                return col, hit
+                return col, np.sort(hit)
     return None

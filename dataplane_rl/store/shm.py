@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -69,6 +70,20 @@ _MARKER = ".dataplane-rl"
 _FORMAT = b"dataplane-rl shm store v3\n"  # v3: one record batch of all a put's columns per row block
 _POOL = ".pool"
 DEFAULT_POOL_BYTES = 1 << 30
+
+
+def _meta_text(meta: PartitionMeta) -> str:
+    """meta.json's body: a line of JSON (pid, num_rows), then the schema JSON verbatim, so a reader
+    parses only the small line and decodes the schema once per process (schema_of caches by its text)."""
+    return json.dumps({"pid": meta.pid, "num_rows": meta.num_rows}) + "\n" + meta.schema_json
+
+
+def _parse_meta(text: str, token: str) -> PartitionMeta:
+    head, _, schema_json = text.partition("\n")
+    d = json.loads(head)
+    if not schema_json.startswith("{"):
+        raise ValueError("no schema after the first line")
+    return PartitionMeta(d["pid"], schema_json, int(d["num_rows"]), token)
 
 
 class ShmStore(ColumnStore):
@@ -228,10 +243,12 @@ class ShmStore(ColumnStore):
             with self._os_errors(f"create partition {meta.pid}"):
                 for sub in ("", "refs", "chunks"):
                     os.mkdir(os.path.join(tmp, sub), DIR_MODE)
-                for name, data in (("lock", b""), ("readers", b""), ("meta.json", framed(meta.to_json()))):
+                for name, data in (("lock", b""), ("readers", b""), ("meta.json", framed(_meta_text(meta)))):
                     create_file(os.path.join(tmp, name), data)
                 try:
                     os.rename(tmp, os.path.join(self._dir, meta.pid))  # atomic; refuses an existing (non-empty) one
+                    ino = os.stat(os.path.join(self._dir, meta.pid)).st_ino
+                    self._metas[meta.pid] = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, str(ino))
                 except OSError as e:
                     if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
                         raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it "
@@ -255,7 +272,7 @@ class ShmStore(ColumnStore):
                 with open(path, "rb") as f:
                     text = unframe(f.read(), path)
                 try:
-                    meta = PartitionMeta.from_json(text, str(ino))
+                    meta = _parse_meta(text, str(ino))
                 except (ValueError, KeyError, TypeError) as e:
                     raise CorruptChunkError(f"shm metadata {path} does not describe a partition ({e!r})") from None
                 self._metas[pid] = meta
