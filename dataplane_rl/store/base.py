@@ -200,9 +200,7 @@ class ColumnStore(ABC):
         fields = self._field_list(pid, snap.meta, fields, "get")
         if len(set(fields)) != len(fields):
             raise SchemaError(f"partition {pid} get: a field is requested twice in {fields}")
-        rows = self._rows(pid, snap.meta, rows, unique=False)
-        out = self._columns(snap, fields, rows)
-        return pa.Table.from_arrays(out, schema=block_schema(snap.meta.schema_json, tuple(fields)))
+        return self._table(snap, fields, self._rows(pid, snap.meta, rows, unique=False))
 
     def status(self, pid: str) -> PartitionStatus:
         self._check_open()
@@ -370,8 +368,9 @@ class ColumnStore(ABC):
             raise AlignmentError(f"partition {pid}: rows {format_rows(vals[counts > 1])} given more than once in one put")
         return out
 
-    def _columns(self, snap: Snapshot, fields: list[str], rows: np.ndarray) -> list[pa.Array | pa.ChunkedArray]:
-        """`fields` of `rows` from the blocks of `snap`: each block read and checksummed once."""
+    def _table(self, snap: Snapshot, fields: list[str], rows: np.ndarray) -> pa.Table:
+        """`fields` of `rows` from the blocks of `snap`: each block read and checksummed once, and rows
+        that are runs within blocks served as zero-copy slices of the mapped record batches."""
         meta, schema = snap.meta, schema_of(snap.meta)
         idx = self._index_of(snap)
         plans = []
@@ -388,20 +387,28 @@ class ColumnStore(ABC):
         used = np.unique(np.concatenate([w for w, _ in plans])).tolist() if rows.size else []
         needed = [refs[i] for i in used]
         batches = dict(zip(used, (self._decode(meta, r, p) for r, p in zip(needed, self._read(meta.pid, needed)))))
-        runs: list[tuple[np.ndarray, np.ndarray, list | None]] = []  # fields of one put share their plan
-        out = []
-        for f, (which, pos) in zip(fields, plans):
-            plan = next((r for r in runs if np.array_equal(r[0], which) and np.array_equal(r[1], pos)), None)
-            if plan is None:
-                plan = (which, pos, _runs(which, pos))
-                runs.append(plan)
-            out.append(_gather(batches, plan, f, schema.by_name[f].arrow_type))
-        return out
+        out_schema = block_schema(meta.schema_json, tuple(fields))
+        groups: list[list] = []  # [which, pos, runs, field positions]: fields written together share a plan
+        for i, (which, pos) in enumerate(plans):
+            g = next((g for g in groups if np.array_equal(g[0], which) and np.array_equal(g[1], pos)), None)
+            if g is None:
+                groups.append([which, pos, _runs(which, pos), [i]])
+            else:
+                g[3].append(i)
+        if len(groups) == 1 and groups[0][2]:  # the common case: one slice of a record batch per run
+            pieces = [batches[b].slice(p, n) for b, p, n in groups[0][2]]
+            pieces = [x if x.schema.names == fields else x.select(fields) for x in pieces]
+            return pa.Table.from_batches(pieces, schema=out_schema)
+        cols: list[Any] = [None] * len(fields)
+        for which, pos, runs, where in groups:
+            for i in where:
+                cols[i] = _gather(batches, (which, pos, runs), fields[i], schema.by_name[fields[i]].arrow_type)
+        return pa.Table.from_arrays(cols, schema=out_schema)
 
     def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str]) -> np.ndarray:
         length_col = schema_of(snap.meta).length_column
         try:
-            col = self._columns(snap, [length_col], rows)[0]
+            col = self._table(snap, [length_col], rows).column(0)
         except MissingColumnError as e:
             raise MissingColumnError(f"{e}; token column(s) {token_cols} are checked against {length_col}, "
                                      f"so write {length_col} first or in the same put") from None

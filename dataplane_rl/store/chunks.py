@@ -149,6 +149,18 @@ def _row_bytes(arr: pa.Array) -> np.ndarray:
     return np.full(n, t.bit_width / 8)
 
 
+def _column_bytes(arr: pa.Array) -> int:
+    """What `_row_bytes(arr).sum()` is, from the ends of the offsets alone."""
+    t, n = arr.type, len(arr)
+    if pa.types.is_list(t):
+        offsets = arr.offsets
+        return int((offsets[n].as_py() - offsets[0].as_py()) * t.value_type.bit_width / 8) + 4 * n
+    if pa.types.is_string(t):
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
+        return int(offsets[-1] - offsets[0]) + 4 * n
+    return round(n * t.bit_width / 8)
+
+
 def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int) -> list[Block]:
     """Cut a put into row blocks of about `limit` bytes each (at least one block, split by bytes, not
     rows, so long rows do not make one block huge)."""
@@ -156,6 +168,10 @@ def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int) -> list[Blo
     if not n:
         return [Block(rows, batch, tuple(batch.schema.names), pa.ipc.get_record_batch_size(batch),
                       (0,) * batch.num_columns)]
+    names = tuple(batch.schema.names)
+    whole = [_column_bytes(c) for c in batch.columns]
+    if sum(whole) <= limit:  # one block: no per-row sizes needed
+        return [Block(rows, batch, names, pa.ipc.get_record_batch_size(batch), tuple(whole))]
     per_col = np.stack([_row_bytes(c) for c in batch.columns])  # [C, n]
     row_cum = np.cumsum(per_col.sum(axis=0))  # [n]
     total = float(row_cum[-1])
@@ -163,7 +179,6 @@ def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int) -> list[Blo
     cuts = np.searchsorted(row_cum, total * np.arange(1, k) / k, side="right").tolist() if k > 1 else []
     bounds = sorted({0, n, *cuts})
     sizes = np.add.reduceat(per_col, bounds[:-1], axis=1).round().astype(np.int64).T.tolist()  # [k][C]
-    names = tuple(batch.schema.names)
     out = []
     for (lo, hi), size in zip(zip(bounds[:-1], bounds[1:]), sizes):
         part = batch.slice(lo, hi - lo)
