@@ -41,9 +41,10 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.schema import Schema, load_schema
-from dataplane_rl.store.arrow import as_numpy, surely_valid, to_arrow
+from dataplane_rl.store.arrow import surely_valid, to_arrow
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, decode_block, make_blocks
 from dataplane_rl.store.index import RowIndex, overlap
+from dataplane_rl.store.rows import gather, row_ids, rows_text, runs_of
 
 # Rows per partition: the row index keeps two int32 arrays of num_rows per column, so more would be
 # gigabytes of bookkeeping
@@ -158,7 +159,7 @@ class ColumnStore(ABC):
         snap = self._snapshot(self._check_pid(pid))
         meta, schema = snap.meta, schema_of(snap.meta)
         rows = self._rows(pid, meta, rows, unique=True)
-        where = f"partition {pid} put rows {_rows_text(rows)}:"
+        where = f"partition {pid} put rows {rows_text(rows)}:"
         if not isinstance(columns, Mapping):
             raise SchemaError(f"{where} columns must be a mapping {{column name: data}}, got {type(columns).__name__}")
         if not columns:
@@ -338,35 +339,7 @@ class ColumnStore(ABC):
         return list(fields)
 
     def _rows(self, pid: str, meta: PartitionMeta, rows: Any, *, unique: bool) -> np.ndarray:
-        n = meta.num_rows
-        if rows is None:
-            return np.arange(n, dtype=np.int64)
-        if isinstance(rows, slice):
-            try:
-                rows = range(*rows.indices(n))
-            except (TypeError, ValueError) as e:
-                raise AlignmentError(f"partition {pid}: rows slice {rows} is not a slice of integers ({e})") from None
-        if isinstance(rows, range):
-            # checked on the ends, before any row list is made: range(10**18) must not allocate
-            if rows and (min(rows[0], rows[-1]) < 0 or max(rows[0], rows[-1]) >= n):
-                raise AlignmentError(f"partition {pid}: rows {rows.start}-{rows.stop - 1} (step {rows.step}) out of "
-                                     f"range; the partition has {n} rows (0-{n - 1})")
-            return np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)  # unique and in range
-        try:
-            arr = as_numpy(rows)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise AlignmentError(f"partition {pid}: rows must be a range or 1-D integer indices ({e})") from None
-        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-            raise AlignmentError(f"partition {pid}: rows must be a range or 1-D integer indices, got {arr.dtype} "
-                                 f"shape {arr.shape}")
-        out = arr.astype(np.int64, copy=False)
-        bad = out[(out < 0) | (out >= n)]
-        if bad.size:
-            raise AlignmentError(f"partition {pid}: rows {format_rows(bad)} out of range; the partition has {n} rows")
-        if unique and np.unique(out).size != out.size:
-            vals, counts = np.unique(out, return_counts=True)
-            raise AlignmentError(f"partition {pid}: rows {format_rows(vals[counts > 1])} given more than once in one put")
-        return out
+        return row_ids(pid, meta.num_rows, rows, unique=unique)
 
     def _table(self, snap: Snapshot, fields: list[str], rows: np.ndarray) -> pa.Table:
         """`fields` of `rows` from the blocks of `snap`: each block read and checksummed once, and rows
@@ -392,7 +365,7 @@ class ColumnStore(ABC):
         for i, (which, pos) in enumerate(plans):
             g = next((g for g in groups if np.array_equal(g[0], which) and np.array_equal(g[1], pos)), None)
             if g is None:
-                groups.append([which, pos, _runs(which, pos), [i]])
+                groups.append([which, pos, runs_of(which, pos), [i]])
             else:
                 g[3].append(i)
         if len(groups) == 1 and groups[0][2]:  # the common case: one slice of a record batch per run
@@ -402,7 +375,7 @@ class ColumnStore(ABC):
         cols: list[Any] = [None] * len(fields)
         for which, pos, runs, where in groups:
             for i in where:
-                cols[i] = _gather(batches, (which, pos, runs), fields[i], schema.by_name[fields[i]].arrow_type)
+                cols[i] = gather(batches, (which, pos, runs), fields[i], schema.by_name[fields[i]].arrow_type)
         return pa.Table.from_arrays(cols, schema=out_schema)
 
     def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str]) -> np.ndarray:
@@ -421,45 +394,3 @@ class ColumnStore(ABC):
             raise CorruptChunkError(f"partition {meta.pid} column(s) {cols} rows {format_rows(ref.rows)}: stored block "
                                     f"{ref.key} is {what}; the data is gone, regenerate the step")
         return decode_block(payload, block_schema(meta.schema_json, ref.columns))
-
-
-def _rows_text(rows: np.ndarray) -> str:
-    """format_rows(rows) without its per-row Python loop in the common case, a contiguous put."""
-    if rows.size > 1 and rows[-1] - rows[0] == rows.size - 1 and bool(np.all(np.diff(rows) == 1)):
-        return f"{rows[0]}-{rows[-1]}"
-    return format_rows(rows)
-
-
-def _runs(which: np.ndarray, pos: np.ndarray) -> list[tuple[int, int, int]] | None:
-    """(block, first position, length) of each run of consecutive rows within one block, or None when
-    the rows are so scattered that a take is cheaper than many slices."""
-    n = which.size
-    if not n:
-        return []
-    breaks = np.flatnonzero((which[1:] != which[:-1]) | (pos[1:] != pos[:-1] + 1)) + 1
-    if breaks.size > 64:
-        return None
-    starts = [0, *breaks.tolist()]
-    ends = [*starts[1:], n]
-    return [(b, p, e - s) for b, p, s, e in zip(which[starts].tolist(), pos[starts].tolist(), starts, ends)]
-
-
-def _gather(batches: dict[int, pa.RecordBatch], plan, name: str, arrow_type: pa.DataType) -> pa.Array | pa.ChunkedArray:
-    """Column `name` for the rows at (block `which`, position `pos`). Runs of consecutive rows within a
-    block become zero-copy slices (a shard of a put costs no copy); scattered rows are gathered with take."""
-    which, pos, runs = plan
-    if not which.size:
-        return pa.array([], type=arrow_type)
-    if runs is not None:
-        pieces = [batches[b].column(name).slice(p, n) for b, p, n in runs]
-        return pieces[0] if len(pieces) == 1 else pa.chunked_array(pieces, type=arrow_type)
-    keys = np.unique(which).tolist()  # the blocks holding this column's rows
-    if len(keys) > 1:
-        sizes = np.array([batches[k].num_rows for k in keys], dtype=np.int64)
-        base = np.zeros(max(keys) + 1, dtype=np.int64)
-        base[keys] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        combined = pa.concat_arrays([batches[k].column(name) for k in keys])
-        idx = base[which] + pos
-    else:
-        combined, idx = batches[keys[0]].column(name), pos
-    return combined.take(pa.array(idx))

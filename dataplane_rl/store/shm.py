@@ -42,14 +42,12 @@ import json
 import os
 import shutil
 import tempfile
-import time
 import uuid
 import weakref
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import parse_qsl
 
-import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.errors import (
@@ -63,8 +61,9 @@ from dataplane_rl.errors import (
 from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
-from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, FILE_MODE, create_file, framed, unframe
+from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, create_file, framed, unframe
 from dataplane_rl.store.shm_maps import Lease, Maps
+from dataplane_rl.store.shm_pool import Pool
 
 _MARKER = ".dataplane-rl"
 _FORMAT = b"dataplane-rl shm store v3\n"  # v3: one record batch of all a put's columns per row block
@@ -110,7 +109,7 @@ class ShmStore(ColumnStore):
         self._maps = Maps(pool_bytes)
         self._refs_cache: dict[str, tuple[str, list[ChunkRef], int]] = {}  # pid -> (token, refs, puts)
         self._metas: dict[str, PartitionMeta] = {}
-        self._pool_seen: tuple[float, list[tuple[str, int]]] = (0.0, [])
+        self._pool = Pool(os.path.join(self._dir, _POOL), pool_bytes)
         self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         # An auto folder lives as long as the store that made it, even if close() is never called.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True) if self._auto else None
@@ -346,7 +345,7 @@ class ShmStore(ColumnStore):
         out = []
         try:
             with self._os_errors(f"write a put of partition {pid}", max(end, 1)):
-                self._claim(pid, tmp, max(end, 1))
+                self._pool.claim(tmp, max(end, 1))
             with self._maps.file(tmp, end, writable=True) as f:
                 for block, off in zip(blocks, offsets):
                     f.seek(off - head)
@@ -363,60 +362,6 @@ class ShmStore(ColumnStore):
             if isinstance(e, FileNotFoundError):
                 raise self._not_found(pid, "was dropped while this put was writing (nothing was written)") from None
             raise
-        return out
-
-    def _claim(self, pid: str, target: str, size: int) -> None:
-        """Put a file of at least `size` bytes at `target`: a pooled one if any fits, else a new one."""
-        for cand, cap in self._pool_candidates(size):
-            with contextlib.suppress(ValueError):  # another thread of this process took it first
-                self._pool_seen[1].remove((cand, cap))
-            try:
-                os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
-            except FileNotFoundError:
-                continue
-            if cap > 2 * size + (1 << 20):  # give back pages we would waste
-                os.truncate(target, size)
-            elif cap < size:
-                self._reserve(target, size, new=False)
-            return
-        self._reserve(target, size, new=True)
-
-    def _reserve(self, path: str, size: int, new: bool) -> None:
-        """Make `path` at least `size` bytes with every page allocated now: a mapped page the filesystem
-        cannot back later would SIGBUS the writer. When space is short, pooled files go first."""
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if new else 0), FILE_MODE)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno != errno.ENOSPC or not self._pool():
-                    raise
-                for cand, _ in self._pool():  # the pool is only a cache: space for a put comes first
-                    with contextlib.suppress(OSError):
-                        os.unlink(cand)
-                self._pool_seen = (0.0, [])
-                os.posix_fallocate(fd, 0, size)
-        finally:
-            os.close(fd)
-
-    def _pool_candidates(self, size: int) -> list[tuple[str, int]]:
-        """Pooled files to try, best first: the smallest that fits, then the largest that does not."""
-        seen_at, pool = self._pool_seen
-        if time.monotonic() - seen_at > 0.05:  # one listing serves all chunks of a put
-            pool = self._pool()
-            self._pool_seen = (time.monotonic(), pool)
-        fits = sorted((c for c in pool if c[1] >= size), key=lambda c: c[1])
-        short = sorted((c for c in pool if c[1] < size), key=lambda c: -c[1])
-        return (fits + short)[:4]
-
-    def _pool(self) -> list[tuple[str, int]]:
-        out = []
-        pool = os.path.join(self._dir, _POOL)
-        with contextlib.suppress(FileNotFoundError):
-            for n in os.listdir(pool):
-                cap, _, _ = n.partition("-")
-                if cap.isdigit():
-                    out.append((os.path.join(pool, n), int(cap)))
         return out
 
     def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
@@ -465,28 +410,7 @@ class ShmStore(ColumnStore):
         with self._locked(pid) as pdir, self._os_errors(f"drop partition {pid}"):
             os.rename(pdir, trash)
         self._refs_cache.pop(pid, None)
-        self._free(trash)
-        self._pool_seen = (0.0, [])
-
-    def _free(self, trash: str) -> None:
-        """Pool the chunk files of a dropped partition if nobody maps them any more; delete the rest."""
-        fd = -1
-        try:
-            fd = os.open(os.path.join(trash, "readers"), os.O_RDONLY)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            room = self._pool_bytes - sum(cap for _, cap in self._pool())
-            for entry in os.scandir(os.path.join(trash, "chunks")):
-                size = entry.stat().st_size
-                if entry.name.startswith(".") or not 0 < size <= room:
-                    continue
-                os.rename(entry.path, os.path.join(self._dir, _POOL, f"{size}-{uuid.uuid4().hex}"))
-                room -= size
-        except OSError:
-            pass  # still mapped somewhere (BlockingIOError): deleted below, freed when the last mapping goes
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            shutil.rmtree(trash, ignore_errors=True)
+        self._pool.take_back(trash)
 
     def _close(self) -> None:
         self._refs_cache.clear()
@@ -498,4 +422,4 @@ class ShmStore(ColumnStore):
     # -- inspection ------------------------------------------------------------------------------
     def pool_bytes(self) -> int:
         """Bytes of dropped chunk files held for reuse (counted in /dev/shm usage)."""
-        return sum(cap for _, cap in self._pool())
+        return self._pool.bytes()

@@ -33,7 +33,6 @@ from typing import Any
 
 from dataplane_rl.errors import StoreUnavailableError
 from dataplane_rl.hosts import advertise_host, quiet_glog
-from dataplane_rl.store.bind_shim import bind_env
 
 INSTALL_HINT = ("install the `mooncake` extra: pip install 'dataplane-rl[mooncake]' "
                 "(package mooncake-transfer-engine-non-cuda), and Debian libibverbs1 (apt-get install libibverbs1)")

@@ -27,28 +27,19 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dataplane_rl.errors import StoreUnavailableError
-from dataplane_rl.hosts import HOST_ENV, advertise_host, is_loopback, quiet_glog
 from dataplane_rl.store.bind_shim import bind_env
 from dataplane_rl.store.mooncake.client import (
     CLIENT_ENV_DEFAULTS,
     INSTALL_HINT,
-    MAX_KEYS_PER_BATCH,
     MIN_SEGMENT_SIZE,
-    NO_AVAILABLE_HANDLE,
-    TRANSFER_FAIL,
     _tail,
     connect_client,
-    default_admin_address,
-    error_name,
     find_master_binary,
     free_port_pair,
     import_mooncake_store,
     list_keys,
     list_segments,
-    master_health,
-    no_eviction_config,
     port_open,
-    split_address,
 )
 
 
@@ -415,8 +406,4 @@ class MooncakeCluster:
                 f"{state})")
 
 
-__all__ = ["CLIENT_ENV_DEFAULTS", "ERROR_NAMES", "HOST_ENV", "HolderInfo", "INSTALL_HINT", "MAX_KEYS_PER_BATCH", "MIN_SEGMENT_SIZE",
-           "MooncakeCluster", "connect_client",
-           "default_admin_address", "error_name", "find_master_binary", "free_port_pair",
-           "advertise_host", "import_mooncake_store", "is_loopback", "list_keys", "list_segments", "master_health", "no_eviction_config",
-           "port_open", "quiet_glog", "split_address"]
+__all__ = ["HolderInfo", "MooncakeCluster"]
