@@ -32,6 +32,7 @@ import pyarrow as pa
 from dataplane_rl.errors import (
     AlignmentError,
     CorruptChunkError,
+    DataPlaneError,
     DuplicateWriteError,
     MissingColumnError,
     PartitionNotFoundError,
@@ -320,6 +321,14 @@ class ColumnStore(ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreUnavailableError(f"store {self.url} is closed; open a new one with open_store")
+
+    def _not_found(self, pid: str, why: str = "is unknown or dropped") -> PartitionNotFoundError:
+        """The error for a partition that is not there, naming the live ones (if they can be listed)."""
+        try:
+            live = sorted(self._list()) or "none"
+        except (OSError, DataPlaneError):
+            live = "unknown"
+        return PartitionNotFoundError(f"partition {pid} {why} in {self.url}; live partitions: {live}")
 
     def _check_pid(self, pid: Any) -> str:
         if not isinstance(pid, str) or not PID.match(pid):

@@ -8,7 +8,7 @@ import uuid
 
 import pyarrow as pa
 
-from dataplane_rl.errors import PartitionExistsError, PartitionNotFoundError
+from dataplane_rl.errors import PartitionExistsError
 from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot, checksum
@@ -30,10 +30,6 @@ class MemoryStore(ColumnStore):
     @property
     def url(self) -> str:
         return f"memory://{self._name}"
-
-    def _not_found(self, pid: str) -> PartitionNotFoundError:
-        return PartitionNotFoundError(f"partition {pid} is unknown or dropped in {self.url}; "
-                                      f"live partitions: {sorted(self._metas) or 'none'}")
 
     def _create(self, meta: PartitionMeta) -> None:
         with self._lock:

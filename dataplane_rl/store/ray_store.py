@@ -30,7 +30,6 @@ import ray
 from dataplane_rl.errors import (
     ConfigError,
     PartitionExistsError,
-    PartitionNotFoundError,
     StoreUnavailableError,
 )
 import uuid
@@ -173,10 +172,6 @@ class RayStore(ColumnStore):
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             raise StoreUnavailableError(f"the catalog of {self.url} is unreachable ({type(e).__name__}); its "
                                         "partitions are lost if the actor died: re-create them") from e
-
-    def _not_found(self, pid: str) -> PartitionNotFoundError:
-        live = sorted(self._call("list")) or "none"
-        return PartitionNotFoundError(f"partition {pid} is unknown or dropped in {self.url}; live partitions: {live}")
 
     # -- catalog hooks ---------------------------------------------------------------------------
     def _create(self, meta: PartitionMeta) -> None:

@@ -196,13 +196,6 @@ class ShmStore(ColumnStore):
             raise self._not_found(pid)
         return os.path.join(self._dir, pid)
 
-    def _not_found(self, pid: str, why: str = "is unknown or dropped") -> PartitionNotFoundError:
-        try:
-            live = sorted(self._list()) or "none"
-        except OSError:
-            live = "unknown"
-        return PartitionNotFoundError(f"partition {pid} {why} in {self.url}; live partitions: {live}")
-
     @contextlib.contextmanager
     def _locked(self, pid: str) -> Iterator[str]:
         """Hold the partition's lock; raise PartitionNotFoundError if it is (or gets) dropped."""

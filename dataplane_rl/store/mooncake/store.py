@@ -166,26 +166,6 @@ class MooncakeStore(ColumnStore):
             query["admin"] = self._admin
         return f"mooncake://{self._address}" + ("?" + urlencode(query) if query else "")
 
-    @classmethod
-    def from_url(cls, rest: str, config=None, **options: Any) -> "MooncakeStore":
-        """mooncake:// or mooncake://HOST:PORT[?admin=HOST:PORT&protocol=rdma&device_name=mlx5_0&metadata_server=...]."""
-        address, _, query = rest.partition("?")
-        params = dict(parse_qsl(query))
-        admin = params.pop("admin", None)
-        unknown = sorted(set(params) - set(_TRANSPORT_DEFAULTS)) + sorted(options)
-        if unknown or "/" in address or (not address and (admin or params)):
-            raise ConfigError(f"mooncake://{rest}: unknown option(s) {unknown or query or address!r}; use mooncake:// "
-                              "(start a local cluster, sized and configured by config=MooncakeConfig(...)) or "
-                              "mooncake://HOST:PORT[?admin=HOST:PORT&protocol=...&device_name=...&metadata_server=...&local_hostname=IP]")
-        return cls(address or None, config=config, admin=admin, transport=params or None)
-
-    @property
-    def url(self) -> str:
-        query = dict(self._transport)
-        if self._admin != default_admin_address(self._address):
-            query["admin"] = self._admin
-        return f"mooncake://{self._address}" + ("?" + urlencode(query) if query else "")
-
     @property
     def lock_timeout_s(self) -> float:
         return self._catalog.lock_timeout_s
@@ -220,13 +200,6 @@ class MooncakeStore(ColumnStore):
             return StoreUnavailableError(f"{what}: a Mooncake holder is unreachable ({name}): data died with its "
                                          "holder; restart the store and regenerate the partitions")
         return StoreUnavailableError(f"{what}: Mooncake answered {name}")
-
-    def _not_found(self, pid: str, why: str = "is unknown or dropped") -> PartitionNotFoundError:
-        try:
-            live = sorted(self._list()) or "none"
-        except StoreUnavailableError:
-            live = "unknown"
-        return PartitionNotFoundError(f"partition {pid} {why} in {self.url}; live partitions: {live}")
 
     # -- catalog hooks -------------------------------------------------------------------------------
     def _create(self, meta: PartitionMeta) -> None:
