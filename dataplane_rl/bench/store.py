@@ -289,19 +289,38 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def plot(results: dict[str, Any], path: str) -> None:
+def plot(results: dict[str, Any], path: str, title: str = "") -> None:
+    """Bar charts of one run: e2e GB/s per backend and reference, and the 64-row put/get latency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [n for n in ("memcpy", "raw_mooncake", "shm", "mooncake", "ray") if n in results]
+    small = [n for n in names if "small" in results[n]]
+    fig, axes = plt.subplots(1, 2 if small else 1, figsize=(10 if small else 6, 3.8), squeeze=False)
+    ax = axes[0][0]
     vals = [results[n]["e2e_gbps"]["median"] for n in names]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(names, vals, color=["#999" if n in ("memcpy", "raw_mooncake") else "#2a7" for n in names])
-    ax.set_ylabel("end-to-end GB/s (median)")
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("end-to-end GB/s (median, log)")
     w = results["workload"]
-    ax.set_title(f"{w['samples']} samples, lengths {w['min_len']}-{w['max_len']}, {w['readers']} readers")
+    ax.set_title(f"{w['samples']} samples, lengths {w['min_len']}-{w['max_len']}, {w['readers']} readers", fontsize=9)
+    if small:
+        ax = axes[0][1]
+        x = np.arange(len(small))
+        for k, (key, color) in enumerate((("put_us", "#2a7"), ("get_us", "#27a"))):
+            ax.bar(x + (k - 0.5) * 0.4, [results[n]["small"][key]["median"] for n in small], 0.4, color=color,
+                   label=key.replace("_us", ""))
+        ax.set_xticks(x, small)
+        ax.set_yscale("log")
+        ax.set_ylabel("µs per call (median, log)")
+        ax.set_title(f"{results[small[0]]['small']['rows']}-row put and get", fontsize=9)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -53,16 +53,17 @@ def rows_text(rows: np.ndarray) -> str:
 
 def runs_of(which: np.ndarray, pos: np.ndarray) -> list[tuple[int, int, int]] | None:
     """(block, first position, length) of each run of consecutive rows within one block, or None when
-    the rows are so scattered that a take is cheaper than many slices."""
+    the rows are so scattered (more than two runs per block they touch) that a take beats many slices."""
     n = which.size
     if not n:
         return []
     breaks = np.flatnonzero((which[1:] != which[:-1]) | (pos[1:] != pos[:-1] + 1)) + 1
-    if breaks.size > 64:
-        return None
     starts = [0, *breaks.tolist()]
+    blocks = which[starts].tolist()
+    if len(starts) > 8 and len(starts) > 2 * len(set(blocks)):
+        return None
     ends = [*starts[1:], n]
-    return [(b, p, e - s) for b, p, s, e in zip(which[starts].tolist(), pos[starts].tolist(), starts, ends)]
+    return [(b, p, e - s) for b, p, s, e in zip(blocks, pos[starts].tolist(), starts, ends)]
 
 
 def gather(batches: dict[int, pa.RecordBatch], plan, name: str, arrow_type: pa.DataType) -> pa.Array | pa.ChunkedArray:
