@@ -295,16 +295,19 @@ def plot(results: dict[str, Any], path: str, title: str = "") -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.ScalarFormatter below
 
     names = [n for n in ("memcpy", "raw_mooncake", "shm", "mooncake", "ray") if n in results]
     small = [n for n in names if "small" in results[n]]
     fig, axes = plt.subplots(1, 2 if small else 1, figsize=(10 if small else 6, 3.8), squeeze=False)
     ax = axes[0][0]
     vals = [results[n]["e2e_gbps"]["median"] for n in names]
-    ax.bar(names, vals, color=["#999" if n in ("memcpy", "raw_mooncake") else "#2a7" for n in names])
+    ax.bar([n.replace("_", "\n") for n in names], vals,
+           color=["#999" if n in ("memcpy", "raw_mooncake") else "#2a7" for n in names])
     for i, v in enumerate(vals):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_ylabel("end-to-end GB/s (median, log)")
     w = results["workload"]
     ax.set_title(f"{w['samples']} samples, lengths {w['min_len']}-{w['max_len']}, {w['readers']} readers", fontsize=9)
@@ -316,6 +319,7 @@ def plot(results: dict[str, Any], path: str, title: str = "") -> None:
                    label=key.replace("_us", ""))
         ax.set_xticks(x, small)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_ylabel("µs per call (median, log)")
         ax.set_title(f"{results[small[0]]['small']['rows']}-row put and get", fontsize=9)
         ax.legend(fontsize=8)
