@@ -31,12 +31,11 @@ DEFAULT_BACKENDS = "shm,mooncake,ray"
 def make_batch(samples: int, min_len: int, max_len: int, seed: int = 0) -> dict[str, pa.Array]:
     """DP_TRAIN_FIELDS for `samples` rows, as Arrow arrays of the declared types."""
     from dataplane_rl.schema import DP_TRAIN_FIELDS, GRPO_SCHEMA
+    from dataplane_rl.store import list_array
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_len, max_len + 1, size=samples).astype(np.int32)
-    offsets = np.zeros(samples + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    total = int(offsets[-1])
+    total = int(lengths.sum())
     out: dict[str, pa.Array] = {}
     for name in DP_TRAIN_FIELDS:
         col = GRPO_SCHEMA.column(name)
@@ -49,7 +48,7 @@ def make_batch(samples: int, min_len: int, max_len: int, seed: int = 0) -> dict[
         else:
             values = rng.integers(0, 2 if np_type.itemsize == 1 else 50_000, size=n).astype(np_type)
         arr = pa.array(values, type=col.value_type)
-        out[name] = pa.ListArray.from_arrays(pa.array(offsets), arr) if col.kind == "token" else arr
+        out[name] = list_array(values, lengths, col.value_type) if col.kind == "token" else arr
     return out
 
 

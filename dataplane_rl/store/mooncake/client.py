@@ -182,25 +182,6 @@ def default_admin_address(master_address: str) -> str:
     return f"{host}:{port + 1}"
 
 
-def _tail(path: str | None, lines: int = 12) -> str:
-    """The last `lines` lines of a log, preceded by its last error lines (glog E/F) if those scrolled off."""
-    if not path or not os.path.exists(path):
-        return "(no log)"
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            text = f.read().decode("utf-8", "replace")
-    except OSError as e:
-        return f"(log unreadable: {e})"
-    all_lines = [ln for ln in text.splitlines() if ln.strip()]
-    out = all_lines[-lines:]
-    errors = [ln for ln in all_lines[:-lines] if ln[:1] in "EF" and ln[1:2].isdigit()][-5:]
-    if errors:
-        out = errors + ["..."] + out
-    return "\n".join("    " + ln for ln in out) if out else "(empty log)"
-
-
 def _http_get(admin_address: str, path: str, timeout: float = 5.0) -> str:
     url = f"http://{admin_address}{path}"
     try:

@@ -32,7 +32,6 @@ from dataplane_rl.store.mooncake.client import (
     CLIENT_ENV_DEFAULTS,
     INSTALL_HINT,
     MIN_SEGMENT_SIZE,
-    _tail,
     connect_client,
     find_master_binary,
     free_port_pair,
@@ -41,6 +40,25 @@ from dataplane_rl.store.mooncake.client import (
     list_segments,
     port_open,
 )
+
+
+def _tail(path: str | None, lines: int = 12) -> str:
+    """The last `lines` lines of a log, preceded by its last error lines (glog E/F) if those scrolled off."""
+    if not path or not os.path.exists(path):
+        return "(no log)"
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            text = f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"(log unreadable: {e})"
+    all_lines = [ln for ln in text.splitlines() if ln.strip()]
+    out = all_lines[-lines:]
+    errors = [ln for ln in all_lines[:-lines] if ln[:1] in "EF" and ln[1:2].isdigit()][-5:]
+    if errors:
+        out = errors + ["..."] + out
+    return "\n".join("    " + ln for ln in out) if out else "(empty log)"
 
 
 # ---- processes ---------------------------------------------------------------------------------
