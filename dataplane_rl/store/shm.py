@@ -5,32 +5,27 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
 
     DIR/.dataplane-rl                  marker: this folder is a store
     DIR/.pool/<bytes>-<hex>            chunk files of dropped partitions, kept for reuse
-    DIR/<pid>/meta.json                the PartitionMeta
+    DIR/<pid>/meta.json                the PartitionMeta: a JSON line (pid, num_rows), then the schema
     DIR/<pid>/lock                     flock'd exclusively by commit and drop
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
     DIR/<pid>/refs/<n>.json            the n-th committed put (10 digits): its ChunkRefs
-    DIR/<pid>/chunks/put-<hex>         one put: each of its chunks (a row block of one column) is an
-                                       Arrow IPC stream at a 64-byte-aligned offset; key put-<hex>@<offset>
+    DIR/<pid>/chunks/put-<hex>         one put: its row blocks (chunks.py), each an Arrow IPC record batch
+                                       at a 64-byte-aligned offset; key put-<hex>@<offset>
 
 Folders are 0700 and files 0600: the store is private to its user. Metadata files (meta.json, refs) start
-with the xxh3 of their JSON, so a damaged one is a CorruptChunkError, never wrong rows. Space for a put is
-reserved (posix_fallocate) before its file is mapped, so a full /dev/shm is a StoreFullError instead of a
-SIGBUS in the writer.
+with the xxh3 of their text, so a damaged one is a CorruptChunkError, never wrong rows. Space for a put
+is reserved (posix_fallocate) before its file is mapped, so a full /dev/shm is a StoreFullError instead
+of a SIGBUS in the writer.
 
-A put serializes every chunk straight into a mapping of its one file (one copy, one claim, one map, one
-rename per put rather than per chunk), under a temporary name renamed once complete; each chunk keeps
-its own checksum, so a shard reader still checksums only the blocks it reads. It becomes visible when its refs file is renamed into refs/ under the
-partition lock, after re-checking that no cell is already committed; a writer that dies before that
-leaves only unreferenced files, freed with the partition. A get maps the chunk files and returns
-zero-copy Arrow buffers. Drop renames the folder away under the lock, so no new reader finds it, while
-open mappings stay readable.
-
-Why a pool: a fresh tmpfs page costs an allocation (measured ~1.1 GB/s writing new /dev/shm files vs
-~8.6 GB/s into pages already faulted in), and RL steps write the same shapes every step. So drop keeps
-up to `pool_bytes` of chunk files for later puts, but only when no process still maps the partition
-(the `readers` lock), so reuse never changes bytes under a live zero-copy array. And each process keeps
-its maps of chunk files (`_Maps`), because filling page tables for a new map costs about as much as
-copying the bytes on this kind of machine, and pooled files come back step after step.
+A put serializes every block straight into a mapping of its one file (one copy, one claim, one map, one
+rename per put), under a temporary name renamed once complete; each block keeps its own checksum, so a
+shard reader checksums only the blocks it reads. It becomes visible when its refs file is renamed to the
+next number under the partition lock, after re-checking that no cell is already committed; a writer that
+dies before that leaves only unreferenced files, freed with the partition. Refs files are numbered, so a
+reader finds new commits by opening the next number (one failed open when nothing changed), never by
+listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
+under the lock, so no new reader finds it, while open mappings stay readable. The file pool is in
+shm_pool.py, the per-process maps and leases in shm_maps.py.
 """
 
 from __future__ import annotations
