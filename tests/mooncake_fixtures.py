@@ -90,3 +90,29 @@ def mooncake_cluster():
 @pytest.fixture(scope="session")
 def mooncake_client(mooncake_cluster):
     yield shared_client()
+
+
+def damage_key(client, key: str, off: int, nbytes: int, lose: bool) -> None:
+    """Flip one byte of the block at `off` in Mooncake object `key` (an upsert replaces, unlike a put),
+    or lose it with the blocks after it in the object (the object is cut at the block)."""
+    import numpy as np
+
+    from dataplane_rl.store.mooncake_cluster import no_eviction_config
+
+    size = client.get_size(key)
+    assert size > 0, f"no object {key}"
+    buf = np.zeros(size, dtype=np.uint8)
+    ptr = buf.ctypes.data
+    assert client.register_buffer(ptr, size) == 0
+    try:
+        assert client.batch_get_into([key], [ptr], [size]) == [size]
+        if lose:
+            client.remove(key, True)
+            size = off
+            if not size:
+                return
+        else:
+            buf[off + nbytes // 2] ^= 0xFF
+        assert client.batch_upsert_from([key], [ptr], [size], no_eviction_config()) == [0]
+    finally:
+        client.unregister_buffer(ptr)

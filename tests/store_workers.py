@@ -162,3 +162,16 @@ def put_blocks(url: str, pid: str, rows: int, per_row: int, started, done) -> No
         started.value = block
         store.put(pid, big_block(block, rows, per_row), range(block * rows, (block + 1) * rows))
         done.value = block
+
+
+def wait_then_check(url: str, pid: str, rows: Sequence[int], fields: Sequence[str], timeout: float = 60.0) -> list[int]:
+    """Wait (store.wait) until `fields` are written on `rows`, then check their values; returns the rows
+    wait returned."""
+    store = _store(url)
+    got = store.wait(pid, list(fields), list(rows), timeout=timeout)
+    want = {k: as_lists(v) for k, v in grpo_columns(rows, fields).items()}
+    table = store.get(pid, list(fields), rows)
+    for f in fields:
+        assert table.column(f).to_pylist() == want[f], f"{f} differs in process {os.getpid()}"
+    _done(store, url)
+    return got.tolist()

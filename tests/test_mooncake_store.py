@@ -86,7 +86,7 @@ def test_killed_holder_is_a_clear_error():
             store.put("p", big_tokens(range(lo, lo + 4), 256), range(lo, lo + 4))
         client = open_store(store.url)  # a pure client: it cannot poll the holder processes
         assert client.cluster is None and client.get("p", ["input_ids"]).num_rows == 64
-        objects = {r.key.rpartition("@")[0] for r in store._chunks("p")}  # chunk keys are <object>@<offset>
+        objects = {r.key.rpartition("@")[0] for r in store._snapshot("p").refs}  # block keys are <object>@<offset>
         holders = {store._client.get_replica_desc(k)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
                    for k in objects}
         assert len(holders) == 2, "Mooncake placed all 16 puts on one holder (odds 1 in 32768)"
@@ -96,7 +96,7 @@ def test_killed_holder_is_a_clear_error():
                                                         r"Mooncake holder 0 .*exited.*died with it"):
             store.get("p", ["input_ids"])
         # a client finds out from the reads: TRANSFER_FAIL until the master drops the segment, then missing
-        with pytest.raises(StoreUnavailableError, match=r"partition p column 'input_ids' rows .*: stored chunk "
+        with pytest.raises(StoreUnavailableError, match=r"partition p column\(s\) .*'input_ids'.* rows .*: stored block "
                                                         r"\S+ is (unreadable|missing).*data died with its holder"):
             client.get("p", ["input_ids"])
     finally:
@@ -142,8 +142,7 @@ def test_close_stops_master_and_holders():
 
 
 def test_chunks_bigger_than_the_arena(session_store):
-    """A put bigger than the registered arena is stored in several calls; one chunk bigger than the arena
-    grows it."""
+    """A put bigger than the configured arena grows it, in blocks and in one block alone."""
     from dataplane_rl.config import MooncakeConfig
 
     session_store.create_partition("p", "grpo", 40)
@@ -167,7 +166,7 @@ def test_stale_refs_of_an_earlier_partition_are_ignored(session_store):
     store.create_partition("p", "grpo", 4)
     store.drop_partition("p")
     stale = json.dumps({"inc": "000000000000", "refs": []}).encode()
-    assert store._put_if_absent("dprl/p/r/0", stale) == 0
+    assert store._catalog.put_if_absent("dprl/p/r/0", stale) == 0
     store.create_partition("p", "grpo", 4)
     assert store.status("p").rows_written["total_reward"] == 0
     store.put("p", grpo_columns(range(4), ["total_reward"]), range(4))

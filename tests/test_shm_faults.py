@@ -107,16 +107,16 @@ def test_create_partition_and_commit_on_a_full_filesystem(tmpfs):
         assert store.list_partitions() == ["p"] and not [n for n in os.listdir(tmpfs / "s") if n.startswith(".create")]
         (tmpfs / "filler").unlink()
 
-        real = store._claim
+        real = store._pool.claim
 
         def claim_then_fill(*a, **k):  # the chunk file fits; then the disk fills before the refs file is written
             real(*a, **k)
             fill(tmpfs)
 
-        store._claim = claim_then_fill
+        store._pool.claim = claim_then_fill
         with pytest.raises(StoreFullError, match="cannot commit a put to partition p"):
             store.put("p", grpo_columns(range(4), ["total_reward"]), range(4))
-        del store._claim
+        del store._pool.claim
         (tmpfs / "filler").unlink()
         assert os.listdir(tmpfs / "s" / "p" / "chunks") == [] and os.listdir(tmpfs / "s" / "p" / "refs") == []
         store.put("p", grpo_columns(range(4), ["total_reward"]), range(4))

@@ -31,12 +31,11 @@ DEFAULT_BACKENDS = "shm,mooncake,ray"
 def make_batch(samples: int, min_len: int, max_len: int, seed: int = 0) -> dict[str, pa.Array]:
     """DP_TRAIN_FIELDS for `samples` rows, as Arrow arrays of the declared types."""
     from dataplane_rl.schema import DP_TRAIN_FIELDS, GRPO_SCHEMA
+    from dataplane_rl.store import list_array
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_len, max_len + 1, size=samples).astype(np.int32)
-    offsets = np.zeros(samples + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    total = int(offsets[-1])
+    total = int(lengths.sum())
     out: dict[str, pa.Array] = {}
     for name in DP_TRAIN_FIELDS:
         col = GRPO_SCHEMA.column(name)
@@ -49,7 +48,7 @@ def make_batch(samples: int, min_len: int, max_len: int, seed: int = 0) -> dict[
         else:
             values = rng.integers(0, 2 if np_type.itemsize == 1 else 50_000, size=n).astype(np_type)
         arr = pa.array(values, type=col.value_type)
-        out[name] = pa.ListArray.from_arrays(pa.array(offsets), arr) if col.kind == "token" else arr
+        out[name] = list_array(values, lengths, col.value_type) if col.kind == "token" else arr
     return out
 
 
@@ -169,6 +168,30 @@ def run_backend(url: str, store, samples: int, min_len: int, max_len: int, reade
             "e2e_gbps": _stats(e2e)}
 
 
+def small_calls(store, min_len: int, max_len: int, repeats: int, rows: int = 64) -> dict[str, Any]:
+    """µs per put and per get of `rows` rows (a GRPO step of 8 groups of 8) of DP_TRAIN_FIELDS, in this
+    process: the fixed cost per call that the streaming trainer's many small puts and reads pay."""
+    from dataplane_rl.schema import DP_TRAIN_FIELDS
+
+    batch = make_batch(rows, min_len, max_len, seed=1)
+    puts, gets = [], []
+    for k in range(repeats + 1):  # call 0 warms up
+        pid = f"bench-small-{k:04d}"
+        store.create_partition(pid, "grpo", rows)
+        t0 = time.perf_counter()
+        store.put(pid, batch, range(rows))
+        t1 = time.perf_counter()
+        table = store.get(pid, DP_TRAIN_FIELDS, range(rows))
+        t2 = time.perf_counter()
+        assert table.num_rows == rows
+        del table
+        store.drop_partition(pid)
+        if k:
+            puts.append((t1 - t0) * 1e6)
+            gets.append((t2 - t1) * 1e6)
+    return {"rows": rows, "bytes": payload_bytes(batch), "put_us": _stats(puts), "get_us": _stats(gets)}
+
+
 def memcpy_ceiling(batch: dict[str, pa.Array], repeats: int) -> dict[str, Any]:
     """Copy the batch's buffers into pre-faulted memory, then touch every byte of the copy."""
     srcs = [v.view(np.uint8) for v in views_of(pa.table(batch))]
@@ -230,6 +253,7 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
         store = open_for_bench(name, seg_mb)
         try:
             results[name] = run_backend(store.url, store, samples, min_len, max_len, readers, repeats, nbytes)
+            results[name]["small"] = small_calls(store, min_len, max_len, max(repeats, 20))
             if name == "mooncake":
                 results["raw_mooncake"] = raw_mooncake(batch, readers, repeats, store.cluster)
         finally:
@@ -246,8 +270,9 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| backend | write GB/s | read GB/s | e2e GB/s (min-max) | x memcpy | x raw Mooncake |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| backend | write GB/s | read GB/s | e2e GB/s (min-max) | x memcpy | x raw Mooncake | "
+            "64-row put µs | 64-row get µs |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in ("memcpy", "raw_mooncake", "shm", "mooncake", "ray"):
         if name not in results:
             continue
@@ -256,24 +281,49 @@ def table(results: dict[str, Any]) -> str:
         ratio_m = r.get("ratio_to_memcpy", r["e2e_gbps"]["median"] / results["memcpy"]["e2e_gbps"]["median"])
         raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
         ratio_r = f"{e['median'] / raw:.2f}" if raw else "-"
+        small = r.get("small")
+        lat = f"{small['put_us']['median']:.0f} | {small['get_us']['median']:.0f}" if small else "- | -"
         rows.append(f"| {name} | {r['write_gbps']['median']:.3f} | {r['read_gbps']['median']:.3f} | "
-                    f"{e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | {ratio_m:.2f} | {ratio_r} |")
+                    f"{e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | {ratio_m:.2f} | {ratio_r} | {lat} |")
     return "\n".join(rows)
 
 
-def plot(results: dict[str, Any], path: str) -> None:
+def plot(results: dict[str, Any], path: str, title: str = "") -> None:
+    """Bar charts of one run: e2e GB/s per backend and reference, and the 64-row put/get latency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.ScalarFormatter below
 
     names = [n for n in ("memcpy", "raw_mooncake", "shm", "mooncake", "ray") if n in results]
+    small = [n for n in names if "small" in results[n]]
+    fig, axes = plt.subplots(1, 2 if small else 1, figsize=(10 if small else 6, 3.8), squeeze=False)
+    ax = axes[0][0]
     vals = [results[n]["e2e_gbps"]["median"] for n in names]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(names, vals, color=["#999" if n in ("memcpy", "raw_mooncake") else "#2a7" for n in names])
-    ax.set_ylabel("end-to-end GB/s (median)")
+    ax.bar([n.replace("_", "\n") for n in names], vals,
+           color=["#999" if n in ("memcpy", "raw_mooncake") else "#2a7" for n in names])
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_ylabel("end-to-end GB/s (median, log)")
     w = results["workload"]
-    ax.set_title(f"{w['samples']} samples, lengths {w['min_len']}-{w['max_len']}, {w['readers']} readers")
+    ax.set_title(f"{w['samples']} samples, lengths {w['min_len']}-{w['max_len']}, {w['readers']} readers", fontsize=9)
+    if small:
+        ax = axes[0][1]
+        x = np.arange(len(small))
+        for k, (key, color) in enumerate((("put_us", "#2a7"), ("get_us", "#27a"))):
+            ax.bar(x + (k - 0.5) * 0.4, [results[n]["small"][key]["median"] for n in small], 0.4, color=color,
+                   label=key.replace("_us", ""))
+        ax.set_xticks(x, small)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_ylabel("µs per call (median, log)")
+        ax.set_title(f"{results[small[0]]['small']['rows']}-row put and get", fontsize=9)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.rollout.engine import Generation
-from dataplane_rl.store.tensors import list_array_of_rows
+from dataplane_rl.store import list_array_of_rows
 
 
 @dataclass

@@ -12,9 +12,10 @@ import importlib
 from typing import Any
 
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.store.base import ChunkRef, ColumnStore, PartitionMeta, PartitionStatus
+from dataplane_rl.store.arrow import list_array, list_array_of_rows, pad_tokens, to_numpy
+from dataplane_rl.store.base import ColumnStore, PartitionStatus
+from dataplane_rl.store.chunks import ChunkRef, PartitionMeta
 from dataplane_rl.store.memory import MemoryStore
-from dataplane_rl.store.tensors import list_array, list_array_of_rows, pad_tokens, to_numpy
 
 # scheme -> (module, class); optional backends are imported only when asked for
 BACKENDS: dict[str, tuple[str, str]] = {

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+import uuid
 
 import pyarrow as pa
 
-from dataplane_rl.errors import PartitionExistsError, PartitionNotFoundError
-from dataplane_rl.store.base import ChunkRef, ColumnStore, PartitionMeta
+from dataplane_rl.errors import PartitionExistsError
+from dataplane_rl.store import chunks
+from dataplane_rl.store.base import ColumnStore
+from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot, checksum
 
 _ids = itertools.count()
 
@@ -33,44 +36,55 @@ class MemoryStore(ColumnStore):
             if meta.pid in self._metas:
                 raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it first or "
                                            "use a new id")
-            self._metas[meta.pid] = meta
+            self._metas[meta.pid] = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, uuid.uuid4().hex)
             self._refs[meta.pid] = []
 
-    def _meta(self, pid: str) -> PartitionMeta:
+    def _snapshot(self, pid: str) -> Snapshot:
+        with self._lock:
+            meta = self._metas.get(pid)
+            if meta is None:
+                raise self._not_found(pid)
+            return Snapshot(meta, self._refs[pid])  # the list is replaced on commit, never changed
+
+    def _store(self, meta, blocks) -> list[ChunkRef]:
+        refs = []
         try:
-            return self._metas[pid]
-        except KeyError:
-            raise PartitionNotFoundError(f"partition {pid} is unknown or dropped in {self.url}; "
-                                         f"live partitions: {sorted(self._metas) or 'none'}") from None
+            for block in blocks:
+                buf = chunks.encode_block(block.batch)
+                ref = ChunkRef.of(block, f"{meta.pid}/{meta.token}/{uuid.uuid4().hex}", checksum(buf))
+                with self._lock:
+                    self._blobs[ref.key] = buf
+                refs.append(ref)
+        except BaseException:
+            self._discard(meta, refs)
+            raise
+        return refs
 
-    def _chunks(self, pid: str) -> list[ChunkRef]:
-        self._meta(pid)
-        return list(self._refs[pid])
-
-    def _write_chunks(self, pid, chunks) -> None:
+    def _commit(self, meta, refs) -> None:
         with self._lock:
-            for ref, buf in chunks:
-                self._blobs[ref.key] = buf
-
-    def _commit(self, pid, refs) -> None:
-        with self._lock:
-            meta = self._meta(pid)
-            err = self._conflicts(meta, self._refs[pid], refs)
+            live = self._metas.get(meta.pid)
+            if live is None or live.token != meta.token:
+                raise self._not_found(meta.pid)
+            committed = self._refs[meta.pid]
+            err = self._conflict(Snapshot(live, committed), refs)
             if err:
                 raise err
-            self._refs[pid] = self._refs[pid] + list(refs)
+            self._refs[meta.pid] = committed + list(refs)
 
-    def _discard(self, pid, refs) -> None:
+    def _discard(self, meta, refs) -> None:
         with self._lock:
+            keep = {r.key for r in self._refs.get(meta.pid, [])}
             for ref in refs:
-                self._blobs.pop(ref.key, None)
+                if ref.key not in keep:
+                    self._blobs.pop(ref.key, None)
 
-    def _read_chunks(self, pid, refs):
-        return [self._blobs.get(r.key, b"") for r in refs]
+    def _read(self, pid, refs):
+        return [self._blobs.get(r.key, pa.py_buffer(b"")) for r in refs]
 
     def _drop(self, pid: str) -> None:
         with self._lock:
-            self._meta(pid)
+            if pid not in self._metas:
+                raise self._not_found(pid)
             for ref in self._refs.pop(pid):
                 self._blobs.pop(ref.key, None)
             del self._metas[pid]

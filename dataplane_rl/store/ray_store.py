@@ -30,10 +30,15 @@ import ray
 from dataplane_rl.errors import (
     ConfigError,
     PartitionExistsError,
-    PartitionNotFoundError,
     StoreUnavailableError,
 )
-from dataplane_rl.store.base import ChunkRef, ColumnStore, PartitionMeta
+import uuid
+
+import pyarrow as pa
+
+from dataplane_rl.store import chunks
+from dataplane_rl.store.base import ColumnStore
+from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot, checksum
 
 NAMESPACE = "dataplane-rl"
 _TIMEOUT_S = 300.0
@@ -89,14 +94,6 @@ class _Catalog:
     def list(self) -> list[str]:
         return list(self.metas)
 
-    def corrupt(self, pid: str, key: str, lose: bool) -> None:
-        """Test-only: flip a byte of a stored chunk, or lose it as an eviction would."""
-        if lose:
-            self.objs[pid].pop(key)
-            return
-        data = bytearray(ray.get(self.objs[pid][key]).tobytes())
-        data[len(data) // 2] ^= 0xFF
-        self.objs[pid][key] = ray.put(np.frombuffer(bytes(data), dtype=np.uint8))
 
 
 def _on_this_machine(address: str) -> bool:
@@ -176,21 +173,11 @@ class RayStore(ColumnStore):
             raise StoreUnavailableError(f"the catalog of {self.url} is unreachable ({type(e).__name__}); its "
                                         "partitions are lost if the actor died: re-create them") from e
 
-    def _not_found(self, pid: str) -> PartitionNotFoundError:
-        live = sorted(self._call("list")) or "none"
-        return PartitionNotFoundError(f"partition {pid} is unknown or dropped in {self.url}; live partitions: {live}")
-
     # -- catalog hooks ---------------------------------------------------------------------------
     def _create(self, meta: PartitionMeta) -> None:
         if not self._call("create", meta.pid, meta.to_json()):
             raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it first or "
                                        "use a new id")
-
-    def _meta(self, pid: str) -> PartitionMeta:
-        text = self._call("meta", pid)
-        if text is None:
-            raise self._not_found(pid)
-        return PartitionMeta.from_json(text)
 
     def _fetch(self, pid: str) -> tuple[int, list[ChunkRef]]:
         got = self._call("chunks", pid)
@@ -198,20 +185,32 @@ class RayStore(ColumnStore):
             raise self._not_found(pid)
         return got[0], [ChunkRef.from_json(d) for d in got[1]]
 
-    def _chunks(self, pid: str) -> list[ChunkRef]:
-        return self._fetch(pid)[1]
+    def _snapshot(self, pid: str) -> Snapshot:
+        text = self._call("meta", pid)
+        if text is None:
+            raise self._not_found(pid)
+        return Snapshot(PartitionMeta.from_json(text), self._fetch(pid)[1])
 
-    def _write_chunks(self, pid: str, chunks: list[tuple[ChunkRef, Any]]) -> None:
-        for ref, buf in chunks:
-            self._pending[ref.key] = ray.put(np.frombuffer(buf, dtype=np.uint8))
+    def _store(self, meta: PartitionMeta, blocks) -> list[ChunkRef]:
+        refs: list[ChunkRef] = []
+        try:
+            for block in blocks:
+                buf = chunks.encode_block(block.batch)
+                ref = ChunkRef.of(block, f"{meta.pid}/{uuid.uuid4().hex}", checksum(buf))
+                self._pending[ref.key] = ray.put(np.frombuffer(buf, dtype=np.uint8))
+                refs.append(ref)
+        except BaseException:
+            self._discard(meta, refs)
+            raise
+        return refs
 
-    def _commit(self, pid: str, refs: list[ChunkRef]) -> None:
-        meta = self._meta(pid)
+    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
+        pid = meta.pid
         version, committed = self._fetch(pid)
         payload = [r.to_json() for r in refs]
         objs = [self._pending[r.key] for r in refs]
         while True:
-            err = self._conflicts(meta, committed, refs)
+            err = self._conflict(Snapshot(meta, committed), refs)
             if err:
                 raise err
             status, version, current = self._call("commit", pid, version, payload, objs)
@@ -223,20 +222,20 @@ class RayStore(ColumnStore):
         for r in refs:
             self._pending.pop(r.key, None)
 
-    def _discard(self, pid: str, refs: list[ChunkRef]) -> None:
+    def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
         for r in refs:
             self._pending.pop(r.key, None)  # the writer-owned object goes with its last reference
 
-    def _read_chunks(self, pid: str, refs: list[ChunkRef]) -> list[Any]:
+    def _read(self, pid: str, refs: list[ChunkRef]) -> list[pa.Buffer]:
         objs = self._call("objects", pid, [r.key for r in refs])
         if objs is None:
             raise self._not_found(pid)
-        out: list[Any] = []
+        out: list[pa.Buffer] = []
         for obj in objs:
             try:
-                out.append(b"" if obj is None else ray.get(obj, timeout=_TIMEOUT_S))
+                out.append(pa.py_buffer(b"" if obj is None else ray.get(obj, timeout=_TIMEOUT_S)))
             except (ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError):
-                out.append(b"")  # lost or evicted: the checksum check reports it as missing
+                out.append(pa.py_buffer(b""))  # lost or evicted: the checksum check reports it as missing
         return out
 
     def _drop(self, pid: str) -> None:
@@ -249,6 +248,3 @@ class RayStore(ColumnStore):
     def _close(self) -> None:
         # The catalog and its data outlive this handle (it is detached); other processes may still read.
         self._pending.clear()
-
-    def _corrupt_for_test(self, pid: str, ref: ChunkRef, lose: bool = False) -> None:
-        self._call("corrupt", pid, ref.key, lose)

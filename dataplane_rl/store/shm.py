@@ -5,32 +5,27 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
 
     DIR/.dataplane-rl                  marker: this folder is a store
     DIR/.pool/<bytes>-<hex>            chunk files of dropped partitions, kept for reuse
-    DIR/<pid>/meta.json                the PartitionMeta
+    DIR/<pid>/meta.json                the PartitionMeta: a JSON line (pid, num_rows), then the schema
     DIR/<pid>/lock                     flock'd exclusively by commit and drop
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
-    DIR/<pid>/refs/<time>-<hex>.json   one committed put: its ChunkRefs
-    DIR/<pid>/chunks/put-<hex>         one put: each of its chunks (a row block of one column) is an
-                                       Arrow IPC stream at a 64-byte-aligned offset; key put-<hex>@<offset>
+    DIR/<pid>/refs/<n>.json            the n-th committed put (10 digits): its ChunkRefs
+    DIR/<pid>/chunks/put-<hex>         one put: its row blocks (chunks.py), each an Arrow IPC record batch
+                                       at a 64-byte-aligned offset; key put-<hex>@<offset>
 
 Folders are 0700 and files 0600: the store is private to its user. Metadata files (meta.json, refs) start
-with the xxh3 of their JSON, so a damaged one is a CorruptChunkError, never wrong rows. Space for a put is
-reserved (posix_fallocate) before its file is mapped, so a full /dev/shm is a StoreFullError instead of a
-SIGBUS in the writer.
+with the xxh3 of their text, so a damaged one is a CorruptChunkError, never wrong rows. Space for a put
+is reserved (posix_fallocate) before its file is mapped, so a full /dev/shm is a StoreFullError instead
+of a SIGBUS in the writer.
 
-A put serializes every chunk straight into a mapping of its one file (one copy, one claim, one map, one
-rename per put rather than per chunk), under a temporary name renamed once complete; each chunk keeps
-its own checksum, so a shard reader still checksums only the blocks it reads. It becomes visible when its refs file is renamed into refs/ under the
-partition lock, after re-checking that no cell is already committed; a writer that dies before that
-leaves only unreferenced files, freed with the partition. A get maps the chunk files and returns
-zero-copy Arrow buffers. Drop renames the folder away under the lock, so no new reader finds it, while
-open mappings stay readable.
-
-Why a pool: a fresh tmpfs page costs an allocation (measured ~1.1 GB/s writing new /dev/shm files vs
-~8.6 GB/s into pages already faulted in), and RL steps write the same shapes every step. So drop keeps
-up to `pool_bytes` of chunk files for later puts, but only when no process still maps the partition
-(the `readers` lock), so reuse never changes bytes under a live zero-copy array. And each process keeps
-its maps of chunk files (`_Maps`), because filling page tables for a new map costs about as much as
-copying the bytes on this kind of machine, and pooled files come back step after step.
+A put serializes every block straight into a mapping of its one file (one copy, one claim, one map, one
+rename per put), under a temporary name renamed once complete; each block keeps its own checksum, so a
+shard reader checksums only the blocks it reads. It becomes visible when its refs file is renamed to the
+next number under the partition lock, after re-checking that no cell is already committed; a writer that
+dies before that leaves only unreferenced files, freed with the partition. Refs files are numbered, so a
+reader finds new commits by opening the next number (one failed open when nothing changed), never by
+listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
+under the lock, so no new reader finds it, while open mappings stay readable. The file pool is in
+shm_pool.py, the per-process maps and leases in shm_maps.py.
 """
 
 from __future__ import annotations
@@ -40,19 +35,14 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import tempfile
-import threading
-import time
 import uuid
 import weakref
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import parse_qsl
 
-import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.errors import (
@@ -63,129 +53,31 @@ from dataplane_rl.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from dataplane_rl.store.base import _PID, ChunkRef, ColumnStore, PartitionMeta, checksum
-from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, FILE_MODE, create_file, framed, unframe
+from dataplane_rl.store import chunks
+from dataplane_rl.store.base import ColumnStore
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
+from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, create_file, framed, unframe
+from dataplane_rl.store.shm_maps import Lease, Maps
+from dataplane_rl.store.shm_pool import Pool
 
 _MARKER = ".dataplane-rl"
-_FORMAT = b"dataplane-rl shm store v2\n"  # v2: checksummed meta.json and refs
+_FORMAT = b"dataplane-rl shm store v3\n"  # v3: one record batch of all a put's columns per row block
 _POOL = ".pool"
 DEFAULT_POOL_BYTES = 1 << 30
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # column names become file names
 
 
-_IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # explicit: the default re-reads two env vars per stream
+def _meta_text(meta: PartitionMeta) -> str:
+    """meta.json's body: a line of JSON (pid, num_rows), then the schema JSON verbatim, so a reader
+    parses only the small line and decodes the schema once per process (schema_of caches by its text)."""
+    return json.dumps({"pid": meta.pid, "num_rows": meta.num_rows}) + "\n" + meta.schema_json
 
 
-def _split(key: str) -> tuple[str, int]:
-    """A chunk key -> (file name, byte offset): `<file>@<offset>`, or a whole file (older stores)."""
-    file, at, off = key.rpartition("@")
-    return (file, int(off)) if at else (key, 0)
-
-
-_ALIGN = 64  # chunk offsets within a put file, so every Arrow buffer stays aligned
-
-
-def _write_ipc(sink, batch: pa.RecordBatch) -> None:
-    with pa.ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as writer:
-        writer.write_batch(batch)
-
-
-_FRAME_BYTES: dict[pa.Schema, int] = {}  # schema message + end-of-stream marker, per one-column schema
-
-
-def _ipc_size(batch: pa.RecordBatch) -> int:
-    """The size `_write_ipc` will write, without serializing the batch (the writer checks it)."""
-    frame = _FRAME_BYTES.get(batch.schema)
-    if frame is None:
-        mock = pa.MockOutputStream()
-        pa.ipc.new_stream(mock, batch.schema, options=_IPC_OPTIONS).close()
-        if len(_FRAME_BYTES) > 1024:
-            _FRAME_BYTES.clear()
-        frame = _FRAME_BYTES[batch.schema] = mock.size()
-    return frame + pa.ipc.get_record_batch_size(batch)
-
-
-class _Maps:
-    """Memory maps of chunk files, kept open across puts and gets and keyed by inode.
-
-    Cached bytes are never trusted: every read is checksummed. A map of a deleted file pins its pages, so
-    maps of deleted files are closed by a sweep at most every 0.5 s of store use, and the cache is bounded
-    (least recently used first)."""
-
-    def __init__(self, max_bytes: int, max_files: int = 256) -> None:
-        self._files: OrderedDict[tuple[int, int], pa.MemoryMappedFile] = OrderedDict()
-        self._max_bytes, self._max_files = max_bytes, max_files
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self._swept = time.monotonic()
-
-    @contextlib.contextmanager
-    def file(self, path: str, size: int, writable: bool, st: os.stat_result | None = None) -> Iterator[pa.MemoryMappedFile]:
-        """The mapped file at `path` (`st`: its stat, if just taken), mapping at least `size` bytes; raises
-        FileNotFoundError."""
-        st = st or os.stat(path)
-        key = (st.st_dev, st.st_ino)
-        with self._lock:
-            f = self._files.pop(key, None)
-            if f is not None:
-                self._bytes -= f.size()
-        if f is not None and (f.size() < size or (writable and f.mode != "rb+")):
-            f.close()
-            f = None
-        if f is None:
-            f = pa.memory_map(path, "r+" if writable else "r")
-        try:
-            yield f
-        finally:
-            self._keep(key, f)
-
-    def _keep(self, key: tuple[int, int], f: pa.MemoryMappedFile) -> None:
-        if self._max_bytes <= 0:
-            f.close()  # buffers already handed out keep their mapping
-            return
-        with self._lock:
-            if key in self._files:  # another thread mapped it meanwhile
-                self._evict(key)
-            self._files[key] = f
-            self._bytes += f.size()
-            now = time.monotonic()
-            if now - self._swept > 0.5:
-                self._swept = now
-                for k, g in list(self._files.items()):
-                    if os.fstat(g.fileno()).st_nlink == 0:
-                        self._evict(k)
-            while self._files and (self._bytes > self._max_bytes or len(self._files) > self._max_files):
-                self._evict(next(iter(self._files)))
-
-    def _evict(self, key: tuple[int, int]) -> None:
-        f = self._files.pop(key)
-        self._bytes -= f.size()
-        f.close()
-
-    def close(self) -> None:
-        with self._lock:
-            while self._files:
-                self._evict(next(iter(self._files)))
-
-
-class _Lease:
-    """A shared flock on DIR/<pid>/readers, held while any buffer of the partition lives here.
-
-    Every buffer a get returns references its lease, so the lock goes when the last array does."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = -1
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise
-        self.fd, self.ino = fd, os.fstat(fd).st_ino
-
-    def __del__(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
+def _parse_meta(text: str, token: str) -> PartitionMeta:
+    head, _, schema_json = text.partition("\n")
+    d = json.loads(head)
+    if not schema_json.startswith("{"):
+        raise ValueError("no schema after the first line")
+    return PartitionMeta(d["pid"], schema_json, int(d["num_rows"]), token)
 
 
 class ShmStore(ColumnStore):
@@ -209,11 +101,11 @@ class ShmStore(ColumnStore):
             raise ConfigError(f"shm store {self._dir}: pool_bytes={pool_bytes!r} must be a non-negative integer")
         self._pool_bytes = pool_bytes
         self._open_dir(create)
-        self._maps = _Maps(pool_bytes)
-        self._refs_cache: dict[str, dict[str, list[ChunkRef]]] = {}
-        self._metas: dict[str, tuple[int, PartitionMeta]] = {}
-        self._pool_seen: tuple[float, list[tuple[str, int]]] = (0.0, [])
-        self._leases: weakref.WeakValueDictionary[str, _Lease] = weakref.WeakValueDictionary()
+        self._maps = Maps(pool_bytes)
+        self._refs_cache: dict[str, tuple[str, list[ChunkRef], int]] = {}  # pid -> (token, refs, puts)
+        self._metas: dict[str, PartitionMeta] = {}
+        self._pool = Pool(os.path.join(self._dir, _POOL), pool_bytes)
+        self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
         # An auto folder lives as long as the store that made it, even if close() is never called.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True) if self._auto else None
 
@@ -253,9 +145,10 @@ class ShmStore(ColumnStore):
         if os.path.isfile(marker):
             with open(marker, "rb") as f:
                 version = f.read(64)
-            if version.startswith(b"dataplane-rl shm store v1\n"):  # metadata without checksums
-                raise StoreUnavailableError(f"shm store {self._dir} was made by an older dataplane-rl (format v1, "
-                                            "metadata without checksums); make a new store (drop this folder)")
+            if version != _FORMAT:  # v1: metadata without checksums; v2: one chunk per column
+                raise StoreUnavailableError(f"shm store {self._dir} was made by an older dataplane-rl (format "
+                                            f"{version.decode(errors='replace').strip()!r}, this one writes "
+                                            f"{_FORMAT.decode().strip()!r}); make a new store (drop this folder)")
             return
         if not create:
             raise StoreUnavailableError(f"no shm store at {self._dir} ({marker} is missing); check the URL or "
@@ -294,16 +187,9 @@ class ShmStore(ColumnStore):
                               "kept. Drop partitions, lower pool_bytes, or give the filesystem more room")
     # -- paths and locks -------------------------------------------------------------------------
     def _pdir(self, pid: str) -> str:
-        if not isinstance(pid, str) or not _PID.match(pid):  # also keeps '../x' out of the folder
+        if not isinstance(pid, str) or not PID.match(pid):  # also keeps '../x' out of the folder
             raise self._not_found(pid)
         return os.path.join(self._dir, pid)
-
-    def _not_found(self, pid: str, why: str = "is unknown or dropped") -> PartitionNotFoundError:
-        try:
-            live = sorted(self._list()) or "none"
-        except OSError:
-            live = "unknown"
-        return PartitionNotFoundError(f"partition {pid} {why} in {self.url}; live partitions: {live}")
 
     @contextlib.contextmanager
     def _locked(self, pid: str) -> Iterator[str]:
@@ -326,13 +212,13 @@ class ShmStore(ColumnStore):
         finally:
             os.close(fd)
 
-    def _lease(self, pid: str) -> _Lease:
+    def _lease(self, pid: str) -> Lease:
         path = os.path.join(self._pdir(pid), "readers")
         try:
             ino = os.stat(path).st_ino
             lease = self._leases.get(pid)
             if lease is None or lease.ino != ino:
-                lease = self._leases[pid] = _Lease(path)
+                lease = self._leases[pid] = Lease(path)
         except (FileNotFoundError, BlockingIOError):  # BlockingIOError: a drop holds it right now
             raise self._not_found(pid) from None
         return lease
@@ -344,10 +230,12 @@ class ShmStore(ColumnStore):
             with self._os_errors(f"create partition {meta.pid}"):
                 for sub in ("", "refs", "chunks"):
                     os.mkdir(os.path.join(tmp, sub), DIR_MODE)
-                for name, data in (("lock", b""), ("readers", b""), ("meta.json", framed(meta.to_json()))):
+                for name, data in (("lock", b""), ("readers", b""), ("meta.json", framed(_meta_text(meta)))):
                     create_file(os.path.join(tmp, name), data)
                 try:
                     os.rename(tmp, os.path.join(self._dir, meta.pid))  # atomic; refuses an existing (non-empty) one
+                    ino = os.stat(os.path.join(self._dir, meta.pid)).st_ino
+                    self._metas[meta.pid] = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, str(ino))
                 except OSError as e:
                     if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
                         raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it "
@@ -357,45 +245,49 @@ class ShmStore(ColumnStore):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _meta(self, pid: str) -> PartitionMeta:
+    def _snapshot(self, pid: str) -> Snapshot:
+        """The meta (cached: it never changes; a partition dropped and made again is a new folder, a new
+        inode, and the inode is the token) and the refs files, each parsed once: a stat and a listdir."""
         pdir = self._pdir(pid)
         try:
-            # a meta never changes; a partition dropped and made again is a new folder (a new inode)
             ino = os.stat(pdir).st_ino
             cached = self._metas.get(pid)
-            if cached is not None and cached[0] == ino:
-                return cached[1]
-            path = os.path.join(pdir, "meta.json")
-            with open(path, "rb") as f:
-                text = unframe(f.read(), path)
+            if cached is not None and cached.token == str(ino):
+                meta = cached
+            else:
+                path = os.path.join(pdir, "meta.json")
+                with open(path, "rb") as f:
+                    text = unframe(f.read(), path)
+                try:
+                    meta = _parse_meta(text, str(ino))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CorruptChunkError(f"shm metadata {path} does not describe a partition ({e!r})") from None
+                self._metas[pid] = meta
+        except (FileNotFoundError, NotADirectoryError):
+            raise self._not_found(pid) from None
+        token, refs, n = self._refs_cache.get(pid, (meta.token, [], 0))
+        if token != meta.token:
+            refs, n = [], 0
+        refs = list(refs)  # the cached list stays as readers saw it; the copy grows
+        while True:  # commits are numbered: the next one not there yet ends the list (one failed open)
             try:
-                meta = PartitionMeta.from_json(text)
-            except (ValueError, KeyError, TypeError) as e:
-                raise CorruptChunkError(f"shm metadata {path} does not describe a partition ({e!r})") from None
-        except (FileNotFoundError, NotADirectoryError):
-            raise self._not_found(pid) from None
-        self._metas[pid] = (ino, meta)
-        return meta
+                refs += self._load_refs(self._refs_path(pdir, n))
+            except (FileNotFoundError, NotADirectoryError):
+                break
+            n += 1
+        self._refs_cache[pid] = (meta.token, refs, n)
+        return Snapshot(meta, refs)
 
-    def _chunks(self, pid: str) -> list[ChunkRef]:
-        refs_dir = os.path.join(self._pdir(pid), "refs")
-        known = self._refs_cache.get(pid, {})
-        live: dict[str, list[ChunkRef]] = {}
-        try:
-            for n in sorted(os.listdir(refs_dir)):
-                if n[0] != "." and n.endswith(".json"):  # never change once renamed in: parse each once
-                    live[n] = known.get(n) or self._load_refs(os.path.join(refs_dir, n))
-        except (FileNotFoundError, NotADirectoryError):
-            raise self._not_found(pid) from None
-        self._refs_cache[pid] = live
-        return [ref for refs in live.values() for ref in refs]
+    @staticmethod
+    def _refs_path(pdir: str, n: int) -> str:
+        return os.path.join(pdir, "refs", f"{n:010d}.json")
 
     @staticmethod
     def _load_refs(path: str) -> list[ChunkRef]:
         with open(path, "rb") as f:
             text = unframe(f.read(), path)
         try:
-            refs = [ChunkRef.from_json(d) for d in json.loads(text)]
+            refs = chunks.refs_from_json(text)
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptChunkError(f"shm refs file {path} does not hold chunk refs ({e!r})") from None
         for ref in refs:  # checksummed already; still, never join an unchecked name to a path
@@ -404,58 +296,53 @@ class ShmStore(ColumnStore):
                                         "writes; the partition cannot be trusted, drop it")
         return refs
 
-    def _commit(self, pid: str, refs: list[ChunkRef]) -> None:
+    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
+        pid = meta.pid
         with self._locked(pid) as pdir:
-            present = set(os.listdir(os.path.join(pdir, "chunks")))
-            for ref in refs:  # the chunks must be in this very partition, not one dropped meanwhile
-                if _split(ref.key)[0] not in present:
-                    raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
-            err = self._conflicts(self._meta(pid), self._chunks(pid), refs)
+            snap = self._snapshot(pid)
+            if snap.meta.token != meta.token:
+                raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
+            err = self._conflict(snap, refs)
             if err:
                 raise err
-            name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
-            tmp = os.path.join(pdir, "refs", f".tmp-{name}")
+            n = self._refs_cache[pid][2]  # the snapshot just taken, under the lock: the next number
+            target, tmp = self._refs_path(pdir, n), os.path.join(pdir, f".refs-{uuid.uuid4().hex}")
             try:
                 with self._os_errors(f"commit a put to partition {pid}"):
-                    create_file(tmp, framed(json.dumps([r.to_json() for r in refs])))
-                    os.rename(tmp, os.path.join(pdir, "refs", name))
+                    create_file(tmp, framed(chunks.refs_to_json(refs)))
+                    os.rename(tmp, target)  # atomic; only the lock holder writes number n
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
+            self._refs_cache[pid] = (meta.token, snap.refs + list(refs), n + 1)  # our own commit: no parse
 
     def _list(self) -> list[str]:
-        return [n for n in os.listdir(self._dir) if _PID.match(n)]
+        return [n for n in os.listdir(self._dir) if PID.match(n)]
 
     # -- chunk hooks -----------------------------------------------------------------------------
-    def _encode(self, pid: str, name: str, array: pa.Array, rows: np.ndarray) -> tuple[ChunkRef, Any]:
-        """Only sizes the chunk: `_write_chunks` writes all chunks of a put into one file."""
-        batch = pa.record_batch([array], names=[name])
-        return ChunkRef(name, rows, "", _ipc_size(batch), 0), batch
-
-    def _write_chunks(self, pid: str, chunks: list[tuple[ChunkRef, Any]]) -> list[tuple[ChunkRef, Any]]:
-        """Serialize every chunk of the put in place into one (pooled) file, each chunk at an aligned
-        offset with its own checksum: one claim, one map and one rename per put, not per chunk."""
-        offsets, end = [], 0
-        for ref, _ in chunks:
-            offsets.append(end)
-            end = -(-(end + ref.nbytes) // _ALIGN) * _ALIGN
+    def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
+        """Serialize every block of the put in place into one (pooled) file, each at an aligned offset
+        with its own checksum: one claim, one map and one rename per put."""
+        pid = meta.pid
+        head = chunks.head_bytes(blocks[0].batch.schema)
+        offsets, end = layout(blocks, head)
         name = f"put-{uuid.uuid4().hex}"
         folder = os.path.join(self._pdir(pid), "chunks")
         tmp = os.path.join(folder, f".tmp-{name}")
         out = []
         try:
             with self._os_errors(f"write a put of partition {pid}", max(end, 1)):
-                self._claim(pid, tmp, max(end, 1))
+                self._pool.claim(tmp, max(end, 1))
             with self._maps.file(tmp, end, writable=True) as f:
-                for (ref, batch), off in zip(chunks, offsets):
+                for block, off in zip(blocks, offsets):
+                    f.seek(off - head)
+                    chunks.write_block(f, block.batch)
+                    if f.tell() != off + chunks.room(block):
+                        raise RuntimeError(f"shm block {name}@{off}: wrote {f.tell() - off} bytes, expected {block.nbytes}")
                     f.seek(off)
-                    _write_ipc(f, batch)
-                    if f.tell() != off + ref.nbytes:
-                        raise RuntimeError(f"shm chunk {name}@{off}: wrote {f.tell() - off} bytes, expected {ref.nbytes}")
-                    f.seek(off)
-                    digest = checksum(f.read_buffer(ref.nbytes))  # zero-copy view of what was written
-                    out.append((ChunkRef(ref.column, ref.rows, f"{name}@{off}", ref.nbytes, digest), None))
+                    digest = checksum(f.read_buffer(block.nbytes))  # zero-copy view of what was written
+                    out.append(ChunkRef.of(block, f"{name}@{off}", digest))
             os.rename(tmp, os.path.join(folder, name))  # only complete files carry a final name
         except BaseException as e:
             with contextlib.suppress(OSError):
@@ -465,82 +352,29 @@ class ShmStore(ColumnStore):
             raise
         return out
 
-    def _claim(self, pid: str, target: str, size: int) -> None:
-        """Put a file of at least `size` bytes at `target`: a pooled one if any fits, else a new one."""
-        for cand, cap in self._pool_candidates(size):
-            with contextlib.suppress(ValueError):  # another thread of this process took it first
-                self._pool_seen[1].remove((cand, cap))
-            try:
-                os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
-            except FileNotFoundError:
-                continue
-            if cap > 2 * size + (1 << 20):  # give back pages we would waste
-                os.truncate(target, size)
-            elif cap < size:
-                self._reserve(target, size, new=False)
-            return
-        self._reserve(target, size, new=True)
-
-    def _reserve(self, path: str, size: int, new: bool) -> None:
-        """Make `path` at least `size` bytes with every page allocated now: a mapped page the filesystem
-        cannot back later would SIGBUS the writer. When space is short, pooled files go first."""
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if new else 0), FILE_MODE)
-        try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno != errno.ENOSPC or not self._pool():
-                    raise
-                for cand, _ in self._pool():  # the pool is only a cache: space for a put comes first
-                    with contextlib.suppress(OSError):
-                        os.unlink(cand)
-                self._pool_seen = (0.0, [])
-                os.posix_fallocate(fd, 0, size)
-        finally:
-            os.close(fd)
-
-    def _pool_candidates(self, size: int) -> list[tuple[str, int]]:
-        """Pooled files to try, best first: the smallest that fits, then the largest that does not."""
-        seen_at, pool = self._pool_seen
-        if time.monotonic() - seen_at > 0.05:  # one listing serves all chunks of a put
-            pool = self._pool()
-            self._pool_seen = (time.monotonic(), pool)
-        fits = sorted((c for c in pool if c[1] >= size), key=lambda c: c[1])
-        short = sorted((c for c in pool if c[1] < size), key=lambda c: -c[1])
-        return (fits + short)[:4]
-
-    def _pool(self) -> list[tuple[str, int]]:
-        out = []
-        pool = os.path.join(self._dir, _POOL)
-        with contextlib.suppress(FileNotFoundError):
-            for n in os.listdir(pool):
-                cap, _, _ = n.partition("-")
-                if cap.isdigit():
-                    out.append((os.path.join(pool, n), int(cap)))
-        return out
-
-    def _discard(self, pid: str, refs: list[ChunkRef]) -> None:
+    def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
         try:
             # an interrupt that lands just after the commit must not delete committed chunks
-            keep = {_split(r.key)[0] for r in self._chunks(pid)}
-            chunks = os.path.join(self._pdir(pid), "chunks")
+            keep = {split_key(r.key)[0] for r in self._snapshot(meta.pid).refs}
+            folder = os.path.join(self._pdir(meta.pid), "chunks")
         except Exception:
             return
-        for file in {_split(ref.key)[0] for ref in refs if ref.key}:
+        for file in {split_key(ref.key)[0] for ref in refs}:
             if file not in keep:
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(chunks, file))
+                    os.unlink(os.path.join(folder, file))
 
-    def _read_chunks(self, pid: str, refs: list[ChunkRef]) -> list[Any]:
+    def _read(self, pid: str, refs: list[ChunkRef]) -> list[pa.Buffer]:
         lease = self._lease(pid)
-        chunks = os.path.join(self._pdir(pid), "chunks")
+        folder = os.path.join(self._pdir(pid), "chunks")
         by_file: dict[str, list[tuple[int, int, int]]] = {}  # file -> (index in refs, offset, nbytes)
         for i, ref in enumerate(refs):
-            file, off = _split(ref.key)
+            file, off = split_key(ref.key)
             by_file.setdefault(file, []).append((i, off, ref.nbytes))
-        out: list[Any] = [b""] * len(refs)  # a committed chunk without its bytes: reported as missing
+        empty = pa.py_buffer(b"")
+        out: list[pa.Buffer] = [empty] * len(refs)  # a committed chunk without its bytes: reported as missing
         for file, parts in by_file.items():
-            path = os.path.join(chunks, file)
+            path = os.path.join(folder, file)
             try:
                 # never map or read past the end of the file (SIGBUS); a short chunk fails its checksum
                 st = os.stat(path)
@@ -555,7 +389,7 @@ class ShmStore(ColumnStore):
                             buf = f.read_buffer(n)
                             out[i] = pa.foreign_buffer(buf.address, buf.size, base=(buf, lease))
             except FileNotFoundError:
-                if not os.path.isdir(chunks):
+                if not os.path.isdir(folder):
                     raise self._not_found(pid, "was dropped while reading") from None
         return out
 
@@ -564,28 +398,7 @@ class ShmStore(ColumnStore):
         with self._locked(pid) as pdir, self._os_errors(f"drop partition {pid}"):
             os.rename(pdir, trash)
         self._refs_cache.pop(pid, None)
-        self._free(trash)
-        self._pool_seen = (0.0, [])
-
-    def _free(self, trash: str) -> None:
-        """Pool the chunk files of a dropped partition if nobody maps them any more; delete the rest."""
-        fd = -1
-        try:
-            fd = os.open(os.path.join(trash, "readers"), os.O_RDONLY)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            room = self._pool_bytes - sum(cap for _, cap in self._pool())
-            for entry in os.scandir(os.path.join(trash, "chunks")):
-                size = entry.stat().st_size
-                if entry.name.startswith(".") or not 0 < size <= room:
-                    continue
-                os.rename(entry.path, os.path.join(self._dir, _POOL, f"{size}-{uuid.uuid4().hex}"))
-                room -= size
-        except OSError:
-            pass  # still mapped somewhere (BlockingIOError): deleted below, freed when the last mapping goes
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            shutil.rmtree(trash, ignore_errors=True)
+        self._pool.take_back(trash)
 
     def _close(self) -> None:
         self._refs_cache.clear()
@@ -597,18 +410,4 @@ class ShmStore(ColumnStore):
     # -- inspection ------------------------------------------------------------------------------
     def pool_bytes(self) -> int:
         """Bytes of dropped chunk files held for reuse (counted in /dev/shm usage)."""
-        return sum(cap for _, cap in self._pool())
-
-    def _corrupt_for_test(self, pid: str, ref: ChunkRef, lose: bool = False) -> None:
-        """Flip one stored byte of `ref`'s chunk, or lose it (with the chunks after it in its put's file):
-        faults a checksum must catch."""
-        file, off = _split(ref.key)
-        path = os.path.join(self._pdir(pid), "chunks", file)
-        if lose:
-            os.truncate(path, off)
-            return
-        with open(path, "r+b") as f:
-            f.seek(off + ref.nbytes // 2)
-            b = f.read(1)
-            f.seek(off + ref.nbytes // 2)
-            f.write(bytes([b[0] ^ 0xFF]))
+        return self._pool.bytes()

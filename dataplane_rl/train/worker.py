@@ -17,7 +17,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from dataplane_rl.store.tensors import list_array
+from dataplane_rl.store import list_array
 from dataplane_rl.train.batch import RowSet, build_train_batch, fetch, microbatches, write
 from dataplane_rl.train.fsdp import to_float
 

@@ -1,0 +1,164 @@
+"""Arrow at the store's edges: user data in (coercion to the declared types, one fast validation pass),
+Arrow columns out (zero-copy numpy views, padded [B, T] tensors with masks), and the one offsets-to-ListArray
+builder everything else uses."""
+
+from __future__ import annotations
+
+import math
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dataplane_rl.errors import SchemaError
+from dataplane_rl.schema import Column, Schema
+
+
+def list_array(values: np.ndarray, lengths, value_type: pa.DataType) -> pa.ListArray:
+    """The one offsets-to-ListArray builder: flat `values` [N] cut into rows of `lengths` [B] (sum N)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(lengths.size + 1, dtype=np.int32)  # [B+1]
+    np.cumsum(lengths, out=offsets[1:])
+    if int(offsets[-1]) != len(values):
+        raise ValueError(f"list_array: lengths sum to {int(offsets[-1])}, values hold {len(values)}")
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+
+
+def list_array_of_rows(rows, value_type: pa.DataType) -> pa.ListArray:
+    """A token column from one 1-D array per row."""
+    rows = list(rows)
+    flat = np.concatenate(rows) if rows else np.zeros(0, dtype=value_type.to_pandas_dtype())
+    return list_array(flat, [len(r) for r in rows], value_type)
+
+
+def to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A sample column as numpy; zero-copy for one chunk of a fixed-width type."""
+    if isinstance(column, pa.ChunkedArray):
+        if column.num_chunks == 1:
+            column = column.chunk(0)
+        else:
+            return np.concatenate([to_numpy(c) for c in column.chunks]) if column.num_chunks else np.zeros(0)
+    if pa.types.is_boolean(column.type) or pa.types.is_string(column.type):
+        return column.to_numpy(zero_copy_only=False)
+    return column.to_numpy(zero_copy_only=True)
+
+
+def token_values(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(flat values, lengths) of a token (list) column. Values are a zero-copy view for one chunk."""
+    if isinstance(column, pa.ChunkedArray):
+        parts = [token_values(c) for c in column.chunks]
+        if len(parts) == 1:
+            return parts[0]
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    offsets = np.asarray(column.offsets)
+    values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    if values.null_count or column.null_count:  # stores refuse these; a column from elsewhere may hold them
+        raise SchemaError(f"token column of type {column.type} holds nulls; every row and token needs a value")
+    return values.to_numpy(zero_copy_only=True), np.diff(offsets).astype(np.int64)
+
+
+def pad_tokens(column: pa.Array | pa.ChunkedArray, pad_value=0, length: int | None = None, torch: bool = True):
+    """A token column as a right-padded [B, T] array and its [B, T] validity mask.
+
+    T is the longest row (or `length`). Returns torch tensors by default, numpy arrays with torch=False.
+    """
+    values, lengths = token_values(column)
+    B = lengths.size
+    T = int(lengths.max(initial=0)) if length is None else int(length)
+    if lengths.size and lengths.max() > T:
+        raise ValueError(f"pad_tokens: a row has {int(lengths.max())} tokens, more than length={T}")
+    out = np.full((B, T), pad_value, dtype=values.dtype)  # [B, T]
+    row_idx = np.repeat(np.arange(B), lengths)  # [N]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if B else np.zeros(0, dtype=np.int64)
+    col_idx = np.arange(values.size) - np.repeat(starts, lengths)  # [N]
+    out[row_idx, col_idx] = values
+    mask = np.arange(T)[None, :] < lengths[:, None]  # [B, T]
+    if not torch:
+        return out, mask
+    import torch as _torch
+
+    return _torch.from_numpy(out), _torch.from_numpy(mask)
+
+
+# ---- input coercion ----------------------------------------------------------------------------
+def as_numpy(data: Any) -> np.ndarray:
+    if hasattr(data, "detach") and hasattr(data, "cpu"):  # torch.Tensor, without importing torch
+        data = data.detach().cpu().numpy()
+    return np.asarray(data)
+
+
+def to_arrow(col: Column, data: Any, where: str) -> pa.Array:
+    """Coerce user data to the column's declared Arrow type, refusing silent casts.
+
+    Accepts Arrow arrays, numpy arrays or torch tensors (sample columns), lists of strings, and for
+    token columns an Arrow list array or a sequence of 1-D arrays/tensors (one per row).
+    """
+    want = col.arrow_type
+    if isinstance(data, pa.ChunkedArray):
+        data = data.combine_chunks()
+    if isinstance(data, pa.Array):
+        if data.type != want:
+            raise SchemaError(f"{where} column '{col.name}' has Arrow type {data.type}, declared {want}; "
+                              f"cast it with .cast(pa.{want}) only if the values fit")
+        return data
+    if col.kind == "token":
+        if isinstance(data, np.ndarray) and data.dtype != object:
+            raise SchemaError(f"{where} token column '{col.name}' given as a {data.ndim}-D array; pass one 1-D "
+                              "array per row (a list) or a pyarrow ListArray, so each row keeps its own length")
+        parts = [as_numpy(x) for x in data]
+        for i, p in enumerate(parts):
+            if p.ndim != 1:
+                raise SchemaError(f"{where} token column '{col.name}' row #{i} is {p.ndim}-D; each row must be 1-D")
+        values = np.concatenate(parts) if parts else np.zeros(0, dtype=col.value_type.to_pandas_dtype())
+        _check_np_dtype(col, values, where)
+        return list_array(values, [p.size for p in parts], col.value_type)
+    if col.dtype == "string":
+        values = list(data)
+        if not all(isinstance(v, str) for v in values):
+            raise SchemaError(f"{where} string column '{col.name}' holds a non-str value; pass a list of str")
+        return pa.array(values, type=pa.string())
+    arr = as_numpy(data)
+    if arr.ndim != 1:
+        raise SchemaError(f"{where} sample column '{col.name}' has shape {arr.shape}; a sample column is 1-D "
+                          "(one value per row)")
+    _check_np_dtype(col, arr, where)
+    return pa.array(arr, type=col.value_type)
+
+
+def _check_np_dtype(col: Column, arr: np.ndarray, where: str) -> None:
+    want = np.dtype(col.value_type.to_pandas_dtype())
+    if arr.dtype != want:
+        raise SchemaError(f"{where} column '{col.name}' has dtype {arr.dtype}, declared {col.dtype}; "
+                          f"convert it first (e.g. .astype(np.{want}))")
+
+
+def surely_valid(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | None) -> bool:
+    """True when a put's arrays (already of the declared types) certainly pass `schema.check`: no nulls,
+    no NaN/inf where not allowed, token lengths equal to the length column, no negative length. A few
+    vectorised reductions per column and no per-row work; False sends the put through `schema.check`,
+    which names what is wrong."""
+    if lengths is None and schema.length_column in arrays:
+        lengths = arrays[schema.length_column].to_numpy(zero_copy_only=False)
+    for name, arr in arrays.items():
+        col = schema.by_name[name]
+        if arr.null_count:
+            return False
+        values = arr
+        if col.kind == "token":
+            if lengths is None:
+                return False
+            offsets = arr.offsets.to_numpy(zero_copy_only=True)  # [B+1], of this slice's rows
+            if not np.array_equal(np.diff(offsets), lengths):
+                return False
+            values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+            if values.null_count:
+                return False
+        if col.dtype.startswith("float") and not col.allow_nonfinite and len(values):
+            # max and min are NaN if any value is and +-inf if any is: two SIMD passes, no temporary array
+            v = values.to_numpy(zero_copy_only=True)
+            if not (math.isfinite(np.max(v)) and math.isfinite(np.min(v))):
+                return False
+    if lengths is not None and len(lengths) and int(np.min(lengths)) < 0:
+        return False
+    return True

@@ -1,0 +1,234 @@
+"""What a stored put is made of: chunk refs, row spans, the IPC encoding of a row block, its checksum.
+
+A put is cut into row blocks of about `chunk_bytes`; each block is ONE Arrow IPC record-batch message
+holding every column of the put for those rows, checksummed with xxh3. The message carries no schema: a
+reader decodes it against the partition's schema (decoded once per partition), so a block costs one
+validation pass, one copy and one checksum on write, and one checksum and a zero-copy wrap on read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+PID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # partition ids: also safe as file and key names
+ALIGN = 64  # block offsets inside a put's object or file, so every Arrow buffer stays 64-byte aligned
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # explicit: the default re-reads two env vars per stream
+_EOS = 8  # the end-of-stream marker a stream writer adds on close
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def split_key(key: str) -> tuple[str, int]:
+    """A chunk key '<object>@<offset>' -> (object, offset)."""
+    obj, _, off = key.rpartition("@")
+    return obj, int(off)
+
+
+def checksum(buf) -> int:
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+# ---- row sets ----------------------------------------------------------------------------------
+def rows_to_spans(rows: np.ndarray) -> list[list[int]]:
+    """[0,1,2,5,6] -> [[0,3],[5,7]]: compact, order-preserving encoding of a row list."""
+    n = rows.size
+    if n == 0:
+        return []
+    first, last = int(rows[0]), int(rows[-1])
+    if last - first == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
+        return [[first, last + 1]]  # the common case, one run: no per-run bookkeeping
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [rows.size]])
+    return [[int(rows[s]), int(rows[e - 1]) + 1] for s, e in zip(starts, ends)]
+
+
+def spans_to_rows(spans: Iterable[Sequence[int]]) -> np.ndarray:
+    spans = list(spans)
+    if len(spans) == 1:
+        return np.arange(spans[0][0], spans[0][1], dtype=np.int64)
+    parts = [np.arange(a, b, dtype=np.int64) for a, b in spans]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+# ---- catalog records ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChunkRef:
+    """A committed row block: `columns` for `rows` (in stored order), held under `key`; `sizes`: the
+    bytes of each column's values in it (for status)."""
+
+    columns: tuple[str, ...]
+    rows: np.ndarray = field(compare=False)  # [n] int64
+    key: str
+    nbytes: int
+    checksum: int
+    sizes: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"columns": list(self.columns), "rows": rows_to_spans(self.rows), "key": self.key,
+                "nbytes": self.nbytes, "checksum": self.checksum, "sizes": list(self.sizes)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "ChunkRef":
+        return cls(tuple(d["columns"]), spans_to_rows(d["rows"]), d["key"], int(d["nbytes"]), int(d["checksum"]),
+                   tuple(int(n) for n in d["sizes"]))
+
+    @classmethod
+    def of(cls, block: "Block", key: str, digest: int) -> "ChunkRef":
+        return cls(block.columns, block.rows, key, block.nbytes, digest, block.sizes)
+
+
+def refs_to_json(refs: Sequence[ChunkRef]) -> str:
+    return json.dumps([r.to_json() for r in refs])
+
+
+def refs_from_json(text: str | bytes) -> list[ChunkRef]:
+    return [ChunkRef.from_json(d) for d in json.loads(text)]
+
+
+@dataclass(frozen=True)
+class PartitionMeta:
+    """What create_partition records: the id, the full schema (so any process can validate) and the size.
+    `token` is the backend's name for this incarnation of the id (a dropped and re-made partition gets a
+    new one); it is not stored in the meta's JSON."""
+
+    pid: str
+    schema_json: str
+    num_rows: int
+    token: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps({"pid": self.pid, "schema": json.loads(self.schema_json), "num_rows": self.num_rows})
+
+    @classmethod
+    def from_json(cls, text: str, token: str = "") -> "PartitionMeta":
+        d = json.loads(text)
+        return cls(d["pid"], json.dumps(d["schema"]), int(d["num_rows"]), token)
+
+
+class Snapshot(NamedTuple):
+    """A partition as one catalog read saw it: its meta and its committed refs, in commit order."""
+
+    meta: PartitionMeta
+    refs: list[ChunkRef]
+
+
+# ---- blocks ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Block:
+    """A row block of a put: `batch` holds every column of the put for `rows`; `nbytes` is the size of
+    its record-batch message, `sizes` the bytes of each column's values in it."""
+
+    rows: np.ndarray  # [n] int64
+    batch: pa.RecordBatch
+    columns: tuple[str, ...]
+    nbytes: int
+    sizes: tuple[int, ...]
+
+
+def _row_bytes(arr: pa.Array) -> np.ndarray:
+    """[n] bytes each row of a column holds (values, and offsets for lists and strings)."""
+    t, n = arr.type, len(arr)
+    if pa.types.is_list(t) or pa.types.is_string(t):
+        if pa.types.is_list(t):
+            offsets, width = arr.offsets.to_numpy(zero_copy_only=True), t.value_type.bit_width / 8
+        else:
+            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
+            width = 1
+        return np.diff(offsets) * width + 4  # [n]
+    return np.full(n, t.bit_width / 8)
+
+
+def _column_bytes(arr: pa.Array) -> int:
+    """What `_row_bytes(arr).sum()` is, from the ends of the offsets alone."""
+    t, n = arr.type, len(arr)
+    if pa.types.is_list(t):
+        offsets = arr.offsets
+        return int((offsets[n].as_py() - offsets[0].as_py()) * t.value_type.bit_width / 8) + 4 * n
+    if pa.types.is_string(t):
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
+        return int(offsets[-1] - offsets[0]) + 4 * n
+    return round(n * t.bit_width / 8)
+
+
+def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int) -> list[Block]:
+    """Cut a put into row blocks of about `limit` bytes each (at least one block, split by bytes, not
+    rows, so long rows do not make one block huge)."""
+    n = batch.num_rows
+    if not n:
+        return [Block(rows, batch, tuple(batch.schema.names), pa.ipc.get_record_batch_size(batch),
+                      (0,) * batch.num_columns)]
+    names = tuple(batch.schema.names)
+    whole = [_column_bytes(c) for c in batch.columns]
+    if sum(whole) <= limit:  # one block: no per-row sizes needed
+        return [Block(rows, batch, names, pa.ipc.get_record_batch_size(batch), tuple(whole))]
+    per_col = np.stack([_row_bytes(c) for c in batch.columns])  # [C, n]
+    row_cum = np.cumsum(per_col.sum(axis=0))  # [n]
+    total = float(row_cum[-1])
+    k = max(1, min(n, int(-(-total // limit))))
+    cuts = np.searchsorted(row_cum, total * np.arange(1, k) / k, side="right").tolist() if k > 1 else []
+    bounds = sorted({0, n, *cuts})
+    sizes = np.add.reduceat(per_col, bounds[:-1], axis=1).round().astype(np.int64).T.tolist()  # [k][C]
+    out = []
+    for (lo, hi), size in zip(zip(bounds[:-1], bounds[1:]), sizes):
+        part = batch.slice(lo, hi - lo)
+        out.append(Block(rows[lo:hi], part, names, pa.ipc.get_record_batch_size(part), tuple(size)))
+    return out
+
+
+# ---- block encoding ----------------------------------------------------------------------------
+@lru_cache(maxsize=1024)
+def head_bytes(schema: pa.Schema) -> int:
+    """Size of the schema message a stream writer puts before the first batch."""
+    mock = pa.MockOutputStream()
+    pa.ipc.new_stream(mock, schema, options=_IPC_OPTIONS).close()
+    return mock.size() - _EOS
+
+
+def room(block: Block) -> int:
+    """Bytes `write_block` touches from the block's offset on (the message and the writer's end marker)."""
+    return block.nbytes + _EOS
+
+
+def write_block(sink, batch: pa.RecordBatch) -> None:
+    """Write `batch`'s record-batch message to `sink`, which must stand `head_bytes(batch.schema)` before
+    the block's offset: pyarrow writes a batch message only inside a stream, so the stream's schema
+    message goes to the bytes just before the block (the previous block's end marker and padding, or
+    the head room of the object) and is never read."""
+    with pa.ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as writer:
+        writer.write_batch(batch)
+
+
+def layout(blocks: Sequence[Block], head: int) -> tuple[list[int], int]:
+    """Offsets of a put's blocks (all of one schema, whose stream head is `head` bytes) packed into one
+    object or file, and its size. Each block's message starts 64-byte aligned, with room for its stream
+    head just before it; a block's head may overwrite the previous block's end marker, never its message."""
+    if not blocks:
+        return [], 0
+    offsets, at = [], align(head)
+    for b in blocks:
+        offsets.append(at)
+        at = align(at + b.nbytes + head)
+    return offsets, offsets[-1] + room(blocks[-1])
+
+
+def encode_block(batch: pa.RecordBatch) -> pa.Buffer:
+    """A block as its own buffer (backends that store each block as one object)."""
+    sink = pa.BufferOutputStream()
+    write_block(sink, batch)
+    data = sink.getvalue()
+    return data.slice(head_bytes(batch.schema), pa.ipc.get_record_batch_size(batch))
+
+
+def decode_block(buf: pa.Buffer, schema: pa.Schema) -> pa.RecordBatch:
+    return pa.ipc.read_record_batch(buf, schema)

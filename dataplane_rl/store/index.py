@@ -1,0 +1,78 @@
+"""Which committed block holds each cell: per column, the block index and position of every row.
+
+Built once per partition incarnation and extended as commits arrive (refs are append-only), so put,
+get, ready and wait look cells up with numpy indexing instead of re-walking every ref per call.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from dataplane_rl.store.chunks import ChunkRef
+
+
+class RowIndex:
+    """owner[column][row]: index into `refs` of the block holding the cell (-1: unwritten); pos: its row
+    position in that block."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.refs: list[ChunkRef] = []
+        self.owner: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
+        self.pos: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
+        self.lock = threading.Lock()
+
+    def extends(self, refs: list[ChunkRef]) -> bool:
+        """Is `refs` this index's refs plus newer ones? Backends keep refs append-only per incarnation and
+        reuse the objects they parsed, so the first and last known ones being the same objects says so."""
+        n = len(self.refs)
+        return n == 0 or (len(refs) >= n and refs[0] is self.refs[0] and refs[n - 1] is self.refs[n - 1])
+
+    def add(self, refs: list[ChunkRef]) -> None:
+        for ref in refs:
+            i = len(self.refs)
+            self.refs.append(ref)
+            where = np.arange(len(ref.rows), dtype=np.int32)
+            for col in ref.columns:
+                owner = self.owner.get(col)
+                if owner is None:
+                    owner = self.owner[col] = np.full(self.num_rows, -1, dtype=np.int32)
+                    self.pos[col] = np.zeros(self.num_rows, dtype=np.int32)
+                owner[ref.rows] = i
+                self.pos[col][ref.rows] = where
+
+    def written(self, column: str, rows: np.ndarray) -> np.ndarray:
+        """The rows of `rows` on which `column` is written."""
+        owner = self.owner.get(column)
+        return rows[:0] if owner is None else rows[owner[rows] >= 0]
+
+    def unwritten(self, column: str, rows: np.ndarray) -> np.ndarray:
+        owner = self.owner.get(column)
+        return rows if owner is None else rows[owner[rows] < 0]
+
+    def ready(self, columns: list[str]) -> np.ndarray:
+        """Rows (sorted int64) on which every column is written."""
+        mask = None
+        for c in columns:
+            owner = self.owner.get(c)
+            if owner is None:
+                return np.zeros(0, dtype=np.int64)
+            m = owner >= 0
+            mask = m if mask is None else mask & m
+        return np.flatnonzero(mask).astype(np.int64) if mask is not None else np.zeros(0, dtype=np.int64)
+
+
+def overlap(index: RowIndex, refs: list[ChunkRef]) -> tuple[str, np.ndarray] | None:
+    """The first (column, rows) of `refs` already written in `index`, or None: one lookup per column."""
+    by_cols: dict[tuple[str, ...], list[np.ndarray]] = {}
+    for ref in refs:
+        by_cols.setdefault(ref.columns, []).append(ref.rows)
+    for cols, parts in by_cols.items():
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        for col in cols:
+            hit = index.written(col, rows)
+            if hit.size:
+                return col, np.sort(hit)
+    return None

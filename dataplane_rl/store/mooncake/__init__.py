@@ -1,0 +1,23 @@
+"""`mooncake://`: the Mooncake distributed store as a column-store backend (DESIGN §4).
+
+    store.py    MooncakeStore: the backend hooks (blocks in, blocks out)
+    catalog.py  partition metas and committed refs as Mooncake keys, and the partition lock
+    buffers.py  registered memory: the write arena and the read landing buffers
+    client.py   error codes, addresses, the admin endpoint, connect_client
+    cluster.py  MooncakeCluster: a master and holder processes started here
+    holder.py   the holder process (python -m dataplane_rl.store.mooncake.holder)
+
+MooncakeStore is imported on first use, so a holder process (which imports only holder.py) starts fast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MooncakeStore":
+        from dataplane_rl.store.mooncake.store import MooncakeStore
+
+        return MooncakeStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,87 @@
+"""Rows: user row arguments to checked row ids, and gathering a column's rows out of decoded blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dataplane_rl.errors import AlignmentError, format_rows
+from dataplane_rl.store.arrow import as_numpy
+
+
+def row_ids(pid: str, n: int, rows: Any, *, unique: bool) -> np.ndarray:
+    """`rows` (None: all, a range, a slice, or integer indices) as int64 row ids of a partition of `n` rows,
+    checked to be in range (and, for a put, unique)."""
+    if rows is None:
+        return np.arange(n, dtype=np.int64)
+    if isinstance(rows, slice):
+        try:
+            rows = range(*rows.indices(n))
+        except (TypeError, ValueError) as e:
+            raise AlignmentError(f"partition {pid}: rows slice {rows} is not a slice of integers ({e})") from None
+    if isinstance(rows, range):
+        # checked on the ends, before any row list is made: range(10**18) must not allocate
+        if rows and (min(rows[0], rows[-1]) < 0 or max(rows[0], rows[-1]) >= n):
+            raise AlignmentError(f"partition {pid}: rows {rows.start}-{rows.stop - 1} (step {rows.step}) out of "
+                                 f"range; the partition has {n} rows (0-{n - 1})")
+        return np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)  # unique and in range
+    try:
+        arr = as_numpy(rows)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise AlignmentError(f"partition {pid}: rows must be a range or 1-D integer indices ({e})") from None
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise AlignmentError(f"partition {pid}: rows must be a range or 1-D integer indices, got {arr.dtype} "
+                             f"shape {arr.shape}")
+    out = arr.astype(np.int64, copy=False)
+    bad = out[(out < 0) | (out >= n)]
+    if bad.size:
+        raise AlignmentError(f"partition {pid}: rows {format_rows(bad)} out of range; the partition has {n} rows")
+    if unique and np.unique(out).size != out.size:
+        vals, counts = np.unique(out, return_counts=True)
+        raise AlignmentError(f"partition {pid}: rows {format_rows(vals[counts > 1])} given more than once in one put")
+    return out
+
+
+def rows_text(rows: np.ndarray) -> str:
+    """format_rows(rows) without its per-row Python loop in the common case, a contiguous put."""
+    if rows.size > 1 and rows[-1] - rows[0] == rows.size - 1 and bool(np.all(np.diff(rows) == 1)):
+        return f"{rows[0]}-{rows[-1]}"
+    return format_rows(rows)
+
+
+def runs_of(which: np.ndarray, pos: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """(block, first position, length) of each run of consecutive rows within one block, or None when
+    the rows are so scattered (more than two runs per block they touch) that a take beats many slices."""
+    n = which.size
+    if not n:
+        return []
+    breaks = np.flatnonzero((which[1:] != which[:-1]) | (pos[1:] != pos[:-1] + 1)) + 1
+    starts = [0, *breaks.tolist()]
+    blocks = which[starts].tolist()
+    if len(starts) > 8 and len(starts) > 2 * len(set(blocks)):
+        return None
+    ends = [*starts[1:], n]
+    return [(b, p, e - s) for b, p, s, e in zip(blocks, pos[starts].tolist(), starts, ends)]
+
+
+def gather(batches: dict[int, pa.RecordBatch], plan, name: str, arrow_type: pa.DataType) -> pa.Array | pa.ChunkedArray:
+    """Column `name` for the rows at (block `which`, position `pos`). Runs of consecutive rows within a
+    block become zero-copy slices (a shard of a put costs no copy); scattered rows are gathered with take."""
+    which, pos, runs = plan
+    if not which.size:
+        return pa.array([], type=arrow_type)
+    if runs is not None:
+        pieces = [batches[b].column(name).slice(p, n) for b, p, n in runs]
+        return pieces[0] if len(pieces) == 1 else pa.chunked_array(pieces, type=arrow_type)
+    keys = np.unique(which).tolist()  # the blocks holding this column's rows
+    if len(keys) > 1:
+        sizes = np.array([batches[k].num_rows for k in keys], dtype=np.int64)
+        base = np.zeros(max(keys) + 1, dtype=np.int64)
+        base[keys] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        combined = pa.concat_arrays([batches[k].column(name) for k in keys])
+        idx = base[which] + pos
+    else:
+        combined, idx = batches[keys[0]].column(name), pos
+    return combined.take(pa.array(idx))
