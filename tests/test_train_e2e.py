@@ -35,11 +35,12 @@ def run(tmp_path: Path, name: str, *overrides: str):
     return summary, metrics, data
 
 
-def assert_store_failure_left_a_consistent_run(returncode: int, out: str, run_dir: Path) -> None:
-    """A run stopped by a lost store: exit 2, the store error named, whole lines, one train_data file per
-    logged step, a failed summary."""
+def assert_store_failure_left_a_consistent_run(returncode: int, out: str, run_dir: Path,
+                                               errors=("StoreUnavailableError", "CorruptChunkError")) -> None:
+    """A run stopped by a lost store (or another lost component, named by `errors`): exit 2, the error
+    named, whole lines, one train_data file per logged step, a failed summary."""
     assert returncode == 2, out[-3000:]
-    assert "StoreUnavailableError" in out or "CorruptChunkError" in out, out[-3000:]
+    assert any(e in out for e in errors), out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -194,7 +195,8 @@ def test_train_cli_writes_the_run_folder(tmp_path):
     for key in (*TRAIN_KEYS, "data_plane/bytes_written", "data_plane/driver_bytes_read", "timing/step"):
         assert key in lines[0], key
     sample = json.loads((run_dir / "train_data/step_000001.jsonl").read_text().splitlines()[0])
-    assert set(sample) == {"sample_id", "group_id", "prompt", "response", "total_reward", "advantage", "sample_mask"}
+    assert set(sample) == {"sample_id", "group_id", "prompt", "response", "total_reward", "advantage", "sample_mask",
+                           "generation_policy_version"}
     assert load_config(run_dir / "config.yaml").grpo.max_num_steps == 2  # the resolved config reloads
     store_url = json.loads((run_dir / "summary.json").read_text())["store_url"]
     assert store_url.startswith("shm:///") and not Path(store_url[len("shm://"):]).exists(), \
