@@ -87,6 +87,17 @@ def preflight(cfg: Config):
     return task, str(folder)
 
 
+def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:
+    """torch threads per rollout actor and per train rank. Sync phases take turns, so each group gets every
+    core; async GRPO with an age above 0 generates while it trains, so the groups split the cores: on CPU,
+    4 busy torch threads on 2 cores made both phases 2-3x slower than alone (bench e2e --async)."""
+    N, D = cfg.generation.num_workers, cfg.policy.dp_size
+    a = cfg.grpo.async_grpo
+    if a.enabled and a.max_trajectory_age_steps > 0:
+        cpus = max(1, cpus // 2)
+    return max(1, cpus // N), max(1, cpus // D)
+
+
 def quiet_ray_token_warning() -> None:
     """Ray 2.60 logs a warning about token authentication on every ray.init() unless RAY_AUTH_MODE is set;
     it says nothing about this run (a user who sets RAY_AUTH_MODE=token asked for it, and gets no warning
@@ -146,9 +157,7 @@ class GRPOTrainer:
                   f"  inspect: dataplane-rl store ls {self.store_url}   free: dataplane-rl store drop "
                   f"{self.store_url} --all", file=sys.stderr)
         cfg_dict = cfg.model_dump(mode="json", by_alias=True)
-        cpus = os.cpu_count() or 1
-        gen_threads = max(1, cpus // cfg.generation.num_workers)
-        train_threads = max(1, cpus // cfg.policy.dp_size)
+        gen_threads, train_threads = torch_threads(cfg, os.cpu_count() or 1)
         N, D = cfg.generation.num_workers, cfg.policy.dp_size
         rollout_gpus, train_gpus = placement.gpu_plan(cfg)
         self._groups = [placement.placement_group("rollout", N, rollout_gpus, cfg, ray_nodes),
