@@ -43,3 +43,16 @@ def test_bench_e2e_reports_data_plane_share(tmp_path):
     assert res["transport"] == "shm" and res["step_s"] > 0
     assert res["bytes_per_step"] > 0 and res["data_plane_s"] > 0
     assert 0 < res["driver_bytes_read"] < res["bytes_per_step"]
+
+
+def test_bench_e2e_async_reports_ratios_to_sync_and_ideal(tmp_path):
+    out = tmp_path / "async.json"
+    p = bench("e2e", "--async", "--configs", "default", "--steps", "2", "--json", str(out),
+              "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
+              "generation.max_new_tokens=4")
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["config"] == "default" and res["sync"]["mode"] == "sync" and res["async"]["mode"] == "async"
+    assert res["sync"]["samples_per_s"] > 0 and res["async"]["samples_per_s"] > 0 and res["gen_s"] > 0
+    assert res["ideal_samples_per_s"] >= res["sync"]["samples_per_s"] * 0.999  # max(gen, train) <= gen + train
+    assert res["async"]["staleness_mean"] == 1.0 and res["sync"]["staleness_mean"] == 0.0
+    assert "| default |" in p.stdout

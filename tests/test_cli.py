@@ -62,6 +62,7 @@ def _rollout_table(n=3, bad=False):
         "truncated": pa.array([False, True, False]),
         "prompt_text": pa.array(["a", "b", "c"]),
         "response_text": pa.array(["x", "y", "z"]),
+        "generation_policy_version": pa.array([0, 0, 0], type=pa.int64()),
     }
     if bad:
         del cols["group_id"]

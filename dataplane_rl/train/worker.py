@@ -9,7 +9,6 @@ schedule; grpo.num_epochs times.
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import numpy as np
@@ -18,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from dataplane_rl.store import list_array
-from dataplane_rl.train.batch import RowSet, build_train_batch, fetch, microbatches, write
+from dataplane_rl.train.batch import RowSet, build_train_batch, microbatches
 from dataplane_rl.train.fsdp import to_float
+from dataplane_rl.train.transport import ActorIO
 
 
 class TrainWorker:
@@ -43,12 +43,7 @@ class TrainWorker:
             self.ref = load_model(model_folder, self.device).eval().requires_grad_(False)
         self.opt = None  # made in init_dist, over the sharded parameters
         self.loss_fn = ClippedPGLoss(self.cfg.loss_fn)
-        self.store = None
-        if store_url:
-            from dataplane_rl.store import open_store
-
-            self.store = open_store(store_url)
-        self.io = {"bytes_read": 0, "bytes_written": 0, "get_s": 0.0, "put_s": 0.0}
+        self.io = ActorIO(store_url)
 
     def address(self) -> str:
         """tcp://IP:PORT on this actor's node, for rank 0 to host the process-group rendezvous."""
@@ -81,35 +76,19 @@ class TrainWorker:
         self.scheduler = build_scheduler(self.opt, self.cfg)  # a torch LRScheduler: a checkpoint saves its state
         return os.getpid()
 
-    # -- column movement: the store (data plane on) or tables handed over by the driver (off) --------
-    def _fetch(self, rs: RowSet, fields, table: pa.Table | None) -> pa.Table:
-        if table is None:
-            t0 = time.perf_counter()
-            table = fetch(self.store, rs, fields)
-            self.io["get_s"] += time.perf_counter() - t0
-            self.io["bytes_read"] += table.nbytes
-        return table.select(list(fields))
-
-    def _emit(self, rs: RowSet, table: pa.Table) -> pa.Table | None:
-        if self.store is None:
-            return table
-        t0 = time.perf_counter()
-        self.io["bytes_written"] += write(self.store, rs, table)
-        self.io["put_s"] += time.perf_counter() - t0
-        return None
-
     def take_io(self) -> dict:
-        out, self.io = self.io, {k: 0 * v for k, v in self.io.items()}
-        return out
+        return self.io.take()
 
     # -- log-prob pass ------------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, rs: RowSet, table: pa.Table | None = None) -> pa.Table | None:
-        """prev_logprobs (policy before this step) and reference_policy_logprobs for the shard."""
+        """prev_logprobs (the policy's current weights, before this step: in async mode newer than the rows'
+        generation_policy_version, whose generation_logprobs stay the behaviour policy's) and
+        reference_policy_logprobs for the shard."""
         from dataplane_rl.train.model import token_logprobs
 
         seed_fields = self.schema.field_set("LOGPROB_SEED_FIELDS")
-        table = self._fetch(rs, seed_fields, table)
+        table = self.io.fetch(rs, seed_fields, table)
         batch = build_train_batch(table, self.schema, self.device)
         lengths = batch["input_lengths"].cpu().numpy()
         models = {"prev_logprobs": self.model}
@@ -125,7 +104,7 @@ class TrainWorker:
             rows = [row for part in parts for row in part.numpy()]  # padded, in batch order
             flat = np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)])
             out[name] = list_array(flat, lengths, pa.float32())
-        return self._emit(rs, pa.table(out))
+        return self.io.emit(rs, pa.table(out))
 
     # -- train pass ---------------------------------------------------------------------------------
     def train(self, steps: list[RowSet], tables: list[pa.Table] | None = None) -> dict:
@@ -137,7 +116,7 @@ class TrainWorker:
 
         p = self.cfg.policy
         self.model.train()
-        batches = [build_train_batch(self._fetch(rs, self.train_fields, tables[i] if tables is not None else None),
+        batches = [build_train_batch(self.io.fetch(rs, self.train_fields, tables[i] if tables is not None else None),
                                      self.schema, self.device) for i, rs in enumerate(steps)]
         history = []
         mismatch = torch.zeros(2, dtype=torch.float64)  # [sum |gen - prev| over valid tokens, count]
@@ -200,8 +179,6 @@ class TrainWorker:
         load_worker(self, path)
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        self.io.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,134 @@
+"""Where a step's rollout partitions come from: generated on demand (sync) or ahead of the trainer (async).
+
+Versions count training steps: the initial weights are version 0 and the weights after step k are version
+k, which the refit after step k hands to the rollout actors. A Ray actor runs one call at a time, in the
+order the driver sent them, so a refit lands between generation batches, never inside one, and a batch
+generates with the weights of the last refit sent before it. Sync mode sends step k's batch after refit
+k-1; async mode with age a sends it after refit max(0, k-1-a), so step k+1..k+a generate while step k
+trains. Each row records the version that generated it (`generation_policy_version`, written by the actor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from dataplane_rl.errors import DataPlaneError, StoreTimeoutError, format_rows
+from dataplane_rl.rollout.worker import RolloutJob
+
+
+class RolloutWaitError(DataPlaneError, TimeoutError):
+    """A step's rollout groups did not all arrive within grpo.async_grpo.wait_timeout_s."""
+
+
+class RolloutActorError(DataPlaneError, RuntimeError):
+    """A rollout actor died; the rows it owed never arrive."""
+
+
+@contextlib.contextmanager
+def rollout_actors_alive(what: str):
+    """Turn a dead rollout actor (Ray's RayActorError, raised by any call to it) into a RolloutActorError
+    that says what the run was doing; an error raised inside a live actor passes unchanged."""
+    from ray.exceptions import RayActorError
+
+    try:
+        yield
+    except RayActorError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RolloutActorError(f"{what}: a rollout actor died ({first}); the run stops here, its folder keeps "
+                                "the steps completed; see the actor's log under /tmp/ray/session_latest/logs") from None
+
+
+@dataclass
+class Pending:
+    """One generation round in flight: partition `pid`, its jobs and their Ray futures."""
+
+    pid: str
+    step: int
+    G: int
+    jobs: list[RolloutJob]
+    futures: list
+
+
+class Rollouts:
+    """Sends generation rounds to the rollout actors and takes them back whole, through the transport."""
+
+    def __init__(self, trainer) -> None:
+        self.t = trainer
+        a = trainer.cfg.grpo.async_grpo
+        self.ahead = a.max_trajectory_age_steps if a.enabled else None  # None: sync, nothing sent ahead
+        self.timeout = a.wait_timeout_s
+        self.pending: dict[int, Pending] = {}  # step -> its round-0 batch, sent ahead (async)
+        self.fields = [c.name for c in trainer.schema.columns if c.writer == "rollout"]
+
+    # -- sending ------------------------------------------------------------------------------------
+    def send(self, pid: str, step: int, round_: int, prompts: list[str], G: int, group_offset: int = 0,
+             validation: bool = False) -> Pending:
+        t = self.t
+        t.store.create_partition(pid, t.schema, len(prompts) * G)
+        splits = np.array_split(np.arange(len(prompts)), len(t.rollout))
+        jobs = [RolloutJob(pid, step, round_, int(s[0]) * G, (s + group_offset).tolist(), [prompts[i] for i in s],
+                           validation=validation) for s in splits if s.size]
+        return Pending(pid, step, G, jobs, [a.generate.remote(j) for a, j in zip(t.rollout, jobs)])
+
+    def send_round(self, step: int, round_: int) -> Pending:
+        g = self.t.cfg.grpo
+        pid = f"step-{step:06d}" if round_ == 0 else f"step-{step:06d}-r{round_}"
+        prompts = self.t.task.prompts(g.seed, step, round_, g.num_prompts_per_step)
+        return self.send(pid, step, round_, prompts, g.num_generations_per_prompt)
+
+    def send_ahead(self, version: int) -> None:
+        """Async: with weights `version` just sent, send every step that may use them: k <= version+1+age."""
+        if self.ahead is None:
+            return
+        last = min(version + 1 + self.ahead, self.t.cfg.grpo.max_num_steps)
+        for k in range(version + 1, last + 1):
+            if k not in self.pending:
+                self.pending[k] = self.send_round(k, 0)
+
+    def first_round(self, step: int) -> Pending:
+        return self.pending.pop(step, None) or self.send_round(step, 0)
+
+    # -- taking back --------------------------------------------------------------------------------
+    def collect(self, p: Pending, io=None) -> list[dict]:
+        """Block until every row of the round is in the store (store.wait, in slices that check the actors
+        are alive), land it (data plane off) and return the receipts. A timeout names step and groups."""
+        t0 = time.perf_counter()
+        rows = [np.arange(j.row_start, j.row_start + len(j.prompts) * p.G) for j in p.jobs]
+        try:
+            with rollout_actors_alive(f"step {p.step}: waiting for partition {p.pid}"):
+                receipts = self.t.transport.collect(p.pid, list(zip(rows, p.futures)), self.fields, self.timeout)
+        except StoreTimeoutError:
+            raise RolloutWaitError(self._missing(p)) from None
+        if io is not None:
+            for r in receipts:
+                io.add(r)
+            io.timing["wait_for_rollouts"] = io.timing.get("wait_for_rollouts", 0.0) + time.perf_counter() - t0
+        return receipts
+
+    def _missing(self, p: Pending) -> str:
+        done = set(self.t.store.ready(p.pid, self.fields).tolist())
+        groups = [gid for j in p.jobs for i, gid in enumerate(j.group_ids)
+                  if not set(range(j.row_start + i * p.G, j.row_start + (i + 1) * p.G)) <= done]
+        return (f"step {p.step}: partition {p.pid} groups {format_rows(groups)} not complete after {self.timeout:g} s "
+                "(grpo.async_grpo.wait_timeout_s); check that the rollout actors are alive and not overloaded, "
+                "or raise the timeout")
+
+    def close(self) -> None:
+        """Drop the partitions sent ahead that no step took (best effort: the store may be gone)."""
+        for p in self.pending.values():
+            try:
+                self.t.store.drop_partition(p.pid)
+            except Exception:  # noqa: BLE001 - closing after a failure: the store or partition may be gone
+                pass
+        self.pending = {}
+
+
+def fresh_groups(versions: np.ndarray, groups: np.ndarray, oldest: int) -> tuple[np.ndarray, int]:
+    """Groups all of whose rows have version >= `oldest`, and how many rows the older groups hold."""
+    ids = np.unique(groups)
+    ok = np.array([versions[groups == gid].min() >= oldest for gid in ids], dtype=bool)
+    return ids[ok], int(np.isin(groups, ids[~ok]).sum())

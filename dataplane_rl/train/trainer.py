@@ -1,0 +1,394 @@
+"""The GRPO driver (DESIGN §2): actors, the step store, and one training step as named phases.
+
+Sync and async GRPO run the same phases; they differ only in where `collect_groups` finds a step's rollout
+partition (generated on demand, or sent ahead: train/rollouts.py) and in whether `refit` waits for the
+rollout actors. The data plane on/off switch is train/transport.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from dataplane_rl.algorithms.grpo import advantages, informative_groups
+from dataplane_rl.config import Config
+from dataplane_rl.errors import DataPlaneError
+from dataplane_rl.rollout.worker import RolloutWorker
+from dataplane_rl.schema import load_schema
+from dataplane_rl.store import MemoryStore, open_store, to_numpy
+from dataplane_rl.tasks import get_task
+from dataplane_rl.train import validation
+from dataplane_rl.train.batch import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
+from dataplane_rl.train.model import resolve_model
+from dataplane_rl.train.reaper import deferred_sigint
+from dataplane_rl.train.rollouts import Rollouts, fresh_groups, rollout_actors_alive
+from dataplane_rl.train.transport import DriverTransport
+from dataplane_rl.train.worker import TrainWorker
+
+
+class DynamicSamplingError(DataPlaneError):
+    """Dynamic sampling (or async GRPO's staleness bound) could not collect enough groups."""
+
+
+@dataclass
+class StepIO:
+    """Data-plane traffic of one step."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+    put_s: float = 0.0
+    get_s: float = 0.0
+    driver_bytes_read: int = 0
+    timing: dict = field(default_factory=dict)
+
+    def add(self, receipt: dict) -> None:
+        self.bytes_written += int(receipt.get("bytes_written", 0))
+        self.bytes_read += int(receipt.get("bytes_read", 0))
+        self.put_s += float(receipt.get("put_s", 0.0))
+        self.get_s += float(receipt.get("get_s", 0.0))
+
+
+@dataclass
+class Groups:
+    """What collect_groups took for a step: whole groups, in order, and the per-sample scalars."""
+
+    rs: RowSet                 # the kept rows, by partition
+    scalars: pa.Table          # DRIVER_FIELDS of those rows, in row-set order
+    pids: list[str]            # every round partition of the step (dropped at its end)
+    rounds_rewards: list       # every generated reward, per round (train/reward)
+    dropped_stale: int = 0     # rows older than the staleness bound
+
+
+def open_run_store(cfg: Config):
+    """The step store: the configured backend when the data plane is on, else the driver's own memory."""
+    if not cfg.data_plane.enabled:
+        return MemoryStore("driver")
+    url = cfg.data_plane.backend
+    if url.startswith("mooncake://"):
+        return open_store(url, config=cfg.data_plane.mooncake)
+    return open_store(url)
+
+
+def preflight(cfg: Config):
+    """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
+    an actor's traceback: the task and its file, the model folder, the engine. Returns (task, model folder)."""
+    task = get_task(cfg.task.name, cfg.task.path)
+    folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
+    if cfg.generation.backend == "vllm":
+        from dataplane_rl.rollout.vllm_engine import require_vllm
+
+        require_vllm()
+    return task, str(folder)
+
+
+def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:
+    """torch threads per rollout actor and per train rank. Sync phases take turns, so each group gets every
+    core; async GRPO with an age above 0 generates while it trains, so the groups split the cores: on CPU,
+    4 busy torch threads on 2 cores made both phases 2-3x slower than alone (bench e2e --async)."""
+    N, D = cfg.generation.num_workers, cfg.policy.dp_size
+    a = cfg.grpo.async_grpo
+    if a.enabled and a.max_trajectory_age_steps > 0:
+        cpus = max(1, cpus // 2)
+    return max(1, cpus // N), max(1, cpus // D)
+
+
+def quiet_ray_token_warning() -> None:
+    """Ray 2.60 logs a warning about token authentication on every ray.init() unless RAY_AUTH_MODE is set;
+    it says nothing about this run (a user who sets RAY_AUTH_MODE=token asked for it, and gets no warning
+    either). Errors of that module still show."""
+    import logging
+
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.schema = load_schema(cfg.data_plane.schema_name)
+        self.task, self.model_folder = preflight(cfg)
+        validation.check_task(cfg.grpo, self.task)
+        self.store = None
+        self.transport: DriverTransport | None = None
+        self.store_url: str | None = None
+        self.rollout: list = []
+        self.workers: list = []
+        self.rollouts = Rollouts(self)
+        self.policy_ref = None  # the last refit's full state dict, in the object store
+        self.version = 0  # the policy's weight version: the last training step done (0: the initial weights)
+        self._refits: list = []  # async: rollout actors' load_weights calls not yet confirmed
+        self._last_step_end: float | None = None
+        self._groups: list = []  # placement groups: rollout, train
+        self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
+        self._ray_started = False
+        self.kept_store_url: str | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        import ray
+
+        from dataplane_rl.train import placement
+
+        cfg = self.cfg
+        placement.check_store_reachable(cfg)  # before Ray: a wrong address fails in seconds
+        if not ray.is_initialized():
+            quiet_ray_token_warning()
+            # set first: a Ctrl-C inside ray.init must still shut down what it started (close())
+            self._ray_started = True
+            # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
+            # even a dead `ray start` head, instead of starting this run's own instance
+            ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
+                     include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+        ray_nodes = placement.alive_nodes()
+        placement.check_backend_spans(cfg, ray_nodes)
+        self.store = open_run_store(cfg)
+        self.transport = DriverTransport(self.store, cfg.data_plane.enabled)
+        self.store_url = self.transport.url
+        if cfg.data_plane.keep_partitions:
+            if hasattr(self.store, "keep"):
+                self.store.keep()  # an auto-made shm:// folder must outlive the run, or nothing is kept
+            self.kept_store_url = self.store_url
+            print(f"data_plane.keep_partitions: every step's partition stays in {self.store_url}\n"
+                  f"  inspect: dataplane-rl store ls {self.store_url}   free: dataplane-rl store drop "
+                  f"{self.store_url} --all", file=sys.stderr)
+        cfg_dict = cfg.model_dump(mode="json", by_alias=True)
+        gen_threads, train_threads = torch_threads(cfg, os.cpu_count() or 1)
+        N, D = cfg.generation.num_workers, cfg.policy.dp_size
+        rollout_gpus, train_gpus = placement.gpu_plan(cfg)
+        self._groups = [placement.placement_group("rollout", N, rollout_gpus, cfg, ray_nodes),
+                        placement.placement_group("train", D, train_gpus, cfg, ray_nodes)]
+        Rollout, Train = ray.remote(RolloutWorker), ray.remote(TrainWorker)
+        self.rollout = [Rollout.options(**placement.options(self._groups[0], i, rollout_gpus)).remote(
+            cfg_dict, self.model_folder, self.store_url, gen_threads) for i in range(N)]
+        self.workers = [Train.options(**placement.options(self._groups[1], r, train_gpus)).remote(
+            cfg_dict, self.model_folder, self.store_url, r, D, train_threads) for r in range(D)]
+        self.nodes = {"rollout": placement.node_ips(self.rollout), "train": placement.node_ips(self.workers)}
+        placement.pin_gloo_interfaces(self.workers)
+        init_method = ray.get(self.workers[0].address.remote())  # rank 0's node IP
+        ray.get([w.init_dist.remote(init_method) for w in self.workers] + [a.ready.remote() for a in self.rollout])
+
+    def close(self) -> None:
+        """Stop actors, the store and Ray, each even if an earlier one fails; a Ctrl-C meanwhile waits."""
+        import ray
+
+        with deferred_sigint():
+            try:
+                # a rollout actor with batches sent ahead would generate them all before close(): just kill it
+                polite = self.workers + ([] if self.rollouts.pending else self.rollout)
+                for actor in self.rollout + self.workers:
+                    if any(actor is a for a in polite):
+                        with contextlib.suppress(Exception):  # the actor may already be dead; the kill is what matters
+                            ray.get(actor.close.remote(), timeout=30)
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor)
+            finally:
+                self.rollout, self.workers = [], []
+                for pg in self._groups:
+                    with contextlib.suppress(Exception):  # gone with a dead cluster
+                        ray.util.remove_placement_group(pg)
+                self._groups = []
+                try:
+                    if self.store is not None:
+                        self.rollouts.close()
+                        self.store.close()
+                        self.store = None
+                finally:
+                    if self._ray_started:
+                        ray.shutdown()
+                        self._ray_started = False
+
+    def refit(self, wait: bool = True) -> float:
+        """Hand the policy's weights (version `self.version`) to the rollout actors, gathered once (rank 0's
+        copy), as one object-store reference every actor reads. wait: block until every engine has them and
+        return the slowest engine's load seconds; else they land after the actors' batches in flight."""
+        import ray
+
+        refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
+        ray.get(refs[1:])
+        self.policy_ref = refs[0]
+        loads = [a.load_weights.remote(self.policy_ref, self.version) for a in self.rollout]
+        if not wait:
+            self._refits += loads
+            return 0.0
+        return max(ray.get(loads))
+
+    def rollout_round(self, pid: str, step: int, round_: int, prompts: list[str], G: int, io: StepIO | None = None,
+                      group_offset: int = 0, validation: bool = False) -> list[dict]:
+        """Create partition `pid`, have the rollout actors fill it with G samples per prompt; the receipts."""
+        return self.rollouts.collect(self.rollouts.send(pid, step, round_, prompts, G, group_offset, validation), io)
+
+    # -- one step, in phases ------------------------------------------------------------------------
+    def step(self, step: int) -> tuple[dict, list[dict]]:
+        io = StepIO()
+        t_step = time.perf_counter()
+        got = self.collect_groups(step, io)
+        rewards = self.advantages_and_masks(got, io)
+        per_rank_steps = self.shard(got)
+        self.logprobs(per_rank_steps, io)
+        train = self.train(per_rank_steps, io)
+        self.version = step
+        self.refit_phase(io)
+        samples = self.train_data(got.rs, io)
+        if not self.cfg.data_plane.keep_partitions:
+            self._drop(got.pids)
+        io.timing["step"] = time.perf_counter() - t_step
+        return self.log(step, train, got, rewards, io), samples
+
+    def collect_groups(self, step: int, io: StepIO) -> Groups:
+        """Whole groups for the step: the step's round partition (sent ahead in async mode), then, with
+        dynamic sampling or stale rows, more rounds with the current weights until P groups are kept.
+        A group is kept only if it is informative (dynamic sampling) and every row's version is at least
+        step-1-age (async; sync rows are always version step-1)."""
+        g = self.cfg.grpo
+        P = g.num_prompts_per_step
+        oldest = step - 1 - (self.rollouts.ahead or 0)
+        kept: list = []  # (pid, rows of one whole group)
+        scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS, read once
+        rounds_rewards, dropped = [], 0
+        rounds = g.max_gen_batches if g.use_dynamic_sampling or self.rollouts.ahead else 1
+        for round_ in range(rounds):
+            p = self.rollouts.first_round(step) if round_ == 0 else self.rollouts.send_round(step, round_)
+            receipts = self.rollouts.collect(p, io)
+            io.timing["generate"] = io.timing.get("generate", 0.0) + max(r["generate_s"] for r in receipts)
+            t0 = time.perf_counter()
+            sc = scalars[p.pid] = self.store.get(p.pid, self.schema.field_set("DRIVER_FIELDS"))
+            io.get_s += time.perf_counter() - t0
+            io.driver_bytes_read += sc.nbytes
+            rewards = to_numpy(sc.column("total_reward")).astype(np.float64)
+            groups = to_numpy(sc.column("group_id"))
+            rounds_rewards.append(rewards)
+            keep, stale = fresh_groups(to_numpy(sc.column("generation_policy_version")), groups, oldest)
+            dropped += stale
+            if g.use_dynamic_sampling:
+                keep = np.intersect1d(keep, informative_groups(rewards, groups))
+            for gid in keep:
+                if len(kept) < P:
+                    kept.append((p.pid, np.flatnonzero(groups == gid)))
+            if len(kept) >= P:
+                break
+        if len(kept) < P:
+            self._drop(list(scalars))
+            raise DynamicSamplingError(
+                f"step {step}: kept {len(kept)} of {P} groups (non-equal rewards with grpo.use_dynamic_sampling, "
+                f"versions >= {oldest} with grpo.async_grpo; {dropped} stale rows dropped) after {len(scalars)} "
+                f"rounds (grpo.max_gen_batches={g.max_gen_batches}); raise grpo.max_gen_batches, lower "
+                "grpo.num_prompts_per_step, or turn grpo.use_dynamic_sampling off")
+        rs = merge([[k] for k in kept])  # the kept rows, whole groups in order, by partition
+        sc = pa.concat_tables([scalars[pid].take(pa.array(rows)) for pid, rows in rs])
+        return Groups(rs, sc, list(scalars), rounds_rewards, dropped)
+
+    def advantages_and_masks(self, got: Groups, io: StepIO) -> np.ndarray:
+        """Per-sample advantages and sample_mask, put as driver columns; returns the kept rewards."""
+        g, sc = self.cfg.grpo, got.scalars
+        rewards = to_numpy(sc.column("total_reward")).astype(np.float64)
+        groups = to_numpy(sc.column("group_id"))
+        # group ids repeat across rounds: make them unique per (round partition, group)
+        seg = np.concatenate([np.full(len(rows), i) for i, (_, rows) in enumerate(got.rs)])
+        unique_groups = seg * (g.num_prompts_per_step + 1) + groups
+        adv = advantages(rewards, unique_groups, normalize=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline)
+        truncated = to_numpy(sc.column("truncated")).astype(bool)
+        sample_mask = np.where(truncated & g.overlong_filtering, 0, 1).astype(np.int8)
+        t0 = time.perf_counter()
+        io.bytes_written += write(self.store, got.rs, pa.table({"advantages": pa.array(adv), "sample_mask": pa.array(sample_mask)}))
+        io.put_s += time.perf_counter() - t0
+        return rewards
+
+    def shard(self, got: Groups) -> list[list[RowSet]]:
+        """Global batches in row-set order, each split over the ranks balanced by tokens: per rank, one
+        row set per optimizer step."""
+        lengths = to_numpy(got.scalars.column("input_lengths")).astype(np.int64)
+        n, GB, D = rowset_size(got.rs), self.cfg.policy.train_global_batch_size, self.cfg.policy.dp_size
+        per_rank: list[list[RowSet]] = [[] for _ in range(D)]
+        for start in range(0, n, GB):
+            pos = np.arange(start, min(start + GB, n))
+            for r, shard in enumerate(shard_balanced(lengths[pos], D)):
+                per_rank[r].append(select(got.rs, pos[shard]))
+        return per_rank
+
+    def logprobs(self, per_rank_steps: list[list[RowSet]], io: StepIO) -> None:
+        """prev_logprobs under the current weights (and the reference's), written as columns."""
+        t0 = time.perf_counter()
+        self.transport.call(self.workers, "logprobs", [merge(s) for s in per_rank_steps],
+                            self.schema.field_set("LOGPROB_SEED_FIELDS"))
+        io.timing["logprobs"] = time.perf_counter() - t0
+
+    def train(self, per_rank_steps: list[list[RowSet]], io: StepIO) -> dict:
+        """The optimizer steps; returns rank 0's global metrics."""
+        import ray
+
+        t0 = time.perf_counter()
+        results = self.transport.call(self.workers, "train", per_rank_steps, self.cfg.train_fields(self.schema))
+        io.timing["train"] = time.perf_counter() - t0
+        for receipt in ray.get([w.take_io.remote() for w in self.workers]):
+            io.add(receipt)
+        return results[0]
+
+    def refit_phase(self, io: StepIO) -> None:
+        """Sync: the rollout actors load the new weights before the next step. Async: they load them after
+        the batches in flight, and the steps those weights may generate are sent at once."""
+        import ray
+
+        t0 = time.perf_counter()
+        if self.rollouts.ahead is None:
+            io.timing["refit_engine"] = self.refit()
+        else:
+            with rollout_actors_alive(f"step {self.version}: refit"):
+                self.refit(wait=False)
+                done, self._refits = ray.wait(self._refits, num_returns=len(self._refits), timeout=0)
+                io.timing["refit_engine"] = max(ray.get(done), default=0.0)  # earlier refits: errors surface here
+                self.rollouts.send_ahead(self.version)
+        io.timing["refit"] = time.perf_counter() - t0
+
+    def train_data(self, rs: RowSet, io: StepIO) -> list[dict]:
+        """The trained rows for the run folder's train_data/ file."""
+        t0 = time.perf_counter()
+        data = fetch(self.store, rs, self.schema.field_set("TRAIN_DATA_FIELDS"))
+        io.driver_bytes_read += data.nbytes
+        io.get_s += time.perf_counter() - t0
+        cols = [data.column(c).to_pylist() for c in ("group_id", "prompt_text", "response_text", "total_reward",
+                                                      "advantages", "sample_mask", "generation_policy_version")]
+        return [{"sample_id": f"{pid}/{int(row)}", "group_id": int(gid), "prompt": pr, "response": resp,
+                 "total_reward": float(rw), "advantage": float(a), "sample_mask": int(m), "generation_policy_version": int(v)}
+                for (pid, row), gid, pr, resp, rw, a, m, v in zip(((pid, row) for pid, rows in rs for row in rows), *cols)]
+
+    def _drop(self, pids: list[str]) -> None:
+        for pid in pids:
+            self.store.drop_partition(pid)
+
+    def log(self, step: int, train: dict, got: Groups, kept_rewards: np.ndarray, io: StepIO) -> dict:
+        """The step's metrics."""
+        m = {"step": step}
+        for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
+                  "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch",
+                  "lr", "param_norm"):
+            m[f"train/{k}"] = train[k]
+        m["train/reward"] = float(np.mean(np.concatenate(got.rounds_rewards)))
+        m["train/filtered_reward"] = float(np.mean(kept_rewards))
+        m["train/generation_rounds"] = len(got.pids)
+        m["train/optimizer_steps"] = train["optimizer_steps"]
+        staleness = (step - 1) - to_numpy(got.scalars.column("generation_policy_version"))  # [n]
+        m["async/enabled"] = self.rollouts.ahead is not None
+        m["async/staleness_mean"] = float(staleness.mean())
+        m["async/staleness_max"] = int(staleness.max())
+        m["async/dropped_stale"] = got.dropped_stale
+        m["data_plane/enabled"] = bool(self.store_url)
+        m["data_plane/bytes_written"] = io.bytes_written
+        m["data_plane/bytes_read"] = io.bytes_read
+        m["data_plane/put_seconds"] = io.put_s
+        m["data_plane/get_seconds"] = io.get_s
+        m["data_plane/seconds"] = io.put_s + io.get_s
+        m["data_plane/driver_bytes_read"] = io.driver_bytes_read
+        for k, v in io.timing.items():
+            m[f"timing/{k}"] = v
+        # samples trained per second of wall time since the previous step ended: with async GRPO the
+        # next steps' generation overlaps this step, so this, not 1/timing/step, is the run's rate
+        now = time.perf_counter()
+        since = now - (self._last_step_end if self._last_step_end is not None else now - io.timing["step"])
+        self._last_step_end = now
+        m["throughput/samples_per_s"] = rowset_size(got.rs) / since
+        return m

@@ -1,0 +1,121 @@
+"""The data-plane switch (DESIGN §2), in one module: how columns travel between driver and actors.
+
+Data plane on (`data_plane.enabled=true`): every actor opens the run's store by URL and reads and writes
+its own rows; the driver passes row sets and reads per-sample scalars only. Off: the driver's in-process
+store holds every column; it fetches each actor's inputs, hands them over by reference, and writes back
+what the actor returns. `DriverTransport` is the driver's side, `ActorIO` the actors'. No other module
+asks whether the data plane is on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from dataplane_rl.errors import StoreTimeoutError
+from dataplane_rl.train.batch import RowSet, fetch, write
+
+# store.wait slices: between two, the driver checks that the rollout jobs it waits for have not failed
+WAIT_SLICE_S = 1.0
+
+
+class ActorIO:
+    """An actor's column movement, with the bytes and seconds it spent for the step's data_plane/ metrics."""
+
+    def __init__(self, store_url: str | None) -> None:
+        self.store = None
+        if store_url:
+            from dataplane_rl.store import open_store
+
+            self.store = open_store(store_url)
+        self.io = {"bytes_read": 0, "bytes_written": 0, "get_s": 0.0, "put_s": 0.0}
+
+    def fetch(self, rs: RowSet, fields, table: pa.Table | None) -> pa.Table:
+        """The fields of the row set: from the store (on) or the table the driver handed over (off)."""
+        if table is None:
+            t0 = time.perf_counter()
+            table = fetch(self.store, rs, fields)
+            self.io["get_s"] += time.perf_counter() - t0
+            self.io["bytes_read"] += table.nbytes
+        return table.select(list(fields))
+
+    def emit(self, rs: RowSet, table: pa.Table) -> pa.Table | None:
+        """Put the row set's new columns (on: returns None) or return them for the driver to write (off)."""
+        if self.store is None:
+            return table
+        t0 = time.perf_counter()
+        self.io["bytes_written"] += write(self.store, rs, table)
+        self.io["put_s"] += time.perf_counter() - t0
+        return None
+
+    def take(self) -> dict:
+        out, self.io = self.io, {k: 0 * v for k, v in self.io.items()}
+        return out
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+class DriverTransport:
+    """The driver's side: `store` is the run's store (on) or the driver's MemoryStore (off)."""
+
+    def __init__(self, store, enabled: bool) -> None:
+        self.store = store
+        self.url: str | None = store.url if enabled else None  # what actors open; None: they open nothing
+
+    def call(self, workers: list, method: str, jobs: list, fields) -> list:
+        """`method(job)` on every worker with its job: a row set, or a list of row sets (one per optimizer
+        step). Off: the driver fetches each job's `fields` and passes them along, and writes back a returned
+        table. Returns the workers' results."""
+        import ray
+
+        if self.url:
+            return ray.get([getattr(w, method).remote(j) for w, j in zip(workers, jobs)])
+        tables = [[fetch(self.store, rs, fields) for rs in j] if _is_steps(j) else fetch(self.store, j, fields)
+                  for j in jobs]
+        outs = ray.get([getattr(w, method).remote(j, t) for w, j, t in zip(workers, jobs, tables)])
+        for j, out in zip(jobs, outs):
+            if isinstance(out, pa.Table):
+                write(self.store, j, out)
+        return outs
+
+    def collect(self, pid: str, jobs: list[tuple[np.ndarray, object]], fields, timeout: float) -> list[dict]:
+        """Block until the rollout jobs [(rows, Ray future)] of partition `pid` are in; returns their receipts.
+
+        On: the store's own readiness (`wait` on `fields`), in slices; between slices a job whose call
+        failed (a dead actor, a failed put) raises its error at once instead of waiting out the timeout.
+        Off: the rows travel as the calls' results, so it waits on those and writes them to the driver's
+        store. Raises StoreTimeoutError after `timeout` seconds."""
+        import ray
+
+        futures = [f for _, f in jobs]
+        deadline = time.monotonic() + timeout
+        if self.url:
+            rows = np.concatenate([r for r, _ in jobs])
+            while True:
+                try:
+                    self.store.wait(pid, fields, rows, timeout=max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic())))
+                    break
+                except StoreTimeoutError:
+                    done, _ = ray.wait(futures, num_returns=len(futures), timeout=0)
+                    ray.get(done)  # raises the error of a job that failed
+                    if time.monotonic() >= deadline:
+                        raise
+        else:
+            _, missing = ray.wait(futures, num_returns=len(futures), timeout=timeout)
+            if missing:
+                raise StoreTimeoutError(f"partition {pid}: {len(missing)} of {len(futures)} rollout jobs not done "
+                                        f"after {timeout:g} s")
+        results = ray.get(futures)
+        for (rows, _), (table, _) in zip(jobs, results):
+            if table is not None:
+                write(self.store, [(pid, rows)], table)
+        return [receipt for _, receipt in results]
+
+
+def _is_steps(job: list) -> bool:
+    return bool(job) and isinstance(job[0], list)

@@ -1,0 +1,142 @@
+"""Async GRPO (grpo.async_grpo): rollouts generated ahead of training with bounded staleness.
+
+Real Ray actors, real stores, the tiny model, three short steps per run. Versions count training steps:
+step k starts from version k-1 and, with age a, may train rows of versions >= k-1-a.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dataplane_rl.tasks import get_task
+from test_train_e2e import SMALL, TRAIN_KEYS, assert_close, assert_store_failure_left_a_consistent_run, run
+
+STEPS = "grpo.max_num_steps=3"
+ASYNC = ["grpo.async_grpo.enabled=true"]
+AGE1 = [*ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1", "loss_fn.use_importance_sampling_correction=true"]
+
+
+@pytest.fixture(scope="module")
+def age1(tmp_path_factory, ray_session):
+    return run(tmp_path_factory.mktemp("async"), "age1", "data_plane.enabled=true", STEPS, *AGE1)
+
+
+def test_age_0_gives_the_sync_rollouts_and_metrics(tmp_path, ray_session):
+    """Age 0 sends step k's batch right after refit k-1, as sync does: the same rows bit for bit, and
+    the same step metrics; the async run also moves its columns with the data plane off."""
+    _, sync_m, sync_d = run(tmp_path, "sync", "data_plane.enabled=true", STEPS)
+    _, m, d = run(tmp_path, "age0", "data_plane.enabled=false", STEPS, *ASYNC,
+                  "grpo.async_grpo.max_trajectory_age_steps=0")
+    assert d == sync_d, "async age 0 generated other rollouts than sync"
+    assert [x["step"] for x in m] == [1, 2, 3]
+    for a, b in zip(m, sync_m):
+        assert_close(a, b, rel=1e-5)
+        assert a["async/enabled"] is True and b["async/enabled"] is False
+        assert a["async/staleness_max"] == b["async/staleness_max"] == 0 and a["async/dropped_stale"] == 0
+        assert a["timing/wait_for_rollouts"] > 0 and a["throughput/samples_per_s"] > 0
+
+
+def test_age_1_trains_only_rows_within_the_bound(age1):
+    summary, metrics, data = age1
+    assert summary["status"] == "completed" and len(metrics) == 3
+    task = get_task("repeat")
+    for m, rows in zip(metrics, data.values()):
+        k = m["step"]
+        versions = [r["generation_policy_version"] for r in rows]
+        assert min(versions) >= k - 1 - 1, (k, versions)
+        # the schedule is deterministic: step k's batch was sent after refit max(0, k-2), one step ahead
+        assert set(versions) == {max(0, k - 2)}, (k, set(versions))
+        assert m["async/staleness_max"] == k - 1 - max(0, k - 2) == m["async/staleness_mean"]
+        assert m["async/dropped_stale"] == 0 and len(rows) == 32
+        for r in rows:
+            assert r["total_reward"] == pytest.approx(task.reward(r["prompt"], r["response"]), abs=1e-6)
+    # step 1 trains rows of the weights it starts from; step 2 rows of the initial weights, one update
+    # behind: the recomputed prev_logprobs (version 1) now differ from the behaviour policy's
+    assert metrics[0]["train/logprob_mismatch"] < 1e-5 < metrics[1]["train/logprob_mismatch"]
+
+
+def test_age_above_0_needs_importance_sampling_correction():
+    from dataplane_rl.config import load_config
+    from dataplane_rl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_trajectory_age_steps=1.*loss_fn\.use_importance_sampling_correction"):
+        load_config(None, ASYNC)
+    load_config(None, [*ASYNC, "grpo.async_grpo.max_trajectory_age_steps=0"])
+
+
+def test_fresh_groups_drops_whole_groups_older_than_the_bound():
+    from dataplane_rl.train.rollouts import fresh_groups
+
+    versions = np.array([3, 3, 2, 3, 1, 1, 3, 3])  # [n]
+    groups = np.array([0, 0, 1, 1, 2, 2, 3, 3])    # [n]
+    keep, dropped = fresh_groups(versions, groups, oldest=3)
+    assert keep.tolist() == [0, 3] and dropped == 4  # group 1 has one old row: the whole group goes
+    keep, dropped = fresh_groups(versions, groups, oldest=1)
+    assert keep.tolist() == [0, 1, 2, 3] and dropped == 0
+
+
+def test_mooncake_backend_gives_the_shm_run(age1, tmp_path):
+    """The async schedule is deterministic, so the same run on Mooncake trains the same rows, bit for bit,
+    to the same numbers (within 1e-5: buffers of another alignment take other SIMD summation orders)."""
+    from conftest import backend_unavailable
+
+    try:
+        import dataplane_rl.store.mooncake  # noqa: F401
+    except ImportError as e:
+        backend_unavailable("mooncake", str(e))
+    _, base_m, base_d = age1
+    summary, m, d = run(tmp_path, "mc", "data_plane.enabled=true", "data_plane.backend=mooncake://", STEPS, *AGE1)
+    assert summary["status"] == "completed" and summary["store_url"].startswith("mooncake://")
+    assert d == base_d
+    for a, b in zip(m, base_m):
+        for k in TRAIN_KEYS:  # logprob_mismatch too: off-policy, it is no longer rounding noise
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7), f"{k}: {a[k]} vs {b[k]}"
+        assert a["async/staleness_max"] == b["async/staleness_max"]
+
+
+def test_a_bounded_wait_names_the_step_and_the_missing_groups(tmp_path, ray_session):
+    from dataplane_rl.train.loop import RolloutWaitError
+
+    with pytest.raises(RolloutWaitError, match=r"step 1: partition step-000001 groups 0-7 not complete after 0.001 s "
+                                               r"\(grpo.async_grpo.wait_timeout_s\)"):
+        run(tmp_path, "slow", "data_plane.enabled=true", *AGE1, "grpo.async_grpo.wait_timeout_s=0.001")
+    summary = json.loads((tmp_path / "slow" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "wait_timeout_s" in summary["error"]
+
+
+def test_a_rollout_actor_killed_mid_run_fails_clearly(tmp_path):
+    """SIGKILL to the rollout actor while steps are generated ahead: the run stops with a RolloutActorError
+    (exit 2), and the run folder holds whole lines, one train_data file per logged step, a failed summary."""
+    import psutil
+
+    run_dir = tmp_path / "kill"
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "grpo.max_num_steps=300",
+                             f"logger.run_dir={run_dir}", "data_plane.enabled=true", *AGE1],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and metrics.read_text()):
+            assert proc.poll() is None, f"the run exited ({proc.returncode}) before step 1: {proc.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no step 1 within 300 s"
+            time.sleep(0.5)
+        actors = [c for c in psutil.Process(proc.pid).children(recursive=True) if "RolloutWorker" in " ".join(c.cmdline())]
+        assert len(actors) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children(recursive=True)]
+        os.kill(actors[0].pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert_store_failure_left_a_consistent_run(proc.returncode, out, run_dir, errors=("RolloutActorError",))
+    assert "a rollout actor died" in out
