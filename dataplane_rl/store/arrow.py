@@ -5,7 +5,6 @@ builder everything else uses."""
 from __future__ import annotations
 
 import math
-import math
 from typing import Any
 
 import numpy as np
@@ -88,13 +87,14 @@ def as_numpy(data: Any) -> np.ndarray:
     return np.asarray(data)
 
 
-def to_arrow(col: Column, data: Any, where: str) -> pa.Array:
-    """Coerce user data to the column's declared Arrow type, refusing silent casts.
+def to_arrow(col: Column, data: Any, where: Any, want: pa.DataType | None = None) -> pa.Array:
+    """Coerce user data to the column's declared Arrow type (`want`, if the caller has it cached),
+    refusing silent casts. `where` prefixes error messages (anything formattable).
 
     Accepts Arrow arrays, numpy arrays or torch tensors (sample columns), lists of strings, and for
     token columns an Arrow list array or a sequence of 1-D arrays/tensors (one per row).
     """
-    want = col.arrow_type
+    want = want or col.arrow_type
     if isinstance(data, pa.ChunkedArray):
         data = data.combine_chunks()
     if isinstance(data, pa.Array):
@@ -140,6 +140,7 @@ def surely_valid(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarra
     which names what is wrong."""
     if lengths is None and schema.length_column in arrays:
         lengths = arrays[schema.length_column].to_numpy(zero_copy_only=False)
+    ends = None  # [B] int32 offsets a token column starting at 0 must end its rows at
     for name, arr in arrays.items():
         col = schema.by_name[name]
         if arr.null_count:
@@ -149,16 +150,22 @@ def surely_valid(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarra
             if lengths is None:
                 return False
             offsets = arr.offsets.to_numpy(zero_copy_only=True)  # [B+1], of this slice's rows
-            if not np.array_equal(np.diff(offsets), lengths):
+            if offsets[0] == 0:  # the common case: one memcmp of the offsets, no diff array
+                if ends is None:
+                    ends = np.cumsum(lengths, dtype=np.int64).astype(np.int32)
+                if offsets[1:].tobytes() != ends.tobytes():
+                    return False
+            elif not np.array_equal(np.diff(offsets), lengths):
                 return False
             values = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
             if values.null_count:
                 return False
         if col.dtype.startswith("float") and not col.allow_nonfinite and len(values):
-            # max and min are NaN if any value is and +-inf if any is: two SIMD passes, no temporary array
+            # v.v is NaN or inf if any value is (it may also overflow on huge finite values: then the
+            # exact check decides). One BLAS pass, no temporary array: half the time of max and min.
             v = values.to_numpy(zero_copy_only=True)
-            if not (math.isfinite(np.max(v)) and math.isfinite(np.min(v))):
+            if not math.isfinite(np.dot(v, v)):
                 return False
-    if lengths is not None and len(lengths) and int(np.min(lengths)) < 0:
+    if lengths is not None and len(lengths) and int(lengths.min()) < 0:
         return False
     return True
