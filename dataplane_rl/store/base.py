@@ -42,7 +42,7 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.schema import Schema, load_schema
-from dataplane_rl.store.arrow import surely_valid, to_arrow
+from dataplane_rl.store.arrow import scan, to_arrow
 from dataplane_rl.store.chunks import (PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, decode_block, head_bytes,
                                        make_blocks)
 from dataplane_rl.store.index import RowIndex, overlap
@@ -215,14 +215,15 @@ class ColumnStore(ABC):
             tokens = [n for n in arrays if by_name[n].kind == "token"]
             if tokens:
                 lengths = self._stored_lengths(snap, rows, tokens)
-        if not surely_valid(schema, arrays, lengths):
+        sizes = scan(schema, arrays, lengths)
+        if sizes is None:
             schema.check(arrays, lengths, where=str(where)[:-1], rows=rows)
         err = self._conflict(snap, rows=rows, columns=list(arrays))
         if err:
             raise err
         names, cols = tuple(arrays), list(arrays.values())
         batch = pa.record_batch(cols, schema=block_schema(meta.schema_json, names))
-        refs = self._store(meta, make_blocks(rows, batch, self.chunk_bytes, names, cols))
+        refs = self._store(meta, make_blocks(rows, batch, self.chunk_bytes, names, cols, sizes))
         try:
             self._commit(meta, refs)
         except BaseException:

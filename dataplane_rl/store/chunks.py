@@ -88,8 +88,22 @@ class ChunkRef:
         return cls(block.columns, block.rows, key, block.nbytes, digest, block.sizes)
 
 
+@lru_cache(maxsize=1024)
+def _names_json(columns: tuple[str, ...]) -> str:
+    return json.dumps(list(columns))
+
+
+def _ref_json(r: ChunkRef) -> str:
+    """json.dumps(r.to_json()), the same text, built without the dict and the encoder's walk of it."""
+    spans = rows_to_spans(r.rows)
+    rows = f"[[{spans[0][0]}, {spans[0][1]}]]" if len(spans) == 1 else json.dumps(spans)
+    sizes = ", ".join(map(str, r.sizes))
+    return (f'{{"columns": {_names_json(r.columns)}, "rows": {rows}, "key": {json.dumps(r.key)}, '
+            f'"nbytes": {int(r.nbytes)}, "checksum": {int(r.checksum)}, "sizes": [{sizes}]}}')
+
+
 def refs_to_json(refs: Sequence[ChunkRef]) -> str:
-    return json.dumps([r.to_json() for r in refs])
+    return "[" + ", ".join(map(_ref_json, refs)) + "]"
 
 
 def refs_from_json(text: str | bytes) -> list[ChunkRef]:
@@ -163,16 +177,17 @@ def _column_bytes(arr: pa.Array) -> int:
 
 
 def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int, names: tuple[str, ...] | None = None,
-                columns: Sequence[pa.Array] | None = None) -> list[Block]:
+                columns: Sequence[pa.Array] | None = None, whole: Sequence[int] | None = None) -> list[Block]:
     """Cut a put into row blocks of about `limit` bytes each (at least one block, split by bytes, not
-    rows, so long rows do not make one block huge). `names` and `columns`: the batch's, if the caller
-    holds them already (each access to batch.schema or batch.columns builds new wrappers)."""
+    rows, so long rows do not make one block huge). `names`, `columns` and `whole` (each column's
+    bytes): the batch's, if the caller holds them already (each access to batch.schema or batch.columns
+    builds new wrappers)."""
     n = batch.num_rows
     names = names or tuple(batch.schema.names)
     if not n:
         return [Block(rows, batch, names, pa.ipc.get_record_batch_size(batch), (0,) * len(names))]
     columns = columns or batch.columns
-    whole = [_column_bytes(c) for c in columns]
+    whole = whole or [_column_bytes(c) for c in columns]
     if sum(whole) <= limit:  # one block: no per-row sizes needed
         return [Block(rows, batch, names, pa.ipc.get_record_batch_size(batch), tuple(whole))]
     per_col = np.stack([_row_bytes(c) for c in columns])  # [C, n]
