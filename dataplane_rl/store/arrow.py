@@ -1,10 +1,11 @@
 """Arrow at the store's edges: user data in (coercion to the declared types, one fast validation pass),
-Arrow columns out (zero-copy numpy views, padded [B, T] tensors with masks), and the one offsets-to-ListArray
-builder everything else uses."""
+Arrow columns out (zero-copy numpy views, padded [B, T] tensors with masks), the one offsets-to-ListArray
+builder everything else uses, and each partition schema's decoded form and Arrow types, cached by its text."""
 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,37 @@ import pyarrow as pa
 
 from dataplane_rl.errors import SchemaError
 from dataplane_rl.schema import Column, Schema
+from dataplane_rl.store.chunks import PartitionMeta, head_bytes
+
+
+# ---- per-schema caches: decoded and built once per process, keyed by the schema's JSON text -------
+@lru_cache(maxsize=256)
+def _parse_schema(schema_json: str) -> Schema:
+    return Schema.model_validate_json(schema_json)
+
+
+def schema_of(meta: PartitionMeta) -> Schema:
+    """The partition's schema, decoded once per process."""
+    return _parse_schema(meta.schema_json)
+
+
+@lru_cache(maxsize=256)
+def arrow_types(schema_json: str) -> dict[str, pa.DataType]:
+    """Each column's stored Arrow type, built once per schema (Column.arrow_type makes a new one per call)."""
+    return {c.name: c.arrow_type for c in _parse_schema(schema_json).columns}
+
+
+@lru_cache(maxsize=1024)
+def block_schema(schema_json: str, columns: tuple[str, ...]) -> pa.Schema:
+    """The Arrow schema of a block holding `columns`: what its record batch is written and decoded with."""
+    return _parse_schema(schema_json).arrow_schema(list(columns))
+
+
+@lru_cache(maxsize=1024)
+def block_head(schema_json: str, columns: tuple[str, ...]) -> int:
+    """`chunks.head_bytes` of `block_schema(schema_json, columns)`, keyed by strings (hashing a pa.Schema
+    walks all its fields on every call)."""
+    return head_bytes(block_schema(schema_json, columns))
 
 
 def list_array(values: np.ndarray, lengths, value_type: pa.DataType) -> pa.ListArray:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -42,11 +41,10 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.schema import Schema, load_schema
-from dataplane_rl.store.arrow import scan, to_arrow
-from dataplane_rl.store.chunks import (PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, decode_block, head_bytes,
-                                       make_blocks)
+from dataplane_rl.store.arrow import arrow_types, block_schema, scan, schema_of, to_arrow
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, decode_block, make_blocks
 from dataplane_rl.store.index import RowIndex, overlap
-from dataplane_rl.store.rows import gather, row_ids, rows_text, runs_of
+from dataplane_rl.store.rows import PutWhere, gather, row_ids, runs_of
 
 # Rows per partition: the row index keeps two int32 arrays of num_rows per column, so more would be
 # gigabytes of bookkeeping
@@ -69,50 +67,6 @@ class PartitionStatus:
 
     def complete(self, fields: Iterable[str]) -> bool:
         return all(self.rows_written.get(f, 0) == self.num_rows for f in fields)
-
-
-@lru_cache(maxsize=256)
-def _parse_schema(schema_json: str) -> Schema:
-    return Schema.model_validate_json(schema_json)
-
-
-def schema_of(meta: PartitionMeta) -> Schema:
-    """The partition's schema, decoded once per process."""
-    return _parse_schema(meta.schema_json)
-
-
-@lru_cache(maxsize=256)
-def arrow_types(schema_json: str) -> dict[str, pa.DataType]:
-    """Each column's stored Arrow type, built once per schema (Column.arrow_type makes a new one per call)."""
-    return {c.name: c.arrow_type for c in _parse_schema(schema_json).columns}
-
-
-class _PutWhere:
-    """'partition P put rows R:', the prefix of a put's errors, formatted only when an error is raised."""
-
-    __slots__ = ("pid", "rows")
-
-    def __init__(self, pid: str, rows: np.ndarray) -> None:
-        self.pid, self.rows = pid, rows
-
-    def __str__(self) -> str:
-        return f"partition {self.pid} put rows {rows_text(self.rows)}:"
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
-
-
-@lru_cache(maxsize=1024)
-def block_schema(schema_json: str, columns: tuple[str, ...]) -> pa.Schema:
-    """The Arrow schema of a block holding `columns`: what its record batch is written and decoded with."""
-    return _parse_schema(schema_json).arrow_schema(list(columns))
-
-
-@lru_cache(maxsize=1024)
-def block_head(schema_json: str, columns: tuple[str, ...]) -> int:
-    """`chunks.head_bytes` of `block_schema(schema_json, columns)`, keyed by strings (hashing a pa.Schema
-    walks all its fields on every call)."""
-    return head_bytes(block_schema(schema_json, columns))
 
 
 class ColumnStore(ABC):
@@ -189,7 +143,7 @@ class ColumnStore(ABC):
         snap = self._snapshot(self._check_pid(pid))
         meta, schema = snap.meta, schema_of(snap.meta)
         rows = self._rows(pid, meta, rows, unique=True)
-        where = _PutWhere(pid, rows)
+        where = PutWhere(pid, rows)
         if not isinstance(columns, Mapping):
             raise SchemaError(f"{where} columns must be a mapping {{column name: data}}, got {type(columns).__name__}")
         if not columns:

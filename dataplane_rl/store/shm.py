@@ -54,9 +54,10 @@ from dataplane_rl.errors import (
     StoreUnavailableError,
 )
 from dataplane_rl.store import chunks
-from dataplane_rl.store.base import ColumnStore, block_head
+from dataplane_rl.store.arrow import block_head
+from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
-from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, create_file, framed, unframe
+from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, create_file, framed, read_file, unframe
 from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
 
@@ -284,14 +285,7 @@ class ShmStore(ColumnStore):
 
     @staticmethod
     def _load_refs(path: str) -> list[ChunkRef]:
-        fd = os.open(path, os.O_RDONLY)  # not open(): its io layers cost more than the read, and most
-        try:                              # calls find no file (no new commit)
-            data = b""
-            while chunk := os.read(fd, 1 << 20):
-                data += chunk
-        finally:
-            os.close(fd)
-        text = unframe(data, path)
+        text = unframe(read_file(path), path)
         try:
             refs = chunks.refs_from_json(text)
         except (ValueError, KeyError, TypeError) as e:

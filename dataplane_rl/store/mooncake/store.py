@@ -65,7 +65,8 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.store import chunks
-from dataplane_rl.store.base import ColumnStore, block_head
+from dataplane_rl.store.arrow import block_head
+from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import Block, ChunkRef, PartitionMeta, Snapshot, align, checksum, layout, split_key
 from dataplane_rl.store.mooncake.buffers import Arenas, ReadPool
 from dataplane_rl.store.mooncake.catalog import PREFIX, Catalog, batches, block_object_key, inc_of
