@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -42,10 +41,10 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.schema import Schema, load_schema
-from dataplane_rl.store.arrow import surely_valid, to_arrow
+from dataplane_rl.store.arrow import arrow_types, block_schema, scan, schema_of, to_arrow
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, decode_block, make_blocks
 from dataplane_rl.store.index import RowIndex, overlap
-from dataplane_rl.store.rows import gather, row_ids, rows_text, runs_of
+from dataplane_rl.store.rows import PutWhere, gather, row_ids, runs_of
 
 # Rows per partition: the row index keeps two int32 arrays of num_rows per column, so more would be
 # gigabytes of bookkeeping
@@ -68,22 +67,6 @@ class PartitionStatus:
 
     def complete(self, fields: Iterable[str]) -> bool:
         return all(self.rows_written.get(f, 0) == self.num_rows for f in fields)
-
-
-@lru_cache(maxsize=256)
-def _parse_schema(schema_json: str) -> Schema:
-    return Schema.model_validate_json(schema_json)
-
-
-def schema_of(meta: PartitionMeta) -> Schema:
-    """The partition's schema, decoded once per process."""
-    return _parse_schema(meta.schema_json)
-
-
-@lru_cache(maxsize=1024)
-def block_schema(schema_json: str, columns: tuple[str, ...]) -> pa.Schema:
-    """The Arrow schema of a block holding `columns`: what its record batch is written and decoded with."""
-    return _parse_schema(schema_json).arrow_schema(list(columns))
 
 
 class ColumnStore(ABC):
@@ -160,35 +143,41 @@ class ColumnStore(ABC):
         snap = self._snapshot(self._check_pid(pid))
         meta, schema = snap.meta, schema_of(snap.meta)
         rows = self._rows(pid, meta, rows, unique=True)
-        where = f"partition {pid} put rows {rows_text(rows)}:"
+        where = PutWhere(pid, rows)
         if not isinstance(columns, Mapping):
             raise SchemaError(f"{where} columns must be a mapping {{column name: data}}, got {type(columns).__name__}")
         if not columns:
             raise SchemaError(f"{where} no columns given; pass {{column: data}}")
         arrays = {}
+        types, by_name = arrow_types(meta.schema_json), schema.by_name
         for name, data in columns.items():
-            if not isinstance(name, str) or name not in schema.by_name:
+            if not isinstance(name, str) or name not in by_name:
                 try:
                     schema.column(name if isinstance(name, str) else repr(name))
                 except SchemaError as e:  # name the partition and rows too
                     raise SchemaError(f"{where} {e}") from None
-            arrays[name] = to_arrow(schema.by_name[name], data, where)
+            want = types[name]
+            arrays[name] = data if type(data) is not pa.ChunkedArray and getattr(data, "type", None) == want \
+                and isinstance(data, pa.Array) else to_arrow(by_name[name], data, where, want)
         bad = {k: len(a) for k, a in arrays.items() if len(a) != len(rows)}
         if bad:
             desc = ", ".join(f"'{k}' has {n}" for k, n in bad.items())
             raise AlignmentError(f"{where} {desc} values for {len(rows)} rows; every column in one put must "
                                  "cover exactly the given rows")
         lengths = None
-        tokens = [n for n in arrays if schema.by_name[n].kind == "token"]
-        if tokens and schema.length_column not in arrays:
-            lengths = self._stored_lengths(snap, rows, tokens)
-        if not surely_valid(schema, arrays, lengths):
-            schema.check(arrays, lengths, where=where[:-1], rows=rows)
+        if schema.length_column not in arrays:
+            tokens = [n for n in arrays if by_name[n].kind == "token"]
+            if tokens:
+                lengths = self._stored_lengths(snap, rows, tokens)
+        sizes = scan(schema, arrays, lengths)
+        if sizes is None:
+            schema.check(arrays, lengths, where=str(where)[:-1], rows=rows)
         err = self._conflict(snap, rows=rows, columns=list(arrays))
         if err:
             raise err
-        batch = pa.record_batch(list(arrays.values()), schema=block_schema(meta.schema_json, tuple(arrays)))
-        refs = self._store(meta, make_blocks(rows, batch, self.chunk_bytes))
+        names, cols = tuple(arrays), list(arrays.values())
+        batch = pa.record_batch(cols, schema=block_schema(meta.schema_json, names))
+        refs = self._store(meta, make_blocks(rows, batch, self.chunk_bytes, names, cols, sizes))
         try:
             self._commit(meta, refs)
         except BaseException:
@@ -355,34 +344,43 @@ class ColumnStore(ABC):
         that are runs within blocks served as zero-copy slices of the mapped record batches."""
         meta, schema = snap.meta, schema_of(snap.meta)
         idx = self._index_of(snap)
-        plans = []
+        # fields written together share a plan (the same blocks at the same positions): one per distinct
+        # (which, pos), found by their bytes instead of comparing every pair of arrays
+        groups: dict[bytes, list] = {}  # -> [which, pos, field positions]
         with idx.lock:
             refs = idx.refs
-            for f in fields:
+            for i, f in enumerate(fields):
                 owner = idx.owner.get(f)
-                which = owner[rows] if owner is not None else np.full(rows.size, -1, dtype=np.int32)
+                if owner is None:
+                    which = pos = np.full(rows.size, -1, dtype=np.int32)
+                else:
+                    which, pos = owner[rows], idx.pos[f][rows]
+                key = which.tobytes() + pos.tobytes()
+                g = groups.get(key)
+                if g is not None:
+                    g[2].append(i)
+                    continue
                 if rows.size and int(which.min()) < 0:
                     missing = rows[which < 0]
                     raise MissingColumnError(f"partition {meta.pid} column '{f}' rows {format_rows(missing)} not "
                                              f"written (writer: {schema.by_name[f].writer})")
-                plans.append((which, idx.pos[f][rows] if owner is not None else which))
-        used = np.unique(np.concatenate([w for w, _ in plans])).tolist() if rows.size else []
+                groups[key] = [which, pos, [i]]
+        if not rows.size:
+            used = []
+        elif len(groups) == 1:
+            used = np.unique(next(iter(groups.values()))[0]).tolist()
+        else:
+            used = np.unique(np.concatenate([g[0] for g in groups.values()])).tolist()
         needed = [refs[i] for i in used]
         batches = dict(zip(used, (self._decode(meta, r, p) for r, p in zip(needed, self._read(meta.pid, needed)))))
         out_schema = block_schema(meta.schema_json, tuple(fields))
-        groups: list[list] = []  # [which, pos, runs, field positions]: fields written together share a plan
-        for i, (which, pos) in enumerate(plans):
-            g = next((g for g in groups if np.array_equal(g[0], which) and np.array_equal(g[1], pos)), None)
-            if g is None:
-                groups.append([which, pos, runs_of(which, pos), [i]])
-            else:
-                g[3].append(i)
-        if len(groups) == 1 and groups[0][2]:  # the common case: one slice of a record batch per run
-            pieces = [batches[b].slice(p, n) for b, p, n in groups[0][2]]
+        plans = [(which, pos, runs_of(which, pos), where) for which, pos, where in groups.values()]
+        if len(plans) == 1 and plans[0][2] is not None:  # the common case: one slice of a record batch per run
+            pieces = [batches[b].slice(p, n) for b, p, n in plans[0][2]]
             pieces = [x if x.schema.names == fields else x.select(fields) for x in pieces]
             return pa.Table.from_batches(pieces, schema=out_schema)
         cols: list[Any] = [None] * len(fields)
-        for which, pos, runs, where in groups:
+        for which, pos, runs, where in plans:
             for i in where:
                 cols[i] = gather(batches, (which, pos, runs), fields[i], schema.by_name[fields[i]].arrow_type)
         return pa.Table.from_arrays(cols, schema=out_schema)

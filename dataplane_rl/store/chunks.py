@@ -88,8 +88,22 @@ class ChunkRef:
         return cls(block.columns, block.rows, key, block.nbytes, digest, block.sizes)
 
 
+@lru_cache(maxsize=1024)
+def _names_json(columns: tuple[str, ...]) -> str:
+    return json.dumps(list(columns))
+
+
+def _ref_json(r: ChunkRef) -> str:
+    """json.dumps(r.to_json()), the same text, built without the dict and the encoder's walk of it."""
+    spans = rows_to_spans(r.rows)
+    rows = f"[[{spans[0][0]}, {spans[0][1]}]]" if len(spans) == 1 else json.dumps(spans)
+    sizes = ", ".join(map(str, r.sizes))
+    return (f'{{"columns": {_names_json(r.columns)}, "rows": {rows}, "key": {json.dumps(r.key)}, '
+            f'"nbytes": {int(r.nbytes)}, "checksum": {int(r.checksum)}, "sizes": [{sizes}]}}')
+
+
 def refs_to_json(refs: Sequence[ChunkRef]) -> str:
-    return json.dumps([r.to_json() for r in refs])
+    return "[" + ", ".join(map(_ref_json, refs)) + "]"
 
 
 def refs_from_json(text: str | bytes) -> list[ChunkRef]:
@@ -150,29 +164,33 @@ def _row_bytes(arr: pa.Array) -> np.ndarray:
 
 
 def _column_bytes(arr: pa.Array) -> int:
-    """What `_row_bytes(arr).sum()` is, from the ends of the offsets alone."""
+    """What `_row_bytes(arr).sum()` is, from the ends of the offsets alone (read from the offsets buffer:
+    no offsets array or scalars made)."""
     t, n = arr.type, len(arr)
-    if pa.types.is_list(t):
-        offsets = arr.offsets
-        return int((offsets[n].as_py() - offsets[0].as_py()) * t.value_type.bit_width / 8) + 4 * n
-    if pa.types.is_string(t):
+    if pa.types.is_list(t) or pa.types.is_string(t):
+        if not n:
+            return 0
         offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
-        return int(offsets[-1] - offsets[0]) + 4 * n
+        width = t.value_type.bit_width / 8 if pa.types.is_list(t) else 1
+        return int((int(offsets[n]) - int(offsets[0])) * width) + 4 * n
     return round(n * t.bit_width / 8)
 
 
-def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int) -> list[Block]:
+def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int, names: tuple[str, ...] | None = None,
+                columns: Sequence[pa.Array] | None = None, whole: Sequence[int] | None = None) -> list[Block]:
     """Cut a put into row blocks of about `limit` bytes each (at least one block, split by bytes, not
-    rows, so long rows do not make one block huge)."""
+    rows, so long rows do not make one block huge). `names`, `columns` and `whole` (each column's
+    bytes): the batch's, if the caller holds them already (each access to batch.schema or batch.columns
+    builds new wrappers)."""
     n = batch.num_rows
+    names = names or tuple(batch.schema.names)
     if not n:
-        return [Block(rows, batch, tuple(batch.schema.names), pa.ipc.get_record_batch_size(batch),
-                      (0,) * batch.num_columns)]
-    names = tuple(batch.schema.names)
-    whole = [_column_bytes(c) for c in batch.columns]
+        return [Block(rows, batch, names, pa.ipc.get_record_batch_size(batch), (0,) * len(names))]
+    columns = columns or batch.columns
+    whole = whole or [_column_bytes(c) for c in columns]
     if sum(whole) <= limit:  # one block: no per-row sizes needed
         return [Block(rows, batch, names, pa.ipc.get_record_batch_size(batch), tuple(whole))]
-    per_col = np.stack([_row_bytes(c) for c in batch.columns])  # [C, n]
+    per_col = np.stack([_row_bytes(c) for c in columns])  # [C, n]
     row_cum = np.cumsum(per_col.sum(axis=0))  # [n]
     total = float(row_cum[-1])
     k = max(1, min(n, int(-(-total // limit))))

@@ -22,6 +22,9 @@ class RowIndex:
         self.refs: list[ChunkRef] = []
         self.owner: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
         self.pos: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
+        # column -> (owner [K, num_rows], pos [K, num_rows], k): columns first written by one block share
+        # one pair of 2-D arrays (owner[column] is row k), so a block of K columns is two numpy writes
+        self._rows: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
         self.lock = threading.Lock()
 
     def extends(self, refs: list[ChunkRef]) -> bool:
@@ -34,14 +37,33 @@ class RowIndex:
         for ref in refs:
             i = len(self.refs)
             self.refs.append(ref)
-            where = np.arange(len(ref.rows), dtype=np.int32)
-            for col in ref.columns:
-                owner = self.owner.get(col)
-                if owner is None:
-                    owner = self.owner[col] = np.full(self.num_rows, -1, dtype=np.int32)
-                    self.pos[col] = np.zeros(self.num_rows, dtype=np.int32)
-                owner[ref.rows] = i
-                self.pos[col][ref.rows] = where
+            rows, n = ref.rows, len(ref.rows)
+            fresh = [c for c in ref.columns if c not in self._rows]
+            if fresh:
+                owner = np.full((len(fresh), self.num_rows), -1, dtype=np.int32)  # [K, num_rows]
+                pos = np.zeros((len(fresh), self.num_rows), dtype=np.int32)  # [K, num_rows]
+                for k, c in enumerate(fresh):
+                    self._rows[c] = (owner, pos, k)
+                    self.owner[c], self.pos[c] = owner[k], pos[k]
+            bases: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
+            for c in ref.columns:
+                owner, pos, k = self._rows[c]
+                bases.setdefault(id(owner), (owner, pos, []))[2].append(k)
+            where = np.arange(n, dtype=np.int32)
+            # a block of consecutive rows (every put of a range) is written by slice, not by fancy index
+            if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n < 3 or bool((rows[1:] > rows[:-1]).all())):
+                at: slice | np.ndarray = slice(int(rows[0]), int(rows[0]) + n)
+            else:
+                at = rows
+            for owner, pos, ks in bases.values():
+                if len(ks) == owner.shape[0]:
+                    ix = (slice(None), at)
+                elif isinstance(at, slice):
+                    ix = (ks, at)
+                else:
+                    ix = np.ix_(ks, at)
+                owner[ix] = i
+                pos[ix] = where
 
     def written(self, column: str, rows: np.ndarray) -> np.ndarray:
         """The rows of `rows` on which `column` is written."""

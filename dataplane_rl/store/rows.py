@@ -85,3 +85,18 @@ def gather(batches: dict[int, pa.RecordBatch], plan, name: str, arrow_type: pa.D
     else:
         combined, idx = batches[keys[0]].column(name), pos
     return combined.take(pa.array(idx))
+
+
+class PutWhere:
+    """'partition P put rows R:', the prefix of a put's errors, formatted only when an error is raised."""
+
+    __slots__ = ("pid", "rows")
+
+    def __init__(self, pid: str, rows: np.ndarray) -> None:
+        self.pid, self.rows = pid, rows
+
+    def __str__(self) -> str:
+        return f"partition {self.pid} put rows {rows_text(self.rows)}:"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)

@@ -27,6 +27,19 @@ def create_file(path: str, data: bytes = b"") -> None:
         os.close(fd)
 
 
+def read_file(path: str) -> bytes:
+    """A metadata file's bytes. With os.open, not open(): its io layers cost more than the read, and most
+    reads of a refs file find none (no new commit)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = b""
+        while chunk := os.read(fd, 1 << 20):
+            data += chunk
+        return data
+    finally:
+        os.close(fd)
+
+
 def framed(text: str) -> bytes:
     """Metadata as written: the xxh3 of the JSON (16 hex digits), a space, the JSON."""
     body = text.encode()

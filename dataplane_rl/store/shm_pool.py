@@ -93,7 +93,10 @@ class Pool:
                 size = entry.stat().st_size
                 if entry.name.startswith(".") or not 0 < size <= room:
                     continue
-                os.rename(entry.path, os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}"))
+                path = os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}")
+                os.rename(entry.path, path)
+                # the next claim finds it without listing the pool again (a stale entry only fails a rename)
+                self._seen[1].append((path, size))
                 room -= size
         except OSError:
             pass  # still mapped somewhere (BlockingIOError): deleted below, freed when the last mapping goes
@@ -101,4 +104,3 @@ class Pool:
             if fd >= 0:
                 os.close(fd)
             shutil.rmtree(trash, ignore_errors=True)
-            self._seen = (0.0, [])

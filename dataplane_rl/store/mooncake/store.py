@@ -65,6 +65,7 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.store import chunks
+from dataplane_rl.store.arrow import block_head
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import Block, ChunkRef, PartitionMeta, Snapshot, align, checksum, layout, split_key
 from dataplane_rl.store.mooncake.buffers import Arenas, ReadPool
@@ -232,7 +233,7 @@ class MooncakeStore(ColumnStore):
         and publish, one call each for the whole put."""
         groups: list[list[int]] = [[]]  # block indices per object
         size = 0
-        head = chunks.head_bytes(blocks[0].batch.schema)
+        head = block_head(meta.schema_json, blocks[0].columns)
         for i, block in enumerate(blocks):
             n = block.nbytes
             if groups[-1] and size + n > PACK_BYTES:
