@@ -37,10 +37,14 @@ def _sample(name: str, rows: np.ndarray, seed: int):
         return (rows * 0.5 + seed - (5 if name == "advantages" else 0)).astype(np.float32)
     if name == "group_id":
         return (rows // 4 + seed).astype(np.int64)
+    if name == "generation_policy_version":
+        return (rows % 3 + seed).astype(np.int64)
     if name == "truncated":
         return (rows + seed) % 3 == 0
     if name == "sample_mask":
         return ((rows + seed) % 5 != 0).astype(np.int8)
+    if GRPO_SCHEMA.by_name[name].dtype != "string":
+        raise KeyError(f"store_workers._sample has no generator for the grpo column '{name}'; add one")
     return [f"{name} {r} seed {seed} ✓" for r in rows]  # prompt_text, response_text
 
 
