@@ -12,7 +12,8 @@ import torch
 
 from dataplane_rl.config import load_config
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.rollout.engine import Generation, HFEngine, nucleus, sample_seed
+from dataplane_rl.rollout.engine import HFEngine, nucleus
+from dataplane_rl.rollout.generation import Generation, sample_seed
 from dataplane_rl.rollout.worker import cut, response_rooms
 from dataplane_rl.train.scheduler import WarmupSchedule, build_scheduler, optimizer_steps_per_run
 

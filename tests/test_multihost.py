@@ -42,7 +42,7 @@ RECIPE = {
     "master": ("mooncake_master --rpc_address=$HEAD --rpc_port=50051 --metrics_host=$HEAD --metrics_port=50052 "
                "--enable_http_metadata_server=false --eviction_high_watermark_ratio=1.0 --eviction_ratio=0.0 "
                "> master.log 2>&1 & echo $! > master.pid"),
-    "holder": ("python -m dataplane_rl.store.mooncake_holder --master $HEAD:50051 --segment-size $SEGMENT "
+    "holder": ("python -m dataplane_rl.store.mooncake.holder --master $HEAD:50051 --segment-size $SEGMENT "
                "> holder.log 2>&1 & echo $! > holder.pid"),
     "ray_worker": "ray start --address=$HEAD:6379 --block > ray.log 2>&1 & echo $! > ray.pid",
     "train": ("dataplane-rl train --config configs/grpo_mooncake.yaml cluster.address=auto "

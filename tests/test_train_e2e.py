@@ -279,7 +279,7 @@ def test_mooncake_holder_killed_mid_run_fails_clearly(tmp_path):
     from conftest import backend_unavailable
 
     try:
-        from dataplane_rl.store.mooncake_cluster import MooncakeCluster
+        from dataplane_rl.store.mooncake.cluster import MooncakeCluster
 
         cluster = MooncakeCluster(num_holders=1, global_segment_size=64 << 20).start()
     except (ImportError, DataPlaneError) as e:

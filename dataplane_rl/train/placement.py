@@ -26,7 +26,7 @@ def check_store_reachable(cfg: Config) -> None:
     address = url[len("mooncake://"):].partition("?")[0]
     if not address:
         return  # the run starts its own master
-    from dataplane_rl.store.mooncake_cluster import port_open, split_address
+    from dataplane_rl.store.mooncake.client import port_open, split_address
 
     split_address(address)  # StoreUnavailableError unless HOST:PORT
     if not port_open(address, timeout=5.0):
