@@ -37,12 +37,16 @@ def test_bench_store_rejects_unknown_backend():
 def test_bench_e2e_reports_data_plane_share(tmp_path):
     out = tmp_path / "e2e.json"
     # one transport: each starts its own Ray, which costs more than the steps
-    bench("e2e", "--transports", "shm", "--steps", "2", "--json", str(out), "grpo.num_prompts_per_step=4",
-          "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "generation.max_new_tokens=4")
+    p = bench("e2e", "--transports", "shm", "--steps", "2", "--json", str(out), "grpo.num_prompts_per_step=4",
+              "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16", "generation.max_new_tokens=4")
     (res,) = json.loads(out.read_text())["results"]
     assert res["transport"] == "shm" and res["step_s"] > 0
     assert res["bytes_per_step"] > 0 and res["data_plane_s"] > 0
     assert 0 < res["driver_bytes_read"] < res["bytes_per_step"]
+    # the printed table is in the units docs/benchmarks.md uses (kB), so a reader can compare the two
+    header, row = p.stdout.splitlines()[-2:]
+    assert header.split()[-3:] == ["kB/step", "driver", "kB"]
+    assert row.split()[-2:] == [f"{res['bytes_per_step'] / 1e3:.1f}", f"{res['driver_bytes_read'] / 1e3:.1f}"]
 
 
 def test_bench_e2e_async_reports_ratios_to_sync_and_ideal(tmp_path):

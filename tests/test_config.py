@@ -78,12 +78,12 @@ def test_shipped_configs_validate():
 
 
 def test_readme_config_reference_is_current():
-    """The README's config table is generated from the models; regenerate with
+    """docs/config.md's table is generated from the models; regenerate with
     `dataplane-rl config show --reference` when a field changes."""
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert config_reference() in readme, "README config reference is stale: paste `dataplane-rl config show --reference`"
+    page = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    assert config_reference() in page, "docs/config.md is stale: paste `dataplane-rl config show --reference`"
 
 
 def test_every_field_has_a_doc():

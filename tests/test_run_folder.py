@@ -1,4 +1,4 @@
-"""The run folder policy (README "The run folder"): fresh folders, one live run per folder, nothing of an
+"""The run folder policy (docs/run-folder.md): fresh folders, one live run per folder, nothing of an
 earlier run lost to a run that fails before it starts, and a summary for every failure."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The README's note on what the tiny model can learn, checked: on math_jsonl its samples score 0, so
+"""docs/tasks.md's note on what the tiny model can learn, checked: on math_jsonl its samples score 0, so
 almost every advantage is 0 (next to nothing to learn); on repeat, groups have differing rewards from the start.
-If a change to a task or the model makes this false, update the README's Tasks note with it."""
+If a change to a task or the model makes this false, update that note with it."""
 
 from __future__ import annotations
 

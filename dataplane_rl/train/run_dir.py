@@ -3,7 +3,7 @@
 Every file is appended line by line or written atomically, so an interrupted run leaves a folder whose
 files are each whole.
 
-Who may write a folder (the policy, README "The run folder"):
+Who may write a folder (the policy, docs/run-folder.md):
 - no `logger.run_dir`: a fresh `runs/YYYYmmdd-HHMMSS` (suffix -2, -3, ... if taken), and `runs/latest`
   points at it;
 - a folder that already holds a run is refused unless `overwrite` (or, with `--resume`, reopened:
