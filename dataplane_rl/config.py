@@ -177,6 +177,7 @@ class LoggerConfig(_Section):
     run_dir: Optional[str] = Field(None, description="Run folder: config.yaml, metrics.jsonl, train_data/, reward.png, summary.json. Unset: a fresh runs/YYYYmmdd-HHMMSS, with runs/latest pointing at it.")
     overwrite: bool = Field(False, description="Let a run replace the run already in logger.run_dir (its files go once the new run has started).")
     progress: bool = Field(True, description="Show a progress bar.")
+    log_every_n_steps: int = Field(10, ge=1, description="With logger.progress=false: print one line (step, reward, loss, seconds) every this many steps and at the last, for logs without a terminal.")
     tensorboard_enabled: bool = Field(True, description="Write every metric to RUN_DIR/tensorboard/ (`tensorboard --logdir runs/`).")
     wandb_enabled: bool = Field(False, description="Also log to Weights & Biases, offline, into RUN_DIR/wandb/; needs `pip install wandb`.")
     wandb_project: str = Field("dataplane-rl", description="W&B project name (with wandb_enabled).")

@@ -60,6 +60,17 @@ def test_progress_bar_shows_a_steps_numbers_only_once_it_is_done():
     assert any("1/2" in f and "reward=0.250" in f for f in frames)
 
 
+def test_without_the_bar_a_line_every_n_steps_and_at_the_last():
+    out = io.StringIO()
+    bar = StepProgress(5, enabled=False, file=out, every=2)
+    for s in range(1, 6):
+        bar.step_done({"train/reward": 0.1 * s, "train/loss": 0.5, "timing/step": 1.0})
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["grpo step 2/5", "grpo step 4/5", "grpo step 5/5"]
+    assert "reward 0.500" in lines[-1]
+
+
 def test_entropy_from_the_train_pass_logits():
     """train/entropy's per-token value: uniform logits over V give ln V; a one-hot-ish row gives ~0.
     Position 0 (no prediction) and padding are 0, like the log-probs."""
