@@ -34,6 +34,22 @@ def test_bench_store_rejects_unknown_backend():
     assert p.returncode == 2 and "unknown backend 'redis'" in p.stderr
 
 
+def test_bench_generate_without_vllm_benches_hf_alone_or_refuses_in_one_line(monkeypatch, capsys):
+    """vllm made unimportable: the default backends are hf alone, said in one line; naming vllm is one
+    `error:` line (as `train` gives), not a worker's nested traceback."""
+    no_vllm = "import sys; sys.modules['vllm'] = None; from dataplane_rl.cli.main import main; sys.exit(main())"
+    p = subprocess.run([sys.executable, "-c", no_vllm, "bench", "generate", "--backends", "hf,vllm"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: --backends hf,vllm: vllm is not installed; install the")
+    assert len(p.stderr.splitlines()) == 1, p.stderr
+    from dataplane_rl.bench.generate import pick_backends
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert pick_backends(None) == ["hf"]
+    assert capsys.readouterr().err.startswith("bench generate: vllm is not installed, so only hf runs")
+    assert pick_backends("hf,vllm") == ["hf", "vllm"]  # as asked: run_args refuses it, above
+
+
 def test_bench_e2e_reports_data_plane_share(tmp_path):
     out = tmp_path / "e2e.json"
     # one transport: each starts its own Ray, which costs more than the steps
