@@ -2,6 +2,7 @@
 that every reported number is a positive measurement; they never assert a speed."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -26,6 +27,17 @@ def test_bench_store_json_and_plot(tmp_path):
     assert res["mooncake"]["ratio_to_raw_mooncake"] > 0 and res["raw_mooncake"]["e2e_gbps"]["median"] > 0
     assert png.stat().st_size > 1000
     assert "| shm |" in p.stdout and "| memcpy |" in p.stdout
+
+
+def test_bench_store_options_have_help_with_their_defaults():
+    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "bench", "store", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    text = " ".join(p.stdout.split())  # argparse wraps lines
+    for option, default in (("--samples", 512), ("--min-len", 256), ("--max-len", 1024), ("--readers", 2),
+                            ("--repeats", 10)):
+        meta = option.lstrip("-").upper().replace("-", "_")
+        help_ = re.search(rf"  ?{option} {meta} (.*?)(?= --[a-z]|$)", text.split("options:")[1])
+        assert help_ and help_.group(1).endswith(f"(default {default})"), (option, help_ and help_.group(1))
 
 
 def test_bench_store_rejects_unknown_backend():

@@ -232,6 +232,7 @@ def test_export_loads_in_transformers_with_the_trainers_logprobs(straight, tmp_p
     out = tmp_path / "hf"
     p = cli("export", str(run_dir), "--step", "3", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "model shards" not in p.stderr and "%|" not in p.stderr, p.stderr  # no transformers progress bar
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (out / f).is_file(), f
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
