@@ -35,11 +35,18 @@ def test_coinciding_reward_lines_are_drawn_once_and_labelled():
     assert labels(top) == ["train/reward (all rounds)", "train/filtered_reward (rows trained on)"]
 
 
-def test_second_panel_has_loss_kl_and_entropy(tmp_path):
+def test_loss_and_kl_on_their_own_axes_entropy_below_legends_off_the_curves(tmp_path):
     fig = reward_figure(metrics(4), "t")
-    bottom, right = fig.axes[1], fig.axes[2]  # entropy on its own y axis
-    assert labels(bottom) == ["train/loss", "train/kl_penalty"] and labels(right) == ["train/entropy"]
-    assert list(right.get_lines()[0].get_ydata()) == pytest.approx([3.8, 3.7, 3.6, 3.5])
+    top, loss, entropy, kl = fig.axes  # the KL penalty's axis is the loss panel's twin
+    assert labels(loss) == ["train/loss"] and labels(kl) == ["train/kl_penalty"] and kl.bbox.bounds == loss.bbox.bounds
+    assert labels(entropy) == ["train/entropy"]
+    assert list(entropy.get_lines()[0].get_ydata()) == pytest.approx([3.8, 3.7, 3.6, 3.5])
+    # each axis spans its own data: the KL penalty (0.001-0.004) is not flattened on the loss's scale
+    assert kl.get_ylim()[1] < 0.01 and loss.get_ylim()[0] > 0.005
+    fig.canvas.draw()
+    for ax in (top, loss, entropy):  # every legend sits above its panel, none on the curves
+        assert ax.get_legend().get_window_extent().y0 >= ax.get_window_extent().y1 - 1
+    assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train/loss", "train/kl_penalty"]
     save_reward_png(metrics(4), "t", tmp_path / "reward.png")
     assert (tmp_path / "reward.png").stat().st_size > 0 and not list(tmp_path.glob("*.tmp*"))
 
