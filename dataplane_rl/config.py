@@ -159,7 +159,16 @@ class TaskConfig(_Section):
     """`task.*`: the prompts and the reward function."""
 
     name: str = Field("repeat", description="Registered task (see dataplane_rl.tasks): repeat, next, count, math_jsonl.")
-    path: Optional[str] = Field(None, description="Data file for file-based tasks (math_jsonl: JSONL with question and answer fields).")
+    path: Optional[str] = Field(None, description="Data file for file-based tasks (math_jsonl: JSONL with question and answer fields; required).")
+
+    @model_validator(mode="after")
+    def _path_given(self) -> "TaskConfig":
+        if self.name == "math_jsonl" and self.path is None:
+            # refused rather than defaulted: a forgotten task.path would silently train on the sample
+            sample = Path(__file__).resolve().parent / "tasks" / "math_sample.jsonl"
+            raise ValueError(f"task.name=math_jsonl needs task.path, a JSONL file with question and answer "
+                             f"fields; e.g. the bundled sample: task.path={sample}")
+        return self
 
 
 class LoggerConfig(_Section):
@@ -168,6 +177,7 @@ class LoggerConfig(_Section):
     run_dir: Optional[str] = Field(None, description="Run folder: config.yaml, metrics.jsonl, train_data/, reward.png, summary.json. Unset: a fresh runs/YYYYmmdd-HHMMSS, with runs/latest pointing at it.")
     overwrite: bool = Field(False, description="Let a run replace the run already in logger.run_dir (its files go once the new run has started).")
     progress: bool = Field(True, description="Show a progress bar.")
+    log_every_n_steps: int = Field(10, ge=1, description="With logger.progress=false: print one line (step, reward, loss, seconds) every this many steps and at the last, for logs without a terminal.")
     tensorboard_enabled: bool = Field(True, description="Write every metric to RUN_DIR/tensorboard/ (`tensorboard --logdir runs/`).")
     wandb_enabled: bool = Field(False, description="Also log to Weights & Biases, offline, into RUN_DIR/wandb/; needs `pip install wandb`.")
     wandb_project: str = Field("dataplane-rl", description="W&B project name (with wandb_enabled).")
@@ -238,6 +248,11 @@ class Config(_Section):
                 "weights, which needs loss_fn.use_importance_sampling_correction=true (weights exp(prev - generation) "
                 "log-probs); set it, or grpo.async_grpo.max_trajectory_age_steps=0")
         dp = self.data_plane
+        default_backend = DataPlaneConfig.model_fields["backend"].default
+        if not dp.enabled and dp.backend != default_backend:
+            raise ValueError(f"data_plane.backend={dp.backend} is unused with data_plane.enabled=false (the columns "
+                             "stay in the driver's memory); set data_plane.enabled=true to use it, or drop "
+                             "data_plane.backend")
         if dp.keep_partitions:
             url = dp.backend
             gone = ("with data_plane.enabled=false the columns live in the driver's memory" if not dp.enabled else
@@ -374,21 +389,29 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         raise ConfigError(f"config file '{path}' must hold a mapping of sections (grpo:, policy:, ...)")
     _check_keys(tree, f"in {path}")
     apply_overrides(tree, list(overrides or []))
-    return validate_tree(tree, str(path))
+    return validate_tree(tree, str(path), {parse_override(o)[0]: o for o in overrides or []})
 
 
-def validate_tree(tree: dict, source: str = "<dict>") -> Config:
+def validate_tree(tree: dict, source: str = "<dict>", overrides: dict[str, str] | None = None) -> Config:
+    """Config.model_validate with one ConfigError naming where each bad value came from: the override
+    (`overrides`: key -> its `key=value` text) or else `source`."""
+    overrides = overrides or {}
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        msgs = []
+        msgs, from_source = [], False
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             got = err.get("input")
+            if loc in overrides:  # the user typed this value: name the command line, not the file it overrode
+                msgs.append(f"override '{overrides[loc]}': {msg}")
+                continue
+            from_source = True
             shown = f" (got {got!r})" if loc and not isinstance(got, dict) else ""
             msgs.append(f"{loc}: {msg}{shown}" if loc else msg)
-        raise ConfigError(f"invalid config ({source}): " + "; ".join(msgs)) from None
+        where = f" ({source}{' with the command-line overrides' if overrides else ''})" if from_source else ""
+        raise ConfigError(f"invalid config{where}: " + "; ".join(msgs)) from None
 
 
 def dump_config(cfg: Config) -> str:

@@ -2,6 +2,7 @@
 that every reported number is a positive measurement; they never assert a speed."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -28,10 +29,37 @@ def test_bench_store_json_and_plot(tmp_path):
     assert "| shm |" in p.stdout and "| memcpy |" in p.stdout
 
 
+def test_bench_store_options_have_help_with_their_defaults():
+    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "bench", "store", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    text = " ".join(p.stdout.split())  # argparse wraps lines
+    for option, default in (("--samples", 512), ("--min-len", 256), ("--max-len", 1024), ("--readers", 2),
+                            ("--repeats", 10)):
+        meta = option.lstrip("-").upper().replace("-", "_")
+        help_ = re.search(rf"  ?{option} {meta} (.*?)(?= --[a-z]|$)", text.split("options:")[1])
+        assert help_ and help_.group(1).endswith(f"(default {default})"), (option, help_ and help_.group(1))
+
+
 def test_bench_store_rejects_unknown_backend():
     p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "bench", "store", "--backends", "redis"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "unknown backend 'redis'" in p.stderr
+
+
+def test_bench_generate_without_vllm_benches_hf_alone_or_refuses_in_one_line(monkeypatch, capsys):
+    """vllm made unimportable: the default backends are hf alone, said in one line; naming vllm is one
+    `error:` line (as `train` gives), not a worker's nested traceback."""
+    no_vllm = "import sys; sys.modules['vllm'] = None; from dataplane_rl.cli.main import main; sys.exit(main())"
+    p = subprocess.run([sys.executable, "-c", no_vllm, "bench", "generate", "--backends", "hf,vllm"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: --backends hf,vllm: vllm is not installed; install the")
+    assert len(p.stderr.splitlines()) == 1, p.stderr
+    from dataplane_rl.bench.generate import pick_backends
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert pick_backends(None) == ["hf"]
+    assert capsys.readouterr().err.startswith("bench generate: vllm is not installed, so only hf runs")
+    assert pick_backends("hf,vllm") == ["hf", "vllm"]  # as asked: run_args refuses it, above
 
 
 def test_bench_e2e_reports_data_plane_share(tmp_path):

@@ -105,8 +105,10 @@ def test_kill_9_then_resume_equals_a_straight_run(straight, tmp_path):
     _, expected = straight
     run_dir = tmp_path / "killed"
     kill_after_checkpoint(run_dir, 2)
+    latest = max(int(c.name.split("_")[1]) for c in (run_dir / "checkpoints").glob("step_*"))
     p = cli("train", "--resume", str(run_dir), "logger.progress=false")
     assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resumed {run_dir} from its checkpoint of step {latest}" in p.stderr, p.stderr[-3000:]
     got = read_metrics(run_dir)
     assert_same_steps(got, expected)  # no step twice, none missing, same numbers
     assert sorted(f.name for f in (run_dir / "train_data").iterdir()) == [f"step_{i:06d}.jsonl" for i in range(1, 4)]
@@ -230,6 +232,7 @@ def test_export_loads_in_transformers_with_the_trainers_logprobs(straight, tmp_p
     out = tmp_path / "hf"
     p = cli("export", str(run_dir), "--step", "3", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "model shards" not in p.stderr and "%|" not in p.stderr, p.stderr  # no transformers progress bar
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (out / f).is_file(), f
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

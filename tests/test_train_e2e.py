@@ -186,6 +186,11 @@ def test_train_cli_writes_the_run_folder(tmp_path):
     run_dir = tmp_path / "cli"
     p = cli("train", *SMALL, "grpo.max_num_steps=2", f"logger.run_dir={run_dir}", "data_plane.enabled=true")
     assert p.returncode == 0, p.stderr[-3000:]
+    # stdout is the summary alone (`| jq` works); logger.progress=false still prints the last step's line
+    out = json.loads(p.stdout)
+    assert out["status"] == "completed" and out["run_dir"] == str(run_dir)
+    assert out["plot"] == str(run_dir / "reward.png")
+    assert "grpo step 2/2: reward " in p.stderr, p.stderr[-3000:]
     for f in ("config.yaml", "metrics.jsonl", "reward.png", "summary.json", "train_data/step_000001.jsonl",
               "train_data/step_000002.jsonl"):
         assert (run_dir / f).is_file(), f
@@ -201,6 +206,10 @@ def test_train_cli_writes_the_run_folder(tmp_path):
     store_url = json.loads((run_dir / "summary.json").read_text())["store_url"]
     assert store_url.startswith("shm:///") and not Path(store_url[len("shm://"):]).exists(), \
         "the run's own shm folder must be freed at the end"
+    # the resolved store, named from the start (store.json, and printed) for `store ls RUN_DIR` on a live run
+    assert json.loads((run_dir / "store.json").read_text()) == {"store_url": store_url}
+    assert f"store {store_url} (dataplane-rl store ls {run_dir})" in p.stderr
+    assert out["final_validation_reward"] == lines[-1]["validation/reward"]  # validated after the last step
 
 
 def _sigint_default():

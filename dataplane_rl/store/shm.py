@@ -152,8 +152,9 @@ class ShmStore(ColumnStore):
                                             f"{_FORMAT.decode().strip()!r}); make a new store (drop this folder)")
             return
         if not create:
-            raise StoreUnavailableError(f"no shm store at {self._dir} ({marker} is missing); check the URL or "
-                                        "create the store first")
+            why = (f"{marker} is missing" if os.path.isdir(self._dir) else "the folder does not exist: a store's "
+                   "folder goes with `dataplane-rl store drop --all` and with the run that made it, unless kept")
+            raise StoreUnavailableError(f"no shm store at {self._dir} ({why}); check the URL")
         if os.path.isdir(self._dir) and any(not n.startswith(".") for n in os.listdir(self._dir)):
             raise ConfigError(f"{self._dir} holds files but is not a dataplane-rl store; point shm:// at a new "
                               "or empty folder")

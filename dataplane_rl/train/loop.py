@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 
 from dataplane_rl.config import Config, dump_config
 from dataplane_rl.errors import ConfigError, DataPlaneError
@@ -26,19 +27,27 @@ __all__ = ["DynamicSamplingError", "GRPOTrainer", "NonFiniteError", "RolloutActo
 
 
 class StepProgress:
-    """The console bar: it advances when a step ends, showing that step's numbers (never step k's at k-1/N)."""
+    """The console bar: it advances when a step ends, showing that step's numbers (never step k's at k-1/N).
+    Disabled (logger.progress=false), it prints one plain line every `every` steps and at the last."""
 
-    def __init__(self, total: int, enabled: bool = True, file=None, mininterval: float = 0.1, initial: int = 0) -> None:
+    def __init__(self, total: int, enabled: bool = True, file=None, mininterval: float = 0.1, initial: int = 0,
+                 every: int = 10) -> None:
         from tqdm import tqdm
 
         # initial: steps already done (a resumed run starts its bar there)
         self.bar = tqdm(total=total, initial=initial, desc="grpo", unit="step", disable=not enabled,
                         dynamic_ncols=True, file=file, mininterval=mininterval)
+        self.enabled, self.file, self.every, self.total, self.done = enabled, file, every, total, initial
 
     def step_done(self, metrics: dict) -> None:
         self.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
                              step_s=f"{metrics['timing/step']:.1f}", refresh=False)
         self.bar.update(1)
+        self.done += 1
+        if not self.enabled and (self.done % self.every == 0 or self.done == self.total):
+            print(f"grpo step {self.done}/{self.total}: reward {metrics['train/reward']:.3f} loss "
+                  f"{metrics['train/loss']:.4f} step_s {metrics['timing/step']:.1f}",
+                  file=self.file or sys.stderr, flush=True)
 
     def close(self) -> None:
         self.bar.close()
@@ -94,8 +103,13 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 first = ckpt.load(trainer, start) + 1
                 trainer.version = first - 1
                 trainer.refit()
+                print(f"resumed {run.path} from its checkpoint of step {first - 1}; steps {first}-"
+                      f"{cfg.grpo.max_num_steps} to go", file=sys.stderr, flush=True)
             else:
                 run.begin(config_yaml)
+            run.record_store(trainer.store_url)
+            print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
+                                              if trainer.store_url else ""), file=sys.stderr, flush=True)
             # async GRPO: the first steps generate now; a resumed run regenerates its steps ahead with the
             # checkpoint's weights (newer than an unbroken run's, so within the bound, but not the same rows)
             trainer.rollouts.send_ahead(trainer.version)
@@ -106,7 +120,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 run.log_validation(start_metrics)
                 loggers.log(start_metrics, 0)
             last = cfg.grpo.max_num_steps
-            bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1)
+            bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1, every=cfg.logger.log_every_n_steps)
             done = first - 1  # the last step finished
             for step in range(first, last + 1):
                 metrics, samples = trainer.step(step)

@@ -158,6 +158,8 @@ class TrainWorker:
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(mismatch)
         out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+        # the step's trained tokens: N_tok of every optimizer step (all epochs) added up, not their mean
+        out["global_valid_toks"] = float(sum(h["global_valid_toks"] for h in history))
         out["logprob_mismatch"] = float(mismatch[0] / max(float(mismatch[1]), 1.0))
         out["optimizer_steps"] = len(history)
         return out
