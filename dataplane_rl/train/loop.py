@@ -103,8 +103,10 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 first = ckpt.load(trainer, start) + 1
                 trainer.version = first - 1
                 trainer.refit()
-                print(f"resumed {run.path} from its checkpoint of step {first - 1}; steps {first}-"
-                      f"{cfg.grpo.max_num_steps} to go", file=sys.stderr, flush=True)
+                left = cfg.grpo.max_num_steps - first + 1
+                print(f"resumed {run.path} from its checkpoint of step {first - 1}; "
+                      + (f"steps {first}-{cfg.grpo.max_num_steps} to go" if left else "no steps left to run"),
+                      file=sys.stderr, flush=True)
             else:
                 run.begin(config_yaml)
             run.record_store(trainer.store_url)
