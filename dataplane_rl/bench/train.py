@@ -65,33 +65,39 @@ def step(model, batch, policy, loss_fn) -> tuple[float, float, int]:
     from dataplane_rl.train.counts import local_counts
     from dataplane_rl.train.worker import train_microbatches
 
+    import torch
+
     model.zero_grad(set_to_none=True)
+    sync = torch.cuda.synchronize if batch["input_ids"].is_cuda else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     mbs = plan_microbatches(batch, policy, "train")
     _, used = train_microbatches(model, loss_fn, mbs, local_counts(batch), 1.0)
+    sync()
     return time.perf_counter() - t0, float(1 - used[0] / used[1]), int(used[0])
 
 
 def measure(rows: int, repeats: int, micro: int, budget: int, modes: tuple[str, ...], seed: int = 0,
-            model_name: str = "small-24m") -> dict:
+            model_name: str = "small-24m", device: str = "auto") -> dict:
     import torch
 
     from dataplane_rl.algorithms.loss import ClippedPGLoss
     from dataplane_rl.bench.generate import model_folder
     from dataplane_rl.schema import load_schema
     from dataplane_rl.train.batch import build_train_batch
-    from dataplane_rl.train.model import load_model, packed_attention
+    from dataplane_rl.train.model import load_model, packed_attention, pick_device
 
+    device = pick_device(device)
     torch.manual_seed(seed)
     models = {}
     for mode in modes:
-        m = load_model(model_folder(model_name, seed), torch.device("cpu")).train()
+        m = load_model(model_folder(model_name, seed), device).train()
         if mode.startswith("packed"):
-            packed_attention(m, torch.device("cpu"), "sdpa" if mode == "packed_sdpa" else "auto")
+            packed_attention(m, device, "sdpa" if mode == "packed_sdpa" else "auto")
         models[mode] = m
     lengths = long_tail_lengths(rows, seed)
     table = synthetic_table(lengths, models[modes[0]].config.vocab_size, seed)
-    batch = build_train_batch(table, load_schema("grpo"))
+    batch = build_train_batch(table, load_schema("grpo"), device)
     loss_fn = ClippedPGLoss()
     times: dict[str, list[float]] = {m: [] for m in modes}
     pad: dict[str, float] = {}
@@ -120,6 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=4096, help="dynamic and packed: *_mb_tokens")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}; the first is the base")
     p.add_argument("--model", default="small-24m", help="small-24m (default) or tiny")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
     p.add_argument("--json", help="write results as JSON here")
 
 
@@ -127,7 +134,8 @@ def run_args(args) -> int:
     import os
 
     out = measure(args.rows, args.repeats, args.micro, args.budget, tuple(m for m in args.modes.split(",") if m),
-                  model_name=args.model)
+                  model_name=args.model, device=args.device)
+    out["device"] = args.device
     out["load"] = os.getloadavg()[0]
     print(f"{'mode':<12} {'tokens/s':>10} {'padding':>8} {'x padded':>9}   ideal {out['ideal_ratio']:.2f}x, "
           f"load {out['load']:.1f}")
