@@ -105,6 +105,18 @@ def test_one_step_is_the_same_padded_dynamic_and_packed(folder):
 
 def test_refusals_name_the_keys():
     from dataplane_rl.errors import ConfigError
+    from dataplane_rl.train.packing import refuse_over_budget
+
+    rs = [("step-000001", np.arange(4)), ("step-000001b", np.array([7, 9]))]
+    lengths = np.array([10, 20, 30, 40, 90, 50])
+    packed = policy_for("packed", 1, 90)
+    refuse_over_budget(lengths, rs, packed)  # 90 fits 90
+    with pytest.raises(ConfigError, match=r"partition step-000001b row 7 has 90 tokens, more than "
+                                          r"policy\.sequence_packing\.train_mb_tokens=89"):
+        refuse_over_budget(lengths, rs, policy_for("packed", 1, 89))
+    # dynamic batching pads 90 up to 128 (round 64): a budget of 100 cannot hold it
+    with pytest.raises(ConfigError, match=r"90 tokens \(padded to a multiple of 64\), more than policy\.dynamic_batching"):
+        refuse_over_budget(lengths, rs, policy_for("dynamic", 1, 100))
 
     with pytest.raises((ConfigError, ValueError), match=r"policy\.sequence_packing\.enabled.*policy\.dynamic_batching\.enabled"):
         load_config(None, ["policy.sequence_packing.enabled=true", "policy.dynamic_batching.enabled=true"])

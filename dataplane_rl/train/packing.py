@@ -70,6 +70,24 @@ def dynamic_cuts(lengths: np.ndarray, budget: int, round_to: int) -> list[np.nda
     return [np.array(c, dtype=np.int64) for c in cuts]
 
 
+def refuse_over_budget(lengths: np.ndarray, rs, policy) -> None:
+    """Before training: a ConfigError naming the partition, row, length and key of a row that cannot fit the
+    token budget of `policy` (a PolicyConfig; dynamic batching pads a row up to its round, which must fit too)."""
+    from dataplane_rl.errors import ConfigError
+
+    if not lengths.size:
+        return
+    rnd = policy.dynamic_batching.sequence_length_round if policy.dynamic_batching.enabled else 1
+    at = int(np.argmax(lengths))
+    for key, budget in policy.token_budgets().items():
+        if round_up(int(lengths[at]), rnd) > budget:
+            starts = np.cumsum([0] + [len(rows) for _, rows in rs])
+            pid, row = next((pid, rows[at - s]) for (pid, rows), s in zip(rs, starts) if s <= at < s + len(rows))
+            padded = f" (padded to a multiple of {rnd})" if rnd > 1 else ""
+            raise ConfigError(f"partition {pid} row {int(row)} has {int(lengths[at])} tokens{padded}, more than "
+                              f"{key}={budget}; raise {key} or set policy.max_total_sequence_length <= {budget}")
+
+
 def balance_by_tokens(lengths: np.ndarray, num_shards: int) -> list[np.ndarray]:
     """Positions 0..n-1 over `num_shards` ranks by tokens (longest first onto the lightest rank, no cap on row
     counts), each shard sorted; every rank gets at least one row when n >= num_shards."""

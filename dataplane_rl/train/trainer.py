@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from dataplane_rl.algorithms.grpo import advantages, informative_groups
 from dataplane_rl.config import Config
-from dataplane_rl.errors import ConfigError, DataPlaneError
+from dataplane_rl.errors import DataPlaneError
 from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
 from dataplane_rl.store import MemoryStore, open_store, to_numpy
@@ -26,7 +26,7 @@ from dataplane_rl.tasks import get_task
 from dataplane_rl.train import validation
 from dataplane_rl.train.batch import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.model import resolve_model
-from dataplane_rl.train.packing import balance_by_tokens
+from dataplane_rl.train.packing import balance_by_tokens, refuse_over_budget
 from dataplane_rl.train.reaper import deferred_sigint
 from dataplane_rl.train.rollouts import Rollouts, fresh_groups, rollout_actors_alive
 from dataplane_rl.train.transport import DriverTransport
@@ -312,13 +312,7 @@ class GRPOTrainer:
         p = self.cfg.policy
         n, GB, D = rowset_size(got.rs), p.train_global_batch_size, p.dp_size
         budgets = p.token_budgets()
-        for key, budget in budgets.items():
-            if lengths.max() > budget:
-                at = int(np.argmax(lengths))
-                pid, row = next((pid, rows[at - s]) for (pid, rows), s in zip(got.rs, np.cumsum([0] + [len(r) for _, r in got.rs]))
-                                if s <= at < s + len(rows))
-                raise ConfigError(f"partition {pid} row {int(row)} has {int(lengths[at])} tokens, more than {key}={budget}; "
-                                  f"raise {key} or set policy.max_total_sequence_length <= {budget}")
+        refuse_over_budget(lengths, got.rs, p)
         # token budgets make the pass counts differ anyway (evened by empty passes): give rows by tokens only
         split = balance_by_tokens if budgets else shard_balanced
         per_rank: list[list[RowSet]] = [[] for _ in range(D)]
