@@ -22,6 +22,15 @@ from dataplane_rl.train.fsdp import to_float
 from dataplane_rl.train.transport import ActorIO
 
 
+def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a small CPU tensor over the world on the group's device (NCCL reduces CUDA tensors only)."""
+    from dataplane_rl.train.counts import _group_device
+
+    on = t.to(_group_device(None))
+    dist.all_reduce(on, op=op)
+    return on.cpu()
+
+
 def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: float) -> tuple[list[dict], torch.Tensor]:
     """Forward and backward of one optimizer step's microbatches (gradients accumulate in `model`).
     Returns each microbatch's metrics (shares of the global values) and [valid, all] token slots computed."""
@@ -145,9 +154,7 @@ class TrainWorker:
         busiest: FSDP2's all-gathers and reduce-scatters are collectives, a rank short of passes would hang."""
         if not (dist.is_initialized() and self.world > 1):
             return 0
-        t = torch.tensor([mine], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t) - mine
+        return int(_all_reduce(torch.tensor([mine], dtype=torch.int64), dist.ReduceOp.MAX)) - mine
 
     def _empty_pass(self, model, backward: bool) -> None:
         """A one-token forward (and backward) that contributes nothing: zero gradient, no metrics."""
@@ -200,8 +207,7 @@ class TrainWorker:
                 history.append(metrics)
         rows = self._row_stats(batches)
         if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(mismatch)
-            dist.all_reduce(used)
+            mismatch, used = _all_reduce(mismatch), _all_reduce(used)
         out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
         out["logprob_mismatch"] = float(mismatch[0] / max(float(mismatch[1]), 1.0))
         out["padding_fraction"] = float(1.0 - used[0] / max(float(used[1]), 1.0))
@@ -216,8 +222,7 @@ class TrainWorker:
         sums = torch.stack([resp.sum(), (total - resp).sum(), torch.tensor(float(len(resp))), total.sum()])  # [4]
         peak = torch.stack([resp.max(), total.sum()])  # [2]: longest response, this rank's tokens
         if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            sums, peak = _all_reduce(sums), _all_reduce(peak, dist.ReduceOp.MAX)
         n = max(float(sums[2]), 1.0)
         return {"response_length_mean": float(sums[0]) / n, "response_length_max": float(peak[0]),
                 "prompt_length_mean": float(sums[1]) / n, "response_tokens": float(sums[0]), "total_tokens": float(sums[3]),
