@@ -88,3 +88,13 @@ def test_bench_e2e_async_reports_ratios_to_sync_and_ideal(tmp_path):
     assert res["ideal_samples_per_s"] >= res["sync"]["samples_per_s"] * 0.999  # max(gen, train) <= gen + train
     assert res["async"]["staleness_mean"] == 1.0 and res["sync"]["staleness_mean"] == 0.0
     assert "| default |" in p.stdout
+
+
+def test_bench_train_compares_padded_dynamic_packed(tmp_path):
+    out = tmp_path / "train.json"
+    p = bench("train", "--model", "tiny", "--rows", "6", "--repeats", "1", "--budget", "2048", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert set(res["modes"]) == {"padded", "dynamic", "packed", "packed_sdpa"}
+    assert res["modes"]["packed"]["padding_fraction"] == 0 < res["modes"]["padded"]["padding_fraction"]
+    assert all(r["tokens_per_s"] > 0 for r in res["modes"].values()) and res["ideal_ratio"] > 1
+    assert "packed" in p.stdout and "ideal" in p.stdout
