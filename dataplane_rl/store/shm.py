@@ -189,7 +189,7 @@ class ShmStore(ColumnStore):
                               "kept. Drop partitions, lower pool_bytes, or give the filesystem more room")
     # -- paths and locks -------------------------------------------------------------------------
     def _pdir(self, pid: str) -> str:
-        if not isinstance(pid, str) or not PID.match(pid):  # also keeps '../x' out of the folder
+        if not isinstance(pid, str) or not PID.fullmatch(pid):  # also keeps '../x' out of the folder
             raise self._not_found(pid)
         return os.path.join(self._dir, pid)
 
@@ -292,7 +292,7 @@ class ShmStore(ColumnStore):
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptChunkError(f"shm refs file {path} does not hold chunk refs ({e!r})") from None
         for ref in refs:  # checksummed already; still, never join an unchecked name to a path
-            if not CHUNK_KEY.match(ref.key) or ref.nbytes < 0:
+            if not CHUNK_KEY.fullmatch(ref.key) or ref.nbytes < 0:
                 raise CorruptChunkError(f"shm refs file {path} names chunk key {ref.key!r}, not one this store "
                                         "writes; the partition cannot be trusted, drop it")
         return refs
@@ -319,7 +319,7 @@ class ShmStore(ColumnStore):
             self._refs_cache[pid] = (meta.token, snap.refs + list(refs), n + 1)  # our own commit: no parse
 
     def _list(self) -> list[str]:
-        return [n for n in os.listdir(self._dir) if PID.match(n)]
+        return [n for n in os.listdir(self._dir) if PID.fullmatch(n)]
 
     # -- chunk hooks -----------------------------------------------------------------------------
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
