@@ -57,7 +57,8 @@ from dataplane_rl.store import chunks
 from dataplane_rl.store.arrow import block_head
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
-from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, create_file, framed, read_file, unframe
+from dataplane_rl.store.shm_files import (CHUNK_KEY, DIR_MODE, check_trusted, create_file, framed, open_file, read_file,
+                                          unframe)
 from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
 
@@ -137,20 +138,20 @@ class ShmStore(ColumnStore):
 
     def _open_dir(self, create: bool) -> None:
         marker = os.path.join(self._dir, _MARKER)
-        if os.path.exists(self._dir) and not os.path.isdir(self._dir):
+        if os.path.lexists(self._dir) and not os.path.islink(self._dir) and not os.path.isdir(self._dir):
             raise StoreUnavailableError(f"shm://{self._dir} names a file, not a folder; point shm:// at a store "
                                         "folder or a new path")
-        if os.path.isdir(self._dir) and not os.access(self._dir, os.R_OK | os.X_OK):
-            raise StoreUnavailableError(f"shm store {self._dir} is not readable by this user (uid {os.getuid()}); "
-                                        "stores are private to the user who made them")
-        if os.path.isfile(marker):
-            with open(marker, "rb") as f:
-                version = f.read(64)
-            if version != _FORMAT:  # v1: metadata without checksums; v2: one chunk per column
-                raise StoreUnavailableError(f"shm store {self._dir} was made by an older dataplane-rl (format "
-                                            f"{version.decode(errors='replace').strip()!r}, this one writes "
-                                            f"{_FORMAT.decode().strip()!r}); make a new store (drop this folder)")
-            return
+        if check_trusted(self._dir):  # before anything is read or written there
+            if check_trusted(marker, folder=False):
+                fd = open_file(marker, os.O_RDONLY)
+                with os.fdopen(fd, "rb") as f:
+                    version = f.read(64)
+                if version != _FORMAT:  # v1: metadata without checksums; v2: one chunk per column
+                    raise StoreUnavailableError(f"shm store {self._dir} was made by an older dataplane-rl (format "
+                                                f"{version.decode(errors='replace').strip()!r}, this one writes "
+                                                f"{_FORMAT.decode().strip()!r}); make a new store (drop this folder)")
+                check_trusted(os.path.join(self._dir, _POOL))
+                return
         if not create:
             why = (f"{marker} is missing" if os.path.isdir(self._dir) else "the folder does not exist: a store's "
                    "folder goes with `dataplane-rl store drop --all` and with the run that made it, unless kept")
@@ -160,8 +161,10 @@ class ShmStore(ColumnStore):
                               "or empty folder")
         with self._os_errors("make the store folder"):
             os.makedirs(self._dir, mode=DIR_MODE, exist_ok=True)
+            check_trusted(self._dir)  # made by another user between the check above and ours?
             os.chmod(self._dir, DIR_MODE)
             os.makedirs(os.path.join(self._dir, _POOL), mode=DIR_MODE, exist_ok=True)
+            check_trusted(os.path.join(self._dir, _POOL))
             with contextlib.suppress(FileExistsError):  # another process made the store meanwhile
                 create_file(marker, _FORMAT)
 
@@ -199,7 +202,7 @@ class ShmStore(ColumnStore):
         pdir = self._pdir(pid)
         lock = os.path.join(pdir, "lock")
         try:
-            fd = os.open(lock, os.O_RDWR)
+            fd = open_file(lock, os.O_RDWR)
         except (FileNotFoundError, NotADirectoryError):
             raise self._not_found(pid) from None
         try:
@@ -252,14 +255,16 @@ class ShmStore(ColumnStore):
         inode, and the inode is the token) and the refs files, each parsed once: a stat and a listdir."""
         pdir = self._pdir(pid)
         try:
-            ino = os.stat(pdir).st_ino
+            st = os.lstat(pdir)
+            ino = st.st_ino
             cached = self._metas.get(pid)
             if cached is not None and cached.token == str(ino):
                 meta = cached
-            else:
+            else:  # first sight of this partition here: it and its folders must be the store's own
+                for folder in (pdir, os.path.join(pdir, "refs"), os.path.join(pdir, "chunks")):
+                    check_trusted(folder)
                 path = os.path.join(pdir, "meta.json")
-                with open(path, "rb") as f:
-                    text = unframe(f.read(), path)
+                text = unframe(read_file(path), path)
                 try:
                     meta = _parse_meta(text, str(ino))
                 except (ValueError, KeyError, TypeError) as e:
@@ -378,7 +383,7 @@ class ShmStore(ColumnStore):
             path = os.path.join(folder, file)
             try:
                 # never map or read past the end of the file (SIGBUS); a short chunk fails its checksum
-                st = os.stat(path)
+                st = os.lstat(path)
                 need = min(max(off + n for _, off, n in parts), st.st_size)
                 if need <= 0:
                     continue
