@@ -4,6 +4,7 @@ A store is a folder, on /dev/shm so the bytes live in RAM. `shm://` alone makes 
 store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes) DIR and leaves it in place.
 
     DIR/.dataplane-rl                  marker: this folder is a store
+    DIR/.owner                         the process that made it, and whether it is kept (owners.py)
     DIR/.pool/<bytes>-<hex>            chunk files of dropped partitions, kept for reuse
     DIR/<pid>/meta.json                the PartitionMeta: a JSON line (pid, num_rows), then the schema
     DIR/<pid>/lock                     flock'd exclusively by commit and drop
@@ -36,7 +37,6 @@ import fcntl
 import json
 import os
 import shutil
-import tempfile
 import uuid
 import weakref
 from pathlib import Path
@@ -53,7 +53,7 @@ from dataplane_rl.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from dataplane_rl.store import chunks
+from dataplane_rl.store import chunks, owners
 from dataplane_rl.store.arrow import block_head
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
@@ -62,7 +62,7 @@ from dataplane_rl.store.shm_files import (CHUNK_KEY, DIR_MODE, check_trusted, cr
 from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
 
-_MARKER = ".dataplane-rl"
+_MARKER = owners.MARKER
 _FORMAT = b"dataplane-rl shm store v3\n"  # v3: one record batch of all a put's columns per row block
 _POOL = ".pool"
 DEFAULT_POOL_BYTES = 1 << 30
@@ -96,8 +96,7 @@ class ShmStore(ColumnStore):
             raise ConfigError("shm:// without a folder makes a new, empty store; to open an existing one give its "
                               "folder: shm:///dev/shm/dataplane-rl-...")
         if self._auto:
-            root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            path = os.path.join(root, f"dataplane-rl-{uuid.uuid4().hex[:12]}")
+            path = owners.new_auto_path()
         self._dir = os.path.abspath(path)
         if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes < 0:
             raise ConfigError(f"shm store {self._dir}: pool_bytes={pool_bytes!r} must be a non-negative integer")
@@ -135,6 +134,7 @@ class ShmStore(ColumnStore):
         if self._cleanup is not None:
             self._cleanup.detach()
             self._cleanup = None
+            owners.write_owner(self._dir, auto=True, kept=True)  # `store gc` must leave it
 
     def _open_dir(self, create: bool) -> None:
         marker = os.path.join(self._dir, _MARKER)
@@ -165,6 +165,7 @@ class ShmStore(ColumnStore):
             os.chmod(self._dir, DIR_MODE)
             os.makedirs(os.path.join(self._dir, _POOL), mode=DIR_MODE, exist_ok=True)
             check_trusted(os.path.join(self._dir, _POOL))
+            owners.write_owner(self._dir, auto=self._auto)  # before the marker: no store is without an owner
             with contextlib.suppress(FileExistsError):  # another process made the store meanwhile
                 create_file(marker, _FORMAT)
 

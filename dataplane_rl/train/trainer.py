@@ -21,7 +21,7 @@ from dataplane_rl.config import Config
 from dataplane_rl.errors import DataPlaneError
 from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
-from dataplane_rl.store import MemoryStore, open_store, to_numpy
+from dataplane_rl.store import MemoryStore, open_store, owners, to_numpy
 from dataplane_rl.tasks import get_task
 from dataplane_rl.train import validation
 from dataplane_rl.train.batch import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
@@ -135,6 +135,7 @@ class GRPOTrainer:
         from dataplane_rl.train import placement
 
         cfg = self.cfg
+        owners.collect_at_start()  # the stores of runs that were killed (their own --resume included)
         placement.check_store_reachable(cfg)  # before Ray: a wrong address fails in seconds
         if not ray.is_initialized():
             quiet_ray_token_warning()
