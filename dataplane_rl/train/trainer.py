@@ -23,7 +23,7 @@ from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
 from dataplane_rl.store import MemoryStore, open_store, owners, to_numpy
 from dataplane_rl.tasks import get_task
-from dataplane_rl.train import validation
+from dataplane_rl.train import private_ray, validation
 from dataplane_rl.train.batch import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.model import resolve_model
 from dataplane_rl.train.reaper import deferred_sigint
@@ -98,15 +98,6 @@ def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:
     return max(1, cpus // N), max(1, cpus // D)
 
 
-def quiet_ray_token_warning() -> None:
-    """Ray 2.60 logs a warning about token authentication on every ray.init() unless RAY_AUTH_MODE is set;
-    it says nothing about this run (a user who sets RAY_AUTH_MODE=token asked for it, and gets no warning
-    either). Errors of that module still show."""
-    import logging
-
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-
-
 class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -138,7 +129,11 @@ class GRPOTrainer:
         owners.collect_at_start()  # the stores of runs that were killed (their own --resume included)
         placement.check_store_reachable(cfg)  # before Ray: a wrong address fails in seconds
         if not ray.is_initialized():
-            quiet_ray_token_warning()
+            if not cfg.cluster.address:
+                private_ray.make_private()
+            for line in (private_ray.open_warning(cfg), private_ray.security_line(cfg)):
+                if line:
+                    print(line, file=sys.stderr)
             # set first: a Ctrl-C inside ray.init must still shut down what it started (close())
             self._ray_started = True
             # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
