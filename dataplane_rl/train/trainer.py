@@ -131,15 +131,16 @@ class GRPOTrainer:
         if not ray.is_initialized():
             if not cfg.cluster.address:
                 private_ray.make_private()
-            for line in (private_ray.open_warning(cfg), private_ray.security_line(cfg)):
-                if line:
-                    print(line, file=sys.stderr)
             # set first: a Ctrl-C inside ray.init must still shut down what it started (close())
             self._ray_started = True
             # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
             # even a dead `ray start` head, instead of starting this run's own instance
             ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
                      include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+            # after the join: ray.init(address="auto") turns token auth on when it finds the user's token
+            for line in (private_ray.open_warning(cfg), private_ray.security_line(cfg)):
+                if line:
+                    print(line, file=sys.stderr)
         ray_nodes = placement.alive_nodes()
         placement.check_backend_spans(cfg, ray_nodes)
         self.store = open_run_store(cfg)
