@@ -28,6 +28,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+from typing import Callable
 
 from dataplane_rl.config import Config
 from dataplane_rl.hosts import is_loopback
@@ -81,17 +82,33 @@ def reexec(cfg: Config, argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "dataplane_rl.cli.main", *argv], env)
 
 
-def make_private() -> None:
-    """Before this process starts a local Ray: the private environment for every process Ray starts."""
-    for key, value in private_env(dict(os.environ)).items():
-        os.environ.setdefault(key, value)
+def make_private() -> Callable[[], None]:
+    """Before this process starts a local Ray: the private environment for every process Ray starts.
+    Returns what undoes it once that Ray is shut down, so that nothing this process starts later (another
+    Ray, a subprocess on another address) inherits the shim or the 127.0.0.1 node IP."""
+    added = {k: v for k, v in private_env(dict(os.environ)).items() if k not in os.environ}
+    os.environ.update(added)
     folder = os.environ.get(TOKEN_DIR_ENV)
-    if folder and os.path.dirname(os.environ.get(TOKEN_PATH_ENV, "")) == folder:
+    if folder and TOKEN_DIR_ENV not in added:  # the CLI's re-executed driver: the token goes when it exits
         atexit.register(shutil.rmtree, folder, True)
+    _refresh_ray()
+
+    def undo() -> None:
+        for key in added:
+            os.environ.pop(key, None)
+        if TOKEN_DIR_ENV in added:
+            shutil.rmtree(added[TOKEN_DIR_ENV], ignore_errors=True)
+        _refresh_ray()
+
+    return undo
+
+
+def _refresh_ray() -> None:
+    """Make this process's Ray see the environment as it is now."""
     import ray._private.ray_constants as ray_constants
     from ray._raylet import AuthenticationTokenLoader, Config as RayConfig
 
-    ray_constants.ENABLE_RAY_CLUSTER = os.environ[NODE_IP_ENV] != "0"  # Ray read the variable at its import
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get(NODE_IP_ENV) != "0"  # Ray read the variable at its import
     RayConfig.initialize("")  # Ray caches RAY_AUTH_MODE; re-read it (as Ray's own _enable_token_auth does)
     AuthenticationTokenLoader.instance().reset_cache()
 

@@ -117,6 +117,7 @@ class GRPOTrainer:
         self._groups: list = []  # placement groups: rollout, train
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
         self._ray_started = False
+        self._unprivate = None  # undoes private_ray.make_private once this run's Ray is shut down
         self.kept_store_url: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class GRPOTrainer:
         placement.check_store_reachable(cfg)  # before Ray: a wrong address fails in seconds
         if not ray.is_initialized():
             if not cfg.cluster.address:
-                private_ray.make_private()
+                self._unprivate = private_ray.make_private()
             # set first: a Ctrl-C inside ray.init must still shut down what it started (close())
             self._ray_started = True
             # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
@@ -198,6 +199,9 @@ class GRPOTrainer:
                     if self._ray_started:
                         ray.shutdown()
                         self._ray_started = False
+                    if self._unprivate is not None:
+                        self._unprivate()
+                        self._unprivate = None
 
     def refit(self, wait: bool = True) -> float:
         """Hand the policy's weights (version `self.version`) to the rollout actors, gathered once (rank 0's
