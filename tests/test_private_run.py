@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -49,7 +50,7 @@ def killed_run(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-c", CHILD, "train", *TINY, f"logger.run_dir={run_dir}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
-    tree = Tree(psutil.Process(proc.pid))
+    tree, token = Tree(psutil.Process(proc.pid)), None
     try:
         wait_for("step 1's checkpoint", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), proc, tree, 420)
         seen = listeners(tree)
@@ -62,6 +63,8 @@ def killed_run(tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
         tree.kill_all()  # Ray's own processes may sit in sessions of their own
+        if token:
+            shutil.rmtree(os.path.dirname(token), ignore_errors=True)  # a SIGKILL leaves it (docs/security.md)
     out = proc.stdout.read()
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
     return run_dir, env, seen, modes, out, [e for e in owners.scan(str(root))]
