@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 
 def add_parser(sub) -> None:
@@ -26,6 +27,10 @@ def run(args) -> int:
         cfg = resume_config(args.resume, args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)  # fails here, before anything starts, on a bad key
+    if args.from_command_line:
+        from dataplane_rl.train.private_ray import reexec
+
+        reexec(cfg, sys.argv[1:])  # once, with the environment of a private local Ray (returns on a cluster)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress bar: ours

@@ -19,11 +19,10 @@ from dataplane_rl.train.loggers import MetricLoggers
 from dataplane_rl.train.preempt import StopSignals
 from dataplane_rl.train.rollouts import RolloutActorError, RolloutWaitError
 from dataplane_rl.train.run_dir import RunDir
-from dataplane_rl.train.trainer import (DynamicSamplingError, GRPOTrainer, open_run_store, preflight,
-                                        quiet_ray_token_warning)
+from dataplane_rl.train.trainer import DynamicSamplingError, GRPOTrainer, open_run_store, preflight
 
 __all__ = ["DynamicSamplingError", "GRPOTrainer", "NonFiniteError", "RolloutActorError", "RolloutWaitError", "StepProgress", "check_finite",
-           "open_run_store", "preflight", "quiet_ray_token_warning", "train"]
+           "open_run_store", "preflight", "train"]
 
 
 class StepProgress:

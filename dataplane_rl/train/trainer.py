@@ -21,9 +21,9 @@ from dataplane_rl.config import Config
 from dataplane_rl.errors import DataPlaneError
 from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
-from dataplane_rl.store import MemoryStore, open_store, to_numpy
+from dataplane_rl.store import MemoryStore, open_store, owners, to_numpy
 from dataplane_rl.tasks import get_task
-from dataplane_rl.train import validation
+from dataplane_rl.train import private_ray, validation
 from dataplane_rl.train.batch import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.model import resolve_model
 from dataplane_rl.train.packing import balance_by_tokens, refuse_over_budget
@@ -101,15 +101,6 @@ def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:
     return max(1, cpus // N), max(1, cpus // D)
 
 
-def quiet_ray_token_warning() -> None:
-    """Ray 2.60 logs a warning about token authentication on every ray.init() unless RAY_AUTH_MODE is set;
-    it says nothing about this run (a user who sets RAY_AUTH_MODE=token asked for it, and gets no warning
-    either). Errors of that module still show."""
-    import logging
-
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-
-
 class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -129,6 +120,7 @@ class GRPOTrainer:
         self._groups: list = []  # placement groups: rollout, train
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
         self._ray_started = False
+        self._unprivate = None  # undoes private_ray.make_private once this run's Ray is shut down
         self.kept_store_url: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -138,15 +130,21 @@ class GRPOTrainer:
         from dataplane_rl.train import placement
 
         cfg = self.cfg
+        owners.collect_at_start()  # the stores of runs that were killed (their own --resume included)
         placement.check_store_reachable(cfg)  # before Ray: a wrong address fails in seconds
         if not ray.is_initialized():
-            quiet_ray_token_warning()
+            if not cfg.cluster.address:
+                self._unprivate = private_ray.make_private()
             # set first: a Ctrl-C inside ray.init must still shut down what it started (close())
             self._ray_started = True
             # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
             # even a dead `ray start` head, instead of starting this run's own instance
             ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
                      include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+            # after the join: ray.init(address="auto") turns token auth on when it finds the user's token
+            for line in (private_ray.open_warning(cfg), private_ray.security_line(cfg)):
+                if line:
+                    print(line, file=sys.stderr)
         ray_nodes = placement.alive_nodes()
         placement.check_backend_spans(cfg, ray_nodes)
         self.store = open_run_store(cfg)
@@ -204,6 +202,9 @@ class GRPOTrainer:
                     if self._ray_started:
                         ray.shutdown()
                         self._ray_started = False
+                    if self._unprivate is not None:
+                        self._unprivate()
+                        self._unprivate = None
 
     def refit(self, wait: bool = True) -> float:
         """Hand the policy's weights (version `self.version`) to the rollout actors, gathered once (rank 0's

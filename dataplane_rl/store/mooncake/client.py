@@ -35,6 +35,7 @@ from typing import Any
 from dataplane_rl.errors import StoreUnavailableError
 from dataplane_rl.hosts import advertise_host, quiet_glog
 from dataplane_rl.resources import pip_install_extra
+from dataplane_rl.store.bind_shim import ADDRESS_ENV
 
 INSTALL_HINT = (f"install the `mooncake` extra: {pip_install_extra('mooncake')} "
                 "(package mooncake-transfer-engine-non-cuda), and Debian libibverbs1 (apt-get install libibverbs1)")
@@ -252,6 +253,8 @@ def connect_client(master_address: str, local_buffer_size: int, protocol: str = 
             "and `python -m dataplane_rl.store.mooncake.holder`, as in the cluster recipe), or let the run start "
             "its own with data_plane.backend=mooncake://") from None
     host = advertise_host(master_address, local_hostname)
+    if ADDRESS_ENV in os.environ:  # the bind shim is preloaded here (train/private_ray.py): listen where peers dial
+        os.environ[ADDRESS_ENV] = host
     for k, v in {**CLIENT_ENV_DEFAULTS, "MC_TCP_BIND_ADDRESS": host}.items():
         os.environ.setdefault(k, v)
     quiet_glog()
