@@ -97,8 +97,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError or RuntimeError for a refused global
             info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata else None
             where = self.path / info.relative_path if info is not None else self.path
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"{where}: item {fqn} is not plain data ({first}); refused without "
+            lines = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
+            why = next((x for x in lines if x.startswith("Unsupported global")), lines[0])  # torch's clue
+            raise CheckpointError(f"{where}: item {fqn} is not plain data ({why}); refused without "
                                   "running it") from None
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
@@ -111,8 +112,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def dcp_load(state: dict, path: Path, **kwargs) -> None:
     """`dcp.load` through the safe reader and planner."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path), **kwargs)
+    try:
+        dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path), **kwargs)
+    except CheckpointException as e:  # DCP wraps every rank's error; ours is one line, passed on as it is
+        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
 
 
 # -- the manifest -------------------------------------------------------------------------------------
