@@ -188,14 +188,18 @@ class RunDir:
     def record_error(self, e: BaseException) -> str:
         """The summary's error: one line, no colour codes, no remote traceback; the whole traceback (a
         Ray task's remote one included) goes to error.log in the run folder, which the line names."""
-        log = self.path / "error.log"
-        text = _ANSI.sub("", "".join(traceback.format_exception(e)))
-        with contextlib.suppress(OSError):  # a folder that cannot take it still gets the summary
-            _atomic_write(log, text)
         cause = getattr(e, "cause", None)  # a RayTaskError: the error raised inside the actor
         shown = cause if isinstance(cause, BaseException) else e
         lines = [x.strip() for x in _ANSI.sub("", str(shown)).splitlines() if x.strip()]
-        return f"{type(shown).__name__}: {lines[0] if lines else ''} (traceback: {log})"
+        line = f"{type(shown).__name__}: {lines[0] if lines else ''}"
+        if self.fresh and not self.started:  # finish() removes the folder of a run that never started
+            return line
+        log = self.path / "error.log"
+        try:
+            _atomic_write(log, _ANSI.sub("", "".join(traceback.format_exception(e))))
+        except OSError:  # a folder that cannot take it still gets the summary
+            return line
+        return f"{line} (traceback: {log})"
 
     def finish(self, status: str, error: str | None = None, extra: dict | None = None) -> dict:
         """Write summary.json and reward.png; returns the summary. A fresh folder of a run that never
