@@ -69,8 +69,9 @@ def test_async_kill_9_then_resume_continues_the_run(case, tmp_path, ray_session)
     expected = straight_run(tmp_path / "straight", *overrides)
     run_dir = tmp_path / "killed"
     shm = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}-{tmp_path.name}"  # kill -9 skips the store's close
+    named = [f"data_plane.backend=shm://{shm}"] if "data_plane.enabled=true" in overrides else []
     try:
-        kill_after_checkpoint(run_dir, 2, *overrides, f"data_plane.backend=shm://{shm}")
+        kill_after_checkpoint(run_dir, 2, *overrides, *named)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     ckpt = run_dir / "checkpoints" / "step_000002"
