@@ -192,7 +192,7 @@ class RunDir:
         shown = cause if isinstance(cause, BaseException) else e
         lines = [x.strip() for x in _ANSI.sub("", str(shown)).splitlines() if x.strip()]
         line = f"{type(shown).__name__}: {lines[0] if lines else ''}"
-        if self.fresh and not self.started:  # finish() removes the folder of a run that never started
+        if not self.started:  # a run refused before it started leaves the folder's files as they were
             return line
         log = self.path / "error.log"
         try:
