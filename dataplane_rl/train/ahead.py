@@ -66,10 +66,11 @@ def check_partitions(folder: Path, entries: list) -> None:
     """Parse every saved partition and its schedule entry (before Ray starts)."""
     try:
         for e in entries:
-            if ".." in Path(e["file"]).parts:
+            if Path(e["file"]).is_absolute() or ".." in Path(e["file"]).parts:
                 raise CheckpointError(f"{folder}/driver.json: partition file {e['file']!r} is outside the checkpoint")
             _read(folder, e)
-            [RolloutJob(**j) for j in e["jobs"]]
+            for j in e["jobs"]:
+                RolloutJob(**j)
     except (KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{folder}/driver.json: not a checkpoint's schedule ({type(err).__name__}: {err})") from None
 

@@ -167,7 +167,7 @@ def damage(folder: Path) -> str | None:
         return f"file {MANIFEST} is not a checkpoint manifest"
     for rel, (size, digest) in expected.items():
         p = folder / rel
-        if ".." in Path(rel).parts or p.is_symlink() or not p.is_file():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or p.is_symlink() or not p.is_file():
             return f"file {rel} is missing"
         got = p.stat().st_size
         if got != size:
