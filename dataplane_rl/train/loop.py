@@ -76,12 +76,13 @@ def train(cfg: Config, resume: bool = False) -> dict:
     """
     import ray
 
-    start = None
+    start = saved = None
     if resume:  # refused before the folder is opened, so a refusal leaves the run's summary as it was
-        start = CheckpointManager.for_config(cfg).find()
+        start = CheckpointManager.for_config(cfg).find()  # its bytes verified against its manifest
         if step_of(start) > cfg.grpo.max_num_steps:
             raise ConfigError(f"--resume: the latest checkpoint is step {step_of(start)}, past grpo.max_num_steps="
                               f"{cfg.grpo.max_num_steps}; raise grpo.max_num_steps to continue the run")
+        saved = CheckpointManager.for_config(cfg).check(start)  # every file parsed, no code run, before Ray
     run = RunDir(cfg.logger.run_dir, overwrite=cfg.logger.overwrite, resume=resume)
     if cfg.logger.run_dir is None:  # the fresh runs/<time> folder: record it, so --resume and the checkpoints find it
         cfg = cfg.model_copy(deep=True)
@@ -99,7 +100,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             first = 1
             if start is not None:
                 run.resume_from(config_yaml, step_of(start))
-                first = ckpt.load(trainer, start) + 1
+                first = ckpt.load(trainer, start, saved) + 1  # async: with the rounds generated ahead
                 trainer.version = first - 1
                 trainer.refit()
                 left = cfg.grpo.max_num_steps - first + 1
@@ -111,8 +112,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
             run.record_store(trainer.store_url)
             print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
                                               if trainer.store_url else ""), file=sys.stderr, flush=True)
-            # async GRPO: the first steps generate now; a resumed run regenerates its steps ahead with the
-            # checkpoint's weights (newer than an unbroken run's, so within the bound, but not the same rows)
+            # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
+            # checkpoint (train/ahead.py), so this sends none of them again
             trainer.rollouts.send_ahead(trainer.version)
             # after the start: a run refused before it touches nothing in the folder
             loggers = MetricLoggers(cfg.logger, run.path, cfg.model_dump(mode="json", by_alias=True))
@@ -148,7 +149,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         status, error = "interrupted", "KeyboardInterrupt"
         raise
     except BaseException as e:
-        error = f"{type(e).__name__}: {e}"
+        error = run.record_error(e)
         raise
     finally:
         if bar is not None:

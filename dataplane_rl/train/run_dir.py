@@ -21,8 +21,10 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
+import traceback
 from pathlib import Path
 
 from dataplane_rl.errors import ConfigError
@@ -35,6 +37,10 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+# colour codes Ray puts into a remote traceback's text
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def fresh_run_dir(root: str | Path = "runs") -> Path:
@@ -178,6 +184,22 @@ class RunDir:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         self.validation.append(metrics)
+
+    def record_error(self, e: BaseException) -> str:
+        """The summary's error: one line, no colour codes, no remote traceback; the whole traceback (a
+        Ray task's remote one included) goes to error.log in the run folder, which the line names."""
+        cause = getattr(e, "cause", None)  # a RayTaskError: the error raised inside the actor
+        shown = cause if isinstance(cause, BaseException) else e
+        lines = [x.strip() for x in _ANSI.sub("", str(shown)).splitlines() if x.strip()]
+        line = f"{type(shown).__name__}: {lines[0] if lines else ''}"
+        if not self.started:  # a run refused before it started leaves the folder's files as they were
+            return line
+        log = self.path / "error.log"
+        try:
+            _atomic_write(log, _ANSI.sub("", "".join(traceback.format_exception(e))))
+        except OSError:  # a folder that cannot take it still gets the summary
+            return line
+        return f"{line} (traceback: {log})"
 
     def finish(self, status: str, error: str | None = None, extra: dict | None = None) -> dict:
         """Write summary.json and reward.png; returns the summary. A fresh folder of a run that never
