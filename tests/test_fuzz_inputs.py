@@ -103,6 +103,13 @@ def test_shapes_found_by_hand(store, fuzz_part, tmp_path):
         store.get(fuzz_part, None)
     with pytest.raises(ConfigError, match="must be an integer, not true/false"):
         load_config(None, ["policy.dp_size=true"])
+    for timeout in (float("nan"), "1", -1, None, True):  # nan made a wait that never ends
+        with pytest.raises(ConfigError, match=rf"partition {fuzz_part} wait: timeout=.* must be a finite number"):
+            store.wait(fuzz_part, ["total_reward"], range(4), timeout=timeout)
+    assert list(store.wait(fuzz_part, ["total_reward"], range(4), timeout=0)) == [0, 1, 2, 3]
+    with pytest.raises(SchemaError, match=r"column 'prompt_text' row #1 is not valid Unicode"):
+        store.put(fuzz_part, {"prompt_text": ["ok", "\ud800"]}, [0, 1])
+    assert store.status(fuzz_part).rows_written["prompt_text"] == 0
 
 
 def test_binary_config_and_task_files(tmp_path):
