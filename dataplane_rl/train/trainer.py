@@ -126,6 +126,7 @@ class GRPOTrainer:
         self._groups: list = []  # placement groups: rollout, train
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
         self._ray_started = False
+        self.ray_lost = False  # Ray's processes were stopped under us: close() must not wait on them
         self.kept_store_url: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -180,7 +181,8 @@ class GRPOTrainer:
             try:
                 # a rollout actor with batches sent ahead would generate them all before close(): just kill it
                 polite = self.workers + ([] if self.rollouts.pending else self.rollout)
-                for actor in self.rollout + self.workers:
+                # with Ray gone, every call below would wait 30-60 s for a GCS that is not coming back
+                for actor in [] if self.ray_lost else self.rollout + self.workers:
                     if any(actor is a for a in polite):
                         with contextlib.suppress(Exception):  # the actor may already be dead; the kill is what matters
                             ray.get(actor.close.remote(), timeout=30)
@@ -188,7 +190,7 @@ class GRPOTrainer:
                         ray.kill(actor)
             finally:
                 self.rollout, self.workers = [], []
-                for pg in self._groups:
+                for pg in [] if self.ray_lost else self._groups:
                     with contextlib.suppress(Exception):  # gone with a dead cluster
                         ray.util.remove_placement_group(pg)
                 self._groups = []
@@ -198,7 +200,14 @@ class GRPOTrainer:
                         self.store.close()
                         self.store = None
                 finally:
-                    if self._ray_started:
+                    if self._ray_started and self.ray_lost:
+                        # ray.shutdown (and Ray's own atexit call of it) would block ~20-60 s in the core
+                        # worker's goodbye to a dead raylet; the CLI's reaper stops what is left of Ray
+                        import atexit
+
+                        atexit.unregister(ray.shutdown)
+                        self._ray_started = False
+                    elif self._ray_started:
                         ray.shutdown()
                         self._ray_started = False
 
