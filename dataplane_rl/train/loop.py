@@ -15,7 +15,7 @@ from dataplane_rl.train import validation
 from dataplane_rl.train.checkpoint import CheckpointManager, step_of
 from dataplane_rl.train.export import export_hf
 from dataplane_rl.train.loggers import MetricLoggers
-from dataplane_rl.train.preempt import RayLost, StopSignals
+from dataplane_rl.train.preempt import LOST, RayLost, StopSignals
 from dataplane_rl.train.rollouts import RolloutActorError, RolloutWaitError
 from dataplane_rl.train.run_dir import RunDir
 from dataplane_rl.train.trainer import (DynamicSamplingError, GRPOTrainer, open_run_store, preflight,
@@ -62,6 +62,7 @@ def ray_lost(stop: StopSignals, trainer) -> bool:
     neither the handler nor close() may wait on Ray any more."""
     if stop.ray_lost or (stop.signum == signal.SIGTERM and stop.ray_going()):
         stop.ray_lost = True
+        LOST.set()
         if trainer is not None:
             trainer.ray_lost = True
     return stop.ray_lost

@@ -24,6 +24,10 @@ import time
 _RAY_EXIT_WAIT_S = 10.0
 
 
+# set once a run in this process lost Ray to a group signal: its core worker cannot be shut down cleanly
+LOST = threading.Event()
+
+
 class RayLost(BaseException):
     """Ray's own processes were stopped with the driver (a signal to the whole process group): nothing
     that needs Ray can be done any more. A BaseException, so no `except Exception` on the way swallows it."""
@@ -84,7 +88,8 @@ class StopSignals:
             threading.Thread(target=self._watch, name="ray-lost-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        if self.ray_going(_RAY_EXIT_WAIT_S):
+        # not once the run has seen it itself, nor after the handlers are restored (Ray's would sys.exit(1))
+        if self.ray_going(_RAY_EXIT_WAIT_S) and self._saved and not self.ray_lost:
             self._ray_gone = True
             _thread.interrupt_main(signal.SIGTERM)  # runs _handle in the main thread, which raises RayLost
 
