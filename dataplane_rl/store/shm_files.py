@@ -6,6 +6,7 @@ JSON: a damaged or truncated one is a CorruptChunkError, never rows read from a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -17,14 +18,19 @@ DIR_MODE, FILE_MODE = 0o700, 0o600  # private to the store's user
 
 
 def create_file(path: str, data: bytes = b"") -> None:
-    """Make a new private file holding `data` (O_EXCL: never reuses a name)."""
+    """Make a new private file holding `data` (O_EXCL: never reuses a name), or none at all: a write that
+    fails (a full filesystem) removes the file, so no empty marker or metadata file is left to misread."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-    finally:
+    except BaseException:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
 
 
 def read_file(path: str) -> bytes:
