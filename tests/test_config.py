@@ -119,3 +119,19 @@ def test_kl_off_does_not_fetch_reference_logprobs():
     # beta = 0 skips the reference pass; the default train fields must not ask for its column
     assert "reference_policy_logprobs" in load_config().train_fields()
     assert "reference_policy_logprobs" not in load_config(None, ["loss_fn.reference_policy_kl_penalty=0"]).train_fields()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["policy.max_total_sequence_length=3"], "a prompt of 4 tokens leaves no room for a response within "
+                                             "policy.max_total_sequence_length=3"),
+    (["policy.precision=bfloat16", "policy.device=cpu"], "policy.precision=bfloat16 needs CUDA"),
+    pytest.param(["policy.device=cuda"], "policy.device=cuda but torch sees no CUDA device",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")),
+], ids=["prompt-too-long", "bf16-cpu", "cuda-none"])
+def test_machine_dependent_config_is_refused_before_ray(overrides, match):
+    """Once a RayTaskError from inside an actor (remote traceback, ANSI colours); now one ConfigError
+    from the driver's preflight, before ray.init (round-3 probe)."""
+    from dataplane_rl.train.trainer import preflight
+
+    with pytest.raises(ConfigError, match=match):
+        preflight(load_config(None, overrides))

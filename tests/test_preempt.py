@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from test_shutdown import Tree, metrics_lines, wait_for
+from test_shutdown import Tree, wait_for
 from test_train_e2e import SMALL
 
 from dataplane_rl.train.checkpoint import CheckpointManager, step_of
@@ -52,9 +52,8 @@ def test_group_sigterm_stops_cleanly(tmp_path, moment):
     pgid = proc.pid  # start_new_session: the child leads a group of its own, as a batch job does
     tree = Tree(psutil.Process(proc.pid))
     try:
-        if moment == "step":
-            wait_for("logged step", lambda: metrics_lines(run_dir) >= 1, proc, tree)
-            time.sleep(0.3)  # into the next step's generation
+        if moment == "step":  # step 1 is saved: step 2 is under way
+            wait_for("first checkpoint", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), proc, tree)
         else:
             wait_for("checkpoint save in progress", lambda: saving(run_dir), proc, tree)
         tree.poll()
