@@ -54,8 +54,9 @@ def test_group_sigterm_stops_cleanly(tmp_path, moment):
     try:
         if moment == "step":  # step 1 is saved: step 2 is under way
             wait_for("first checkpoint", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), proc, tree)
-        else:
-            wait_for("checkpoint save in progress", lambda: saving(run_dir), proc, tree)
+        else:  # a save after a complete one: that one must stay the resumable latest
+            wait_for("second checkpoint save in progress",
+                     lambda: (run_dir / "checkpoints" / "step_000001").is_dir() and saving(run_dir), proc, tree)
         tree.poll()
         os.killpg(pgid, signal.SIGTERM)
         sent = time.monotonic()
