@@ -26,3 +26,9 @@ def project_root() -> Path | None:
     """The checkout this package runs from (the folder with pyproject.toml), or None for an installed wheel."""
     root = _PACKAGE.parent
     return root if (root / "pyproject.toml").is_file() and (root / "schema").is_dir() else None
+
+
+def pip_install_extra(extra: str) -> str:
+    """The pip command that adds an extra: editable from the checkout this package runs from, else by name."""
+    root = project_root()
+    return f"pip install -e '.[{extra}]' in {root}" if root else f"pip install 'dataplane-rl[{extra}]'"

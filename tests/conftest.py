@@ -41,11 +41,8 @@ def ray_session():
     """One local Ray for the whole session (starting one costs seconds); reused if already running."""
     import ray
 
-    from dataplane_rl.train.loop import quiet_ray_token_warning
-
     started = not ray.is_initialized()
     if started:
-        quiet_ray_token_warning()
         # address="local": never join a cluster that /tmp/ray/ray_current_cluster names (maybe dead)
         ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     yield ray

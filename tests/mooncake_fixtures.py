@@ -33,7 +33,7 @@ _shared: dict[str, object] = {}
 def require_mooncake() -> None:
     """Skip (or fail under DATAPLANE_RL_REQUIRE_BACKENDS=1) when Mooncake cannot run here."""
     try:
-        from dataplane_rl.store.mooncake_cluster import find_master_binary, import_mooncake_store
+        from dataplane_rl.store.mooncake.client import find_master_binary, import_mooncake_store
 
         import_mooncake_store()
         find_master_binary()
@@ -46,7 +46,7 @@ def require_mooncake() -> None:
 def shared_cluster():
     """The session's MooncakeCluster (started on first use; closed at session end or exit)."""
     require_mooncake()
-    from dataplane_rl.store.mooncake_cluster import MooncakeCluster
+    from dataplane_rl.store.mooncake.cluster import MooncakeCluster
 
     with _lock:
         c = _shared.get("cluster")
@@ -97,7 +97,7 @@ def damage_key(client, key: str, off: int, nbytes: int, lose: bool) -> None:
     or lose it with the blocks after it in the object (the object is cut at the block)."""
     import numpy as np
 
-    from dataplane_rl.store.mooncake_cluster import no_eviction_config
+    from dataplane_rl.store.mooncake.client import no_eviction_config
 
     size = client.get_size(key)
     assert size > 0, f"no object {key}"

@@ -88,11 +88,11 @@ def kill_after_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
     assert not (run_dir / "summary.json").exists(), "a kill -9 leaves no summary"
 
 
-def assert_same_steps(a: list[dict], b: list[dict]) -> None:
+def assert_same_steps(a: list[dict], b: list[dict], rel: float = 1e-5) -> None:
     assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, len(a) + 1))
     for x, y in zip(a, b):
         for k in KEYS:
-            assert math.isclose(x[k], y[k], rel_tol=1e-5, abs_tol=1e-7), f"step {x['step']} {k}: {x[k]} vs {y[k]}"
+            assert math.isclose(x[k], y[k], rel_tol=rel, abs_tol=1e-7), f"step {x['step']} {k}: {x[k]} vs {y[k]}"
 
 
 @pytest.fixture(scope="module")
@@ -101,40 +101,47 @@ def straight(tmp_path_factory, ray_session) -> tuple[Path, list[dict]]:
     return run_dir, straight_run(run_dir)
 
 
-def test_kill_9_then_resume_equals_a_straight_run(straight, tmp_path):
+def test_kill_9_then_resume_on_two_ranks_with_the_data_plane_on(straight, tmp_path):
+    """Elastic dp 1->2, and the data plane switched on (portability): only the reduction order changes."""
     _, expected = straight
     run_dir = tmp_path / "killed"
     kill_after_checkpoint(run_dir, 2)
-    p = cli("train", "--resume", str(run_dir), "logger.progress=false")
+    latest = max(int(c.name.split("_")[1]) for c in (run_dir / "checkpoints").glob("step_*"))
+    p = cli("train", "--resume", str(run_dir), "logger.progress=false", "policy.dp_size=2", "data_plane.enabled=true")
     assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resumed {run_dir} from its checkpoint of step {latest}" in p.stderr, p.stderr[-3000:]
     got = read_metrics(run_dir)
-    assert_same_steps(got, expected)  # no step twice, none missing, same numbers
+    assert_same_steps(got, expected, rel=1e-4)  # no step twice, none missing, same numbers
+    assert got[-1]["data_plane/enabled"] and not expected[-1]["data_plane/enabled"]
     assert sorted(f.name for f in (run_dir / "train_data").iterdir()) == [f"step_{i:06d}.jsonl" for i in range(1, 4)]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps_completed"] == 3
     assert (run_dir / "policy" / "model.safetensors").is_file()
 
 
-def test_kill_9_then_resume_with_two_ranks(tmp_path, ray_session):
+def test_kill_9_then_resume_on_one_rank_and_one_rollout_actor(tmp_path, ray_session):
+    """Elastic dp 2->1 and rollout actors 2->1 in one resume: DCP reshards the two ranks' shards."""
     from dataplane_rl.train.loop import train
     from dataplane_rl.train.resume import resume_config
 
-    expected = straight_run(tmp_path / "straight2", "policy.dp_size=2", "data_plane.enabled=true")
+    shape = ("policy.dp_size=2", "generation.num_workers=2", "data_plane.enabled=true")
+    expected = straight_run(tmp_path / "straight2", *shape)
     run_dir = tmp_path / "killed2"
     # kill -9 skips the store's close: give the killed run a named shm folder that this test removes
     shm = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}-{tmp_path.name}"
     try:
-        kill_after_checkpoint(run_dir, 2, "policy.dp_size=2", "data_plane.enabled=true", f"data_plane.backend=shm://{shm}")
+        kill_after_checkpoint(run_dir, 2, *shape, f"data_plane.backend=shm://{shm}")
         shards = list((run_dir / "checkpoints" / "step_000002" / "train").glob("*.distcp"))
         assert len(shards) == 2, "each rank writes its own shards"
         # a fresh store for the resumed run: the transport may change, the numbers do not
-        summary = train(resume_config(run_dir, ["data_plane.backend=shm://"]), resume=True)
+        summary = train(resume_config(run_dir, ["data_plane.backend=shm://", "policy.dp_size=1",
+                                                "generation.num_workers=1"]), resume=True)
     finally:
         import shutil
 
         shutil.rmtree(shm, ignore_errors=True)
-    assert summary["status"] == "completed"
-    assert_same_steps(read_metrics(run_dir), expected)
+    assert summary["status"] == "completed" and len(summary["nodes"]["train"]) == 1
+    assert_same_steps(read_metrics(run_dir), expected, rel=1e-4)
     assert not Path(summary["store_url"][len("shm://"):]).exists()
 
 
@@ -230,6 +237,7 @@ def test_export_loads_in_transformers_with_the_trainers_logprobs(straight, tmp_p
     out = tmp_path / "hf"
     p = cli("export", str(run_dir), "--step", "3", str(out))
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "model shards" not in p.stderr and "%|" not in p.stderr, p.stderr  # no transformers progress bar
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (out / f).is_file(), f
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -288,3 +296,137 @@ def test_reopen_drops_the_steps_after_the_checkpoint(tmp_path):
     assert [m["step"] for m in run.metrics] == [1, 2]
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(x + "\n" for x in lines[:2])
     assert sorted(p.name for p in (tmp_path / "train_data").iterdir()) == ["step_000001.jsonl", "step_000002.jsonl"]
+
+
+# -- checkpoints load no code and verify their bytes (issue 24) --------------------------------------------
+class Payload:
+    """A pickle that, when loaded by an unrestricted unpickler, creates the file `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant_in_dcp_item(train: Path, payload: Payload) -> str:
+    """Point one non-tensor DCP item (the scheduler's step count) at a torch.save'd payload appended to its
+    .distcp file; returns that file's name. The test's own metadata, so plain pickle reads it here."""
+    import io
+    import pickle
+
+    md = pickle.loads((train / ".metadata").read_bytes())
+    key = next(k for k in md.storage_data if k.fqn == "scheduler.last_epoch")
+    info = md.storage_data[key]
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    shard = train / info.relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buf.getvalue())
+    info.offset, info.length = offset, len(buf.getvalue())
+    (train / ".metadata").write_bytes(pickle.dumps(md))
+    return info.relative_path
+
+
+@pytest.fixture
+def run_copy(straight, tmp_path) -> Path:
+    import shutil
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(straight[0], run_dir)
+    return run_dir
+
+
+def test_a_crafted_pickle_in_any_checkpoint_file_never_runs(run_copy, tmp_path):
+    """A __reduce__ payload in each file a resume or an export reads, with the manifest re-signed so
+    only the loaders stand between it and os.system: refused naming the file, and the marker never appears."""
+    import pickle
+    import shutil
+
+    from dataplane_rl.train.checkpoint_files import CheckpointError, write_manifest
+    from dataplane_rl.train.loop import train
+    from dataplane_rl.train.resume import resume_config
+
+    marker = tmp_path / "pwned"
+    ckpt = run_copy / "checkpoints" / "step_000003"
+    pristine = tmp_path / "pristine"
+    shutil.copytree(ckpt, pristine)
+    for target in ("train/.metadata", "train/distcp-item", "driver.json", "manifest.json"):
+        shutil.rmtree(ckpt)
+        shutil.copytree(pristine, ckpt)
+        if target == "train/distcp-item":
+            named = "train/" + plant_in_dcp_item(ckpt / "train", Payload(marker))
+        else:
+            named = target
+            (ckpt / target).write_bytes(pickle.dumps(Payload(marker)))
+        if target != "manifest.json":
+            write_manifest(ckpt, 3)
+        with pytest.raises(CheckpointError) as e:
+            train(resume_config(run_copy, []), resume=True)
+        assert Path(named).name in str(e.value) and "\n" not in str(e.value), (target, str(e.value))
+        assert not marker.exists(), f"the payload in {target} ran on resume"
+        if target == "train/.metadata":  # the reported reproduction: export, in a subprocess
+            p = cli("export", str(run_copy), str(tmp_path / "out"))
+            assert p.returncode == 2 and p.stderr.count("\n") == 1 and ".metadata" in p.stderr, p.stderr[-2000:]
+            assert p.stderr.startswith("error:") and not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_damaged_checkpoint_files_are_refused_by_name(run_copy, tmp_path):
+    """Flipped, truncated and deleted files, and a missing manifest: one line naming the file and the step,
+    offering the newest checkpoint that verifies; nothing is loaded and the run folder is untouched."""
+    from dataplane_rl.train.checkpoint_files import CheckpointError
+    from dataplane_rl.train.export import export_run
+    from dataplane_rl.train.loop import train
+    from dataplane_rl.train.resume import resume_config
+
+    ckpt = run_copy / "checkpoints" / "step_000003"
+    shard = max((ckpt / "train").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    summary = (run_copy / "summary.json").read_bytes()
+    data = bytearray(shard.read_bytes())
+    for i in range(0, len(data), 65536):
+        data[i] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checkpoint step 3 .*train/{shard.name} has changed bytes.*"
+                                              r"newest complete checkpoint is step 2"):
+        export_run(run_copy, tmp_path / "out")
+    with pytest.raises(CheckpointError, match=rf"train/{shard.name} has changed bytes"):
+        train(resume_config(run_copy, []), resume=True)
+    assert (run_copy / "summary.json").read_bytes() == summary
+    shard.write_bytes(bytes(data[: len(data) // 2]))
+    p = cli("export", str(run_copy), str(tmp_path / "out"))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-2000:]
+    assert f"train/{shard.name} is truncated" in p.stderr and "step 3" in p.stderr and "step 2" in p.stderr
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"train/{shard.name} is missing"):
+        export_run(run_copy, tmp_path / "out")
+    (run_copy / "checkpoints" / "step_000002" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"step 2 .*manifest.json is missing.*no other checkpoint"):
+        export_run(run_copy, tmp_path / "out", 2)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_remote_error_is_one_line_and_its_traceback_goes_to_the_run_folder(tmp_path, ray_session):
+    import ray
+
+    from dataplane_rl.errors import ConfigError as Err
+    from dataplane_rl.train.run_dir import RunDir
+
+    @ray.remote(num_cpus=0)
+    def fails():
+        raise Err("partition step-000002 column 'advantages' rows 0-3: the remote reason")
+
+    with pytest.raises(ray.exceptions.RayTaskError) as e:
+        ray.get(fails.remote())
+    assert "\n" in str(e.value), "Ray's own text carries the remote traceback"
+    run = RunDir(tmp_path / "run")
+    run.begin("grpo: {}\n")
+    line = run.record_error(e.value)
+    summary = run.finish("failed", line)
+    run.close()
+    assert summary["error"] == json.loads((tmp_path / "run" / "summary.json").read_text())["error"] == line
+    assert line.startswith("ConfigError: partition step-000002 column 'advantages' rows 0-3: the remote reason")
+    assert "\n" not in line and "\x1b" not in line and str(tmp_path / "run" / "error.log") in line
+    log = (tmp_path / "run" / "error.log").read_text()
+    assert "Traceback" in log and "the remote reason" in log and "\x1b" not in log

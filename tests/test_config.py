@@ -78,12 +78,12 @@ def test_shipped_configs_validate():
 
 
 def test_readme_config_reference_is_current():
-    """The README's config table is generated from the models; regenerate with
+    """docs/config.md's table is generated from the models; regenerate with
     `dataplane-rl config show --reference` when a field changes."""
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert config_reference() in readme, "README config reference is stale: paste `dataplane-rl config show --reference`"
+    page = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    assert config_reference() in page, "docs/config.md is stale: paste `dataplane-rl config show --reference`"
 
 
 def test_every_field_has_a_doc():
@@ -119,6 +119,24 @@ def test_kl_off_does_not_fetch_reference_logprobs():
     # beta = 0 skips the reference pass; the default train fields must not ask for its column
     assert "reference_policy_logprobs" in load_config().train_fields()
     assert "reference_policy_logprobs" not in load_config(None, ["loss_fn.reference_policy_kl_penalty=0"]).train_fields()
+
+
+def test_a_bad_override_names_the_command_line_not_the_embedded_file():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["grpo.seed=abc"])
+    assert "override 'grpo.seed=abc'" in str(e.value) and "grpo_tiny.yaml" not in str(e.value)
+
+
+def test_a_backend_without_the_data_plane_is_refused_naming_enabled():
+    for url in ("mooncake://", "shm:///dev/shm/x", "memory://"):
+        with pytest.raises(ConfigError, match=rf"data_plane.backend={url} is unused.*data_plane.enabled=true"):
+            load_config(None, [f"data_plane.backend={url}"])
+    load_config(None, ["data_plane.backend=mooncake://", "data_plane.enabled=true"])
+
+
+def test_math_jsonl_without_a_path_is_refused_naming_the_sample():
+    with pytest.raises(ConfigError, match=r"task.name=math_jsonl needs task.path.*task.path=\S+math_sample.jsonl"):
+        load_config(None, ["task.name=math_jsonl"])
 
 
 @pytest.mark.parametrize("overrides,match", [

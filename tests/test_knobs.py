@@ -12,7 +12,8 @@ import torch
 
 from dataplane_rl.config import load_config
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.rollout.engine import Generation, HFEngine, nucleus, sample_seed
+from dataplane_rl.rollout.engine import HFEngine, nucleus
+from dataplane_rl.rollout.generation import Generation, sample_seed
 from dataplane_rl.rollout.worker import cut, response_rooms
 from dataplane_rl.train.scheduler import WarmupSchedule, build_scheduler, optimizer_steps_per_run
 
@@ -184,8 +185,14 @@ def test_grpo_run_with_every_knob(tmp_path, ray_session):
         try:
             assert sorted(store.list_partitions()) == ["step-000001", "step-000002"]
             t = store.get("step-000001", ["input_lengths", "truncated", "input_ids"], list(range(32)))
+            masks = store.get("step-000001", ["token_mask", "sample_mask"], list(range(32)))
         finally:
             store.close()
+        # train/global_valid_toks: the step's trained tokens, N_tok of each of its 4 optimizer steps added up
+        # (2 epochs over every row), not their mean
+        n_tok = sum(sum(tm) * sm for tm, sm in zip(masks.column("token_mask").to_pylist(),
+                                                   masks.column("sample_mask").to_pylist()))
+        assert metrics[0]["train/global_valid_toks"] == 2 * n_tok > 0
         lengths, truncated = t.column("input_lengths").to_pylist(), t.column("truncated").to_pylist()
         assert max(lengths) <= 6 and any(truncated)
         eos = 2

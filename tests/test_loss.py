@@ -356,7 +356,7 @@ def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCoun
     """DESIGN §5 one token at a time, with 0-dim tensor ops so autograd still works."""
     beta, mu, c = cfg.reference_policy_kl_penalty, cfg.positive_example_nll_weight, cfg.ratio_clip_c
     lo, hi = 1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max
-    sums = dict(pg=0.0, kl=0.0, nll=0.0, clip=0, dual=0, ratio=0.0, ent=0.0, n=0)
+    sums = dict(pg=0.0, kl=0.0, nll=0.0, clip=0, clip_lo=0, clip_hi=0, dual=0, ratio=0.0, ent=0.0, ppo_kl=0.0, n=0)
     B, T = lp.shape
     for i in range(B):
         if not batch["sample_mask"][i]:
@@ -371,6 +371,8 @@ def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCoun
             unclipped, clipped = -a * r, -a * torch.clamp(r, lo, hi)
             pg = torch.maximum(unclipped, clipped)
             sums["clip"] += int(clipped > unclipped)
+            sums["clip_lo"] += int(clipped > unclipped and r < 1)  # the ratio fell under 1 - eps_low
+            sums["clip_hi"] += int(clipped > unclipped and r > 1)  # and over 1 + eps_high
             if c is not None and a < 0 and pg > -c * a:
                 pg, sums["dual"] = torch.tensor(-c * a, dtype=lp.dtype), sums["dual"] + 1
             kl = 0.0
@@ -387,6 +389,7 @@ def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCoun
                 sums["nll"] = sums["nll"] - lp[i, t]
             sums["ratio"] += r.item()
             sums["ent"] -= lp[i, t].item()
+            sums["ppo_kl"] += (batch["prev_logprobs"][i, t] - lp[i, t]).item()  # k1 of KL(old || new)
             sums["n"] += 1
         if cfg.token_level_loss:
             sums["pg"], sums["kl"] = sums["pg"] + seq_pg, sums["kl"] + seq_kl
@@ -397,7 +400,9 @@ def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCoun
     loss = pg + beta * kl + mu * nll
     metrics = dict(loss=loss, pg_loss=pg, kl_penalty=kl, positive_nll_loss=nll, clip_fraction=sums["clip"] / n_tok,
                    dual_clip_fraction=sums["dual"] / n_tok, probs_ratio_mean=sums["ratio"] / n_tok,
-                   approx_entropy=sums["ent"] / n_tok, num_valid_tokens=sums["n"])
+                   approx_entropy=sums["ent"] / n_tok, num_valid_tokens=sums["n"],
+                   clip_fraction_lower=sums["clip_lo"] / n_tok, clip_fraction_upper=sums["clip_hi"] / n_tok,
+                   ppo_kl=sums["ppo_kl"] / n_tok)
     return loss, {k: float(v.detach() if torch.is_tensor(v) else v) for k, v in metrics.items()}
 
 

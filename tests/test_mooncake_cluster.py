@@ -21,7 +21,8 @@ import pytest
 from dataplane_rl.errors import StoreUnavailableError
 from mooncake_fixtures import mooncake_client, mooncake_cluster, require_mooncake  # noqa: F401
 
-from dataplane_rl.store import mooncake_cluster as mc  # noqa: E402 - part of the package: an import error is a failure
+from dataplane_rl.store.mooncake import client as mc  # noqa: E402 - part of the package: an import error is a failure
+from dataplane_rl.store.mooncake.cluster import MooncakeCluster  # noqa: E402
 
 
 def _uid(tag: str) -> str:
@@ -135,7 +136,7 @@ def test_local_store_listens_only_on_loopback(mooncake_cluster):
 def test_start_and_stop_leaves_no_processes():
     require_mooncake()
     t0 = time.monotonic()
-    with mc.MooncakeCluster(num_holders=2, global_segment_size=16 << 20) as c:
+    with MooncakeCluster(num_holders=2, global_segment_size=16 << 20) as c:
         started = time.monotonic() - t0
         pids = c.pids()
         log_dir = c.log_dir
@@ -152,12 +153,12 @@ def test_start_and_stop_leaves_no_processes():
 def test_missing_binary_names_the_fix():
     require_mooncake()
     with pytest.raises(StoreUnavailableError, match=r"mooncake_master binary not found.*mooncake.*libibverbs1"):
-        mc.MooncakeCluster(master_binary="/nonexistent/mooncake_master").start()
+        MooncakeCluster(master_binary="/nonexistent/mooncake_master").start()
 
 
 def test_holder_that_cannot_start_is_reported_with_its_log():
     require_mooncake()
-    c = mc.MooncakeCluster(num_holders=1, global_segment_size=16 << 20, protocol="no-such-protocol",
+    c = MooncakeCluster(num_holders=1, global_segment_size=16 << 20, protocol="no-such-protocol",
                            env={"MC_STORE_CLIENT_SETUP_RETRIES": "1"}, start_timeout=30)
     with pytest.raises(StoreUnavailableError, match=r"(?s)holder 0 .*exited with code 2.*unsupported_protocol"):
         c.start()
@@ -304,7 +305,7 @@ def test_keys_can_be_listed_through_the_admin_endpoint(mooncake_cluster, mooncak
 # ---- full store --------------------------------------------------------------------------------
 def test_quirk_full_segment_fails_puts_instead_of_evicting():
     require_mooncake()
-    with mc.MooncakeCluster(num_holders=1, global_segment_size=16 << 20) as c:
+    with MooncakeCluster(num_holders=1, global_segment_size=16 << 20) as c:
         client = c.connect(local_buffer_size=0)
         try:
             a = Arena(client, 2 << 20)
@@ -322,7 +323,7 @@ def test_quirk_full_segment_fails_puts_instead_of_evicting():
 
 def test_quirk_default_master_evicts_silently_but_not_hard_pinned_objects():
     require_mooncake()
-    with mc.MooncakeCluster(num_holders=1, global_segment_size=16 << 20, eviction=True) as c:
+    with MooncakeCluster(num_holders=1, global_segment_size=16 << 20, eviction=True) as c:
         assert "--eviction_ratio=0.0" not in c.master_flags()
         client = c.connect(local_buffer_size=0)
         try:
@@ -342,7 +343,7 @@ def test_quirk_default_master_evicts_silently_but_not_hard_pinned_objects():
 # ---- dead processes ----------------------------------------------------------------------------
 def test_killed_holder_is_detected_and_its_keys_are_lost():
     require_mooncake()
-    with mc.MooncakeCluster(num_holders=3, global_segment_size=16 << 20, client_ttl_s=2) as c:
+    with MooncakeCluster(num_holders=3, global_segment_size=16 << 20, client_ttl_s=2) as c:
         client = c.connect(local_buffer_size=0)
         try:
             a = Arena(client, 1 << 20)
@@ -381,7 +382,7 @@ def test_killed_holder_is_detected_and_its_keys_are_lost():
 
 def test_dead_master_is_detected():
     require_mooncake()
-    with mc.MooncakeCluster(num_holders=1, global_segment_size=16 << 20) as c:
+    with MooncakeCluster(num_holders=1, global_segment_size=16 << 20) as c:
         c.master.kill()
         c.master.wait(5)
         with pytest.raises(StoreUnavailableError, match="mooncake_master .* exited"):

@@ -1,8 +1,8 @@
-"""Two hosts on one machine: Ray and Mooncake across two Linux network namespaces, with the README's recipe.
+"""Two hosts on one machine: Ray and Mooncake across two Linux network namespaces, with the recipe of docs/cluster.md.
 
 Namespace A (the head, 10.231.0.1) and namespace B (a worker, 10.231.0.2) are joined by a veth pair on a
 test-only subnet that exists only inside them. Each has its own loopback, so any address that wrongly
-says 127.0.0.1 breaks the run. The README's cluster commands (RECIPE below; a test checks the README
+says 127.0.0.1 breaks the run. The cluster commands of docs/cluster.md (RECIPE below; a test checks the page
 holds them verbatim) start a token-authenticated Ray head in A and a worker in B, a Mooncake master in A
 and a holder in each. Needs root and `ip` (CI has both): without them the tests fail under
 DATAPLANE_RL_REQUIRE_BACKENDS=1 and skip elsewhere. Only processes inside the namespaces are killed, by
@@ -35,14 +35,14 @@ SEGMENT = 256 << 20
 TINY = ("grpo.num_prompts_per_step=8 grpo.num_generations_per_prompt=4 policy.train_global_batch_size=16 "
         "policy.train_micro_batch_size=4 generation.max_new_tokens=6")
 
-# The README's recipe, command for command ($HEAD, $SEGMENT and the token come from the environment).
+# docs/cluster.md's recipe, command for command ($HEAD, $SEGMENT and the token come from the environment).
 RECIPE = {
     "token": "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(ray get-auth-token --generate)",
     "ray_head": "ray start --head --node-ip-address=$HEAD --port=6379 --block > ray.log 2>&1 & echo $! > ray.pid",
     "master": ("mooncake_master --rpc_address=$HEAD --rpc_port=50051 --metrics_host=$HEAD --metrics_port=50052 "
                "--enable_http_metadata_server=false --eviction_high_watermark_ratio=1.0 --eviction_ratio=0.0 "
                "> master.log 2>&1 & echo $! > master.pid"),
-    "holder": ("python -m dataplane_rl.store.mooncake_holder --master $HEAD:50051 --segment-size $SEGMENT "
+    "holder": ("python -m dataplane_rl.store.mooncake.holder --master $HEAD:50051 --segment-size $SEGMENT "
                "> holder.log 2>&1 & echo $! > holder.pid"),
     "ray_worker": "ray start --address=$HEAD:6379 --block > ray.log 2>&1 & echo $! > ray.pid",
     "train": ("dataplane-rl train --config configs/grpo_mooncake.yaml cluster.address=auto "
@@ -59,11 +59,10 @@ def _flat(text: str) -> str:
 
 
 def test_readme_cluster_recipe_is_the_tested_one():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## On a Ray cluster with Mooncake", 1)[1].split("\n## ", 1)[0]
+    section = (REPO / "docs" / "cluster.md").read_text()
     flat = _flat(section)
     for name, cmd in RECIPE.items():
-        assert _flat(cmd) in flat, f"README cluster section lacks the tested '{name}' command: {cmd}"
+        assert _flat(cmd) in flat, f"docs/cluster.md lacks the tested '{name}' command: {cmd}"
     blocks = re.findall(r"(.*)\n```bash\n", section)
     assert blocks and all("readme-test: skip" in line for line in blocks), "mark every cluster block as skipped"
 

@@ -1,8 +1,9 @@
-"""The README, run as a user would: every `dataplane-rl ...` command line and every Python block.
+"""The README and every page of docs/, run as a user would: every `dataplane-rl ...` command line and every
+Python block; and every link between them resolves.
 
-Blocks run top to bottom, each a subprocess, in one temporary working directory that looks like a
-checkout (its files linked in, no `runs/`), so a later block may use what an earlier one made
-(`runs/latest`). A block preceded by `<!-- readme-test: skip (REASON) -->` does not run; the marker is
+Blocks run top to bottom, README.md first, then docs/*.md in name order, each a subprocess, in one temporary
+working directory that looks like a checkout (its files linked in, no `runs/`), so a later block may use
+what an earlier one made (`runs/latest`). A block preceded by `<!-- readme-test: skip (REASON) -->` does not run; the marker is
 only for blocks that need a Ray cluster, several hosts or a GPU.
 
 What runs: in a shell block (bash, or a console block whose lines start with `$ `), each command line
@@ -32,6 +33,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # the README first: later pages may use its runs
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
 FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
 SHELL = {"bash", "sh", "shell", "console", ""}
@@ -53,13 +55,14 @@ class Block:
     text: str
     skip: str | None = None        # the marker's reason
     commands: list[tuple[str, list[str]]] = field(default_factory=list)  # (command line, expected output lines)
+    page: str = "README.md"        # the file, relative to the checkout
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}-{self.lang or 'text'}"
+        return f"{self.page}:{self.line}-{self.lang or 'text'}"
 
 
-def parse_blocks(markdown: str) -> list[Block]:
+def parse_blocks(markdown: str, page: str = "README.md") -> list[Block]:
     blocks, lines, i = [], markdown.splitlines(), 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -74,7 +77,7 @@ def parse_blocks(markdown: str) -> list[Block]:
         i += 1
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         marker = SKIP.search(before)
-        block = Block(m["lang"], start + 1, "\n".join(body) + "\n", marker["reason"] if marker else None)
+        block = Block(m["lang"], start + 1, "\n".join(body) + "\n", marker["reason"] if marker else None, page=page)
         if block.lang in SHELL:
             block.commands = shell_commands(body, block.lang)
         blocks.append(block)
@@ -149,7 +152,7 @@ def prepare(part: str, ray_address: str | None) -> tuple[str, list[str]]:
     return " ".join([cli, *map(shlex.quote, argv)]) + (f" |{tail}" if pipe else ""), argv
 
 
-BLOCKS = parse_blocks(README.read_text())
+BLOCKS = [b for page in PAGES for b in parse_blocks(page.read_text(), str(page.relative_to(ROOT)))]
 RUN = [b for b in BLOCKS if b.skip is None and (b.lang == "python" or any(runnable(c) for c, _ in b.commands))]
 
 
@@ -173,7 +176,7 @@ def workdir(tmp_path_factory, ray_session) -> tuple[Path, dict, str]:
 def check_expected(command: str, expected: list[str], p: subprocess.CompletedProcess) -> None:
     shown = [line.rstrip() for line in (p.stdout + p.stderr).splitlines()]
     missing = [line for line in expected if line not in shown]
-    assert not missing, f"`{command}`: the README shows lines it did not print: {missing}\n--- it printed:\n" \
+    assert not missing, f"`{command}`: the page shows lines it did not print: {missing}\n--- it printed:\n" \
                         + "\n".join(shown[-40:])
 
 
@@ -230,9 +233,11 @@ def test_skip_markers_are_for_clusters_and_gpus_only():
                 f"{b.id} is skipped for '{b.skip}': the marker is only for blocks that need a cluster, hosts or a GPU"
         if b.skip is not None:  # and the block it skips really needs one (a marker misplaced by a merge fails)
             assert NEEDS_CLUSTER_OR_GPU.search(b.text), f"{b.id} is skipped for '{b.skip}' but needs no cluster or GPU"
-    markers = [line for line in README.read_text().splitlines() if SKIP.fullmatch(line.strip())]
-    assert len(markers) == sum(b.skip is not None for b in BLOCKS), \
-        "a skip marker that is not directly before a fenced block skips nothing"
+    for page in PAGES:
+        name = str(page.relative_to(ROOT))
+        markers = [line for line in page.read_text().splitlines() if SKIP.fullmatch(line.strip())]
+        assert len(markers) == sum(b.skip is not None for b in BLOCKS if b.page == name), \
+            f"{name}: a skip marker that is not directly before a fenced block skips nothing"
 
 
 def test_apt_install_updates_the_package_lists_first():
@@ -241,3 +246,53 @@ def test_apt_install_updates_the_package_lists_first():
         for command, _ in b.commands:
             if "apt-get install" in command:
                 assert "apt-get update" in command.split("apt-get install")[0], f"{b.id}: `{command}`"
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    out, fenced = set(), False
+    for line in markdown.splitlines():
+        fenced ^= line.startswith("```")
+        m = None if fenced else re.match(r"^#{1,6}\s+(.*)$", line)
+        if m:
+            out.add(re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", m[1].strip().lower())))
+    return out
+
+
+def broken_links(page: Path) -> list[str]:
+    """Every relative link or image of a page whose file (or #anchor in it) does not exist."""
+    bad = []
+    for m in LINK.finditer(page.read_text()):
+        target = m["target"]
+        if re.match(r"^[a-z]+:", target):  # http:, https:, mailto: are not checked (no network here)
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            bad.append(f"{target} (no such file)")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            bad.append(f"{target} (no heading #{anchor} in {file.name})")
+    return bad
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_links_resolve(page: Path):
+    assert not broken_links(page), f"{page.relative_to(ROOT)}: broken links {broken_links(page)}"
+
+
+def test_link_checker_finds_broken_links(tmp_path):
+    """The checker itself: a missing file and a missing anchor are found, good links and URLs pass."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# Store API and guarantees\n## Its `keys`\n")
+    page = tmp_path / "README.md"
+    page.write_text("[a](docs/a.md) [b](docs/a.md#store-api-and-guarantees) [c](docs/a.md#its-keys) "
+                    "[d](https://example.org/x) ![e](docs/none.png) [f](docs/a.md#nowhere) [g](#top)\n# Top\n")
+    assert broken_links(page) == ["docs/none.png (no such file)", "docs/a.md#nowhere (no heading #nowhere in a.md)"]
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {(README.parent / m["target"].partition("#")[0]).resolve() for m in LINK.finditer(README.read_text())}
+    assert not [p.name for p in PAGES[1:] if p.resolve() not in linked], "a docs page the README's map does not name"

@@ -1,4 +1,4 @@
-"""The run folder policy (README "The run folder"): fresh folders, one live run per folder, nothing of an
+"""The run folder policy (docs/run-folder.md): fresh folders, one live run per folder, nothing of an
 earlier run lost to a run that fails before it starts, and a summary for every failure."""
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def test_default_run_dir_is_fresh_per_run_and_latest_follows(tmp_path, monkeypat
     try:
         assert first.path != second.path and first.path.parent == second.path.parent == Path("runs")
         assert second.path.name.startswith(first.path.name)
+        assert not os.path.lexists("runs/latest"), "runs/latest moved before a run started"
+        second.begin("grpo: {}\n")  # the run has started: now runs/latest names it
         assert os.readlink("runs/latest") == second.path.name
         assert Path("runs/latest").resolve() == second.path.resolve()
     finally:
@@ -106,6 +108,21 @@ def test_failure_in_a_fresh_folder_leaves_a_summary_and_the_folder_reusable(tmp_
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["status"] == "failed" and "unknown task.name 'nope'" in summary["error"]
     RunDir(folder).close()  # nothing to lose there: a corrected run may take the folder
+
+
+def test_failure_before_start_makes_no_fresh_folder_and_keeps_latest(tmp_path, monkeypatch):
+    """With logger.run_dir unset, a run that never started leaves runs/ as it was: its fresh folder goes
+    again and runs/latest still names the last run that did start (README follow-ups use it)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="unknown task.name 'nope'"):
+        train("task.name=nope")
+    assert not Path("runs").exists()
+    (tmp_path / "runs" / "20260101-000000").mkdir(parents=True)
+    os.symlink("20260101-000000", "runs/latest")
+    with pytest.raises(ConfigError, match="unknown task.name 'nope'"):
+        train("task.name=nope")
+    assert sorted(os.listdir("runs")) == ["20260101-000000", "latest"]
+    assert os.readlink("runs/latest") == "20260101-000000"
 
 
 def test_lock_file_names_the_live_pid(tmp_path):

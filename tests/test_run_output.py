@@ -35,11 +35,18 @@ def test_coinciding_reward_lines_are_drawn_once_and_labelled():
     assert labels(top) == ["train/reward (all rounds)", "train/filtered_reward (rows trained on)"]
 
 
-def test_second_panel_has_loss_kl_and_entropy(tmp_path):
+def test_loss_and_kl_on_their_own_axes_entropy_below_legends_off_the_curves(tmp_path):
     fig = reward_figure(metrics(4), "t")
-    bottom, right = fig.axes[1], fig.axes[2]  # entropy on its own y axis
-    assert labels(bottom) == ["train/loss", "train/kl_penalty"] and labels(right) == ["train/entropy"]
-    assert list(right.get_lines()[0].get_ydata()) == pytest.approx([3.8, 3.7, 3.6, 3.5])
+    top, loss, entropy, kl = fig.axes  # the KL penalty's axis is the loss panel's twin
+    assert labels(loss) == ["train/loss"] and labels(kl) == ["train/kl_penalty"] and kl.bbox.bounds == loss.bbox.bounds
+    assert labels(entropy) == ["train/entropy"]
+    assert list(entropy.get_lines()[0].get_ydata()) == pytest.approx([3.8, 3.7, 3.6, 3.5])
+    # each axis spans its own data: the KL penalty (0.001-0.004) is not flattened on the loss's scale
+    assert kl.get_ylim()[1] < 0.01 and loss.get_ylim()[0] > 0.005
+    fig.canvas.draw()
+    for ax in (top, loss, entropy):  # every legend sits above its panel, none on the curves
+        assert ax.get_legend().get_window_extent().y0 >= ax.get_window_extent().y1 - 1
+    assert [t.get_text() for t in loss.get_legend().get_texts()] == ["train/loss", "train/kl_penalty"]
     save_reward_png(metrics(4), "t", tmp_path / "reward.png")
     assert (tmp_path / "reward.png").stat().st_size > 0 and not list(tmp_path.glob("*.tmp*"))
 
@@ -58,6 +65,17 @@ def test_progress_bar_shows_a_steps_numbers_only_once_it_is_done():
         if "reward=0.750" in frame:
             assert "2/2" in frame, frame
     assert any("1/2" in f and "reward=0.250" in f for f in frames)
+
+
+def test_without_the_bar_a_line_every_n_steps_and_at_the_last():
+    out = io.StringIO()
+    bar = StepProgress(5, enabled=False, file=out, every=2)
+    for s in range(1, 6):
+        bar.step_done({"train/reward": 0.1 * s, "train/loss": 0.5, "timing/step": 1.0})
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["grpo step 2/5", "grpo step 4/5", "grpo step 5/5"]
+    assert "reward 0.500" in lines[-1]
 
 
 def test_entropy_from_the_train_pass_logits():

@@ -132,6 +132,8 @@ def test_drop_one_then_all_removes_a_kept_folder(tmp_path):
         p = run("drop", url, "--all")
         assert p.returncode == 0 and f"removed {folder}" in p.stdout, p.stderr
         assert not folder.exists()
+        p = run("ls", url)
+        assert p.returncode == 2 and "folder does not exist" in p.stderr and "create the store" not in p.stderr
         p = run("drop", url)
         assert p.returncode == 2 and "--all" in p.stderr  # a partition or --all is required
     finally:
@@ -151,3 +153,17 @@ def test_a_run_folder_names_its_kept_store(tmp_path, shm_url):
     assert p.returncode == 2 and "kept no partitions" in p.stderr and "keep_partitions=true" in p.stderr
     p = run("ls", str(tmp_path / "nope"))
     assert p.returncode == 2 and "neither a store URL" in p.stderr
+
+
+def test_a_live_run_folder_names_its_store(tmp_path, shm_url):
+    """A live run has no summary.json yet: its store.json (written at the start) names the store."""
+    run_dir = tmp_path / "live"
+    run_dir.mkdir()
+    (run_dir / "store.json").write_text(json.dumps({"store_url": shm_url}))
+    p = run("ls", str(run_dir))
+    assert p.returncode == 0 and f"store {shm_url}: 2 partition(s)" in p.stdout, p.stderr
+    p = run("show", str(run_dir), "step-000001", "--rows", "0")
+    assert p.returncode == 0 and "row 0" in p.stdout, p.stderr
+    (run_dir / "store.json").write_text(json.dumps({"store_url": None}))
+    p = run("ls", str(run_dir))
+    assert p.returncode == 2 and "data plane off" in p.stderr and "data_plane.enabled=true" in p.stderr

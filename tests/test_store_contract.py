@@ -6,6 +6,7 @@ The semantics live once in ColumnStore; these tests pin them down on each backen
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -272,6 +273,35 @@ def test_partition_exists_and_bad_ids(store, part):
     with pytest.raises(SchemaError, match="num_rows"):
         store.create_partition("ok", "grpo", -1)
     assert store.num_rows(part) == N
+
+
+# One of each character class a name rule must refuse: a trailing newline (what a `$` anchor lets through),
+# the other C0 controls, DEL, C1 controls, Unicode line separators, a space and a non-ASCII letter.
+BAD_CHARS = {"trailing LF": "\n", "CR": "\r", "tab": "\t", "NUL": "\x00", "ESC": "\x1b", "DEL": "\x7f",
+             "C1 NEL": "\x85", "LINE SEPARATOR": "\u2028", "space": " ", "non-ASCII": "\u00e9"}
+
+
+def test_names_with_control_characters_refused(store, tmp_path):
+    """Partition ids, schema and column names are full-matched: every class is refused by create (naming the
+    id), by every op on an id (never found), and by a schema naming it; nothing is made."""
+    before = store.list_partitions()
+    for what, ch in BAD_CHARS.items():
+        pid = f"p-{uuid.uuid4().hex[:6]}{ch}"
+        with pytest.raises(SchemaError, match=re.escape(repr(pid))):
+            store.create_partition(pid, "grpo", 2)
+        for op in (lambda: store.status(pid), lambda: store.get(pid, ["total_reward"]),
+                   lambda: store.drop_partition(pid)):
+            with pytest.raises(PartitionNotFoundError, match=re.escape(repr(pid))):
+                op()
+        for key, bad in (("name", f"t{ch}"), ("column", f"score{ch}")):
+            path = tmp_path / f"{key}-{ord(ch)}.yaml"
+            column = bad if key == "column" else "score"
+            schema = {"name": bad if key == "name" else "t",
+                      "columns": [{"name": column, "dtype": "float32", "kind": "sample", "writer": "rollout"}]}
+            path.write_text(json.dumps(schema))  # JSON is YAML, and escapes every control character
+            with pytest.raises(SchemaError, match=re.escape(repr(bad))):
+                store.create_partition(f"s-{uuid.uuid4().hex[:6]}", str(path), 2)
+    assert store.list_partitions() == before, what
 
 
 def test_closed_store(store, caps):

@@ -1,6 +1,6 @@
-"""The README's note on what the tiny model can learn, checked: on math_jsonl its samples score 0, so
+"""docs/tasks.md's note on what the tiny model can learn, checked: on math_jsonl its samples score 0, so
 almost every advantage is 0 (next to nothing to learn); on repeat, groups have differing rewards from the start.
-If a change to a task or the model makes this false, update the README's Tasks note with it."""
+If a change to a task or the model makes this false, update that note with it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import numpy as np
 from dataplane_rl.algorithms.grpo import advantages
 from dataplane_rl.config import load_config
 from dataplane_rl.rollout.worker import RolloutJob, RolloutWorker
+from dataplane_rl.tasks import get_task
 from dataplane_rl.train.model import build_tiny
 
 
 def step_one_rewards(task: str) -> tuple[np.ndarray, np.ndarray]:
     """Rewards and group ids of step 1 at the default shape (16 prompts x 8 samples), the tiny model."""
-    cfg = load_config(None, [f"task.name={task}"])
+    path = [f"task.path={get_task('math_jsonl').path}"] if task == "math_jsonl" else []  # the bundled sample
+    cfg = load_config(None, [f"task.name={task}", *path])
     worker = RolloutWorker(cfg.model_dump(mode="json", by_alias=True), str(build_tiny(cfg.grpo.seed)), None, 1)
     P, G = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
     job = RolloutJob("step-000001", 1, 0, 0, list(range(P)), worker.task.prompts(cfg.grpo.seed, 1, 0, P))

@@ -186,6 +186,11 @@ def test_train_cli_writes_the_run_folder(tmp_path):
     run_dir = tmp_path / "cli"
     p = cli("train", *SMALL, "grpo.max_num_steps=2", f"logger.run_dir={run_dir}", "data_plane.enabled=true")
     assert p.returncode == 0, p.stderr[-3000:]
+    # stdout is the summary alone (`| jq` works); logger.progress=false still prints the last step's line
+    out = json.loads(p.stdout)
+    assert out["status"] == "completed" and out["run_dir"] == str(run_dir)
+    assert out["plot"] == str(run_dir / "reward.png")
+    assert "grpo step 2/2: reward " in p.stderr, p.stderr[-3000:]
     for f in ("config.yaml", "metrics.jsonl", "reward.png", "summary.json", "train_data/step_000001.jsonl",
               "train_data/step_000002.jsonl"):
         assert (run_dir / f).is_file(), f
@@ -201,6 +206,10 @@ def test_train_cli_writes_the_run_folder(tmp_path):
     store_url = json.loads((run_dir / "summary.json").read_text())["store_url"]
     assert store_url.startswith("shm:///") and not Path(store_url[len("shm://"):]).exists(), \
         "the run's own shm folder must be freed at the end"
+    # the resolved store, named from the start (store.json, and printed) for `store ls RUN_DIR` on a live run
+    assert json.loads((run_dir / "store.json").read_text()) == {"store_url": store_url}
+    assert f"store {store_url} (dataplane-rl store ls {run_dir})" in p.stderr
+    assert out["final_validation_reward"] == lines[-1]["validation/reward"]  # validated after the last step
 
 
 def _sigint_default():
@@ -253,9 +262,10 @@ def test_a_signal_ends_the_step_and_leaves_a_consistent_run_folder(tmp_path, sig
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_default_config_learns(tmp_path, mode):
-    """The README's promise, the whole default run (seed 0, 100 steps; 57 s here at load ~2): the task is
-    mastered, in the sampled train reward and in greedy decoding of held-out prompts. Async GRPO (age 1,
-    importance-sampling correction) learns it too, training on rows one update old."""
+    """The README's promise, the whole default run (seed 0, 100 steps; 75 s idle): the task is mastered, in
+    the sampled train reward and in greedy decoding of held-out prompts, and the sync run gives exactly the
+    figures the README's quick start prints. Async GRPO (age 1, importance-sampling correction) learns it
+    too, training on rows one update old."""
     run_dir = tmp_path / "learn"
     extra = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
              "data_plane.enabled=true"] if mode == "async" else []
@@ -271,6 +281,28 @@ def test_default_config_learns(tmp_path, mode):
     assert val[-1]["validation/reward"] >= 0.9 and val[-1]["validation/num_samples"] == 128, val[-1]
     if mode == "async":
         assert all(m["async/staleness_max"] == (m["step"] > 1) for m in metrics if "async/staleness_max" in m)
+    else:  # the run is deterministic, so the README states its figures exactly
+        promised = readme_default_run_figures()
+        assert promised == (round(summary["reward_last_quarter"], 3), round(val[-1]["validation/reward"], 3)), \
+            f"README quick start promises last-quarter/final validation {promised}; the run gave " \
+            f"{summary['reward_last_quarter']:.3f}/{val[-1]['validation/reward']:.3f}: update the README and " \
+            "docs/reward_default.png (copy the run's reward.png)"
+
+
+def readme_default_run_figures() -> tuple[float, float]:
+    """(last-quarter train reward, final validation reward) as the README's quick start states them."""
+    import re
+
+    text = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    m = re.search(r"last-quarter mean of \*\*([0-9.]+)\*\*.*? ends at \*\*([0-9.]+)\*\*", text)
+    assert m, "the README's quick start no longer states the default run's figures"
+    return float(m[1]), float(m[2])
+
+
+def test_readme_states_the_default_run_figures():
+    """The parser the learning test uses finds the README's two figures (cheap; the run itself is slow)."""
+    last_quarter, validation = readme_default_run_figures()
+    assert 0.8 <= last_quarter <= 1 and 0.9 <= validation <= 1
 
 
 def test_mooncake_holder_killed_mid_run_fails_clearly(tmp_path):
@@ -279,7 +311,7 @@ def test_mooncake_holder_killed_mid_run_fails_clearly(tmp_path):
     from conftest import backend_unavailable
 
     try:
-        from dataplane_rl.store.mooncake_cluster import MooncakeCluster
+        from dataplane_rl.store.mooncake.cluster import MooncakeCluster
 
         cluster = MooncakeCluster(num_holders=1, global_segment_size=64 << 20).start()
     except (ImportError, DataPlaneError) as e:

@@ -16,7 +16,8 @@ import torch
 
 from dataplane_rl.config import load_config
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.rollout.engine import make_engine, sample_seed
+from dataplane_rl.rollout.engine import make_engine
+from dataplane_rl.rollout.generation import sample_seed
 
 pytestmark = pytest.mark.vllm
 

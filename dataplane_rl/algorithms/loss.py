@@ -42,7 +42,7 @@ class LossConfig(StrictScalars):
 
 METRIC_NAMES: tuple[str, ...] = (
     "loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
-    "probs_ratio_mean", "approx_entropy", "num_valid_tokens",
+    "probs_ratio_mean", "approx_entropy", "num_valid_tokens", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl",
 )
 
 
@@ -253,6 +253,11 @@ class ClippedPGLoss:
                 "kl_penalty": kl_term,
                 "positive_nll_loss": nll_term,
                 "clip_fraction": clipped.sum().to(dtype) / n_tok,
+                # the sides of the clip: ratio below 1 - eps_low (A < 0) and above 1 + eps_high (A > 0)
+                "clip_fraction_lower": (clipped & (ratio < 1.0)).sum().to(dtype) / n_tok,
+                "clip_fraction_upper": (clipped & (ratio > 1.0)).sum().to(dtype) / n_tok,
+                # verl's ppo_kl: the k1 estimate of KL(old || new) over the valid tokens
+                "ppo_kl": ((lp_old - lp) * m).sum() / n_tok,
                 "dual_clip_fraction": dual.sum().to(dtype) / n_tok,
                 "probs_ratio_mean": (ratio * m).sum() / n_tok,
                 "approx_entropy": (-lp * m).sum() / n_tok,

@@ -143,10 +143,10 @@ def run_args(args) -> int:
             return 2
         print(f"[e2e] {t}: {args.steps} steps ...", file=sys.stderr, flush=True)
         results.append(measure(t, args.steps, args.overrides))
-    print(f"{'transport':<10}{'step s':>9}{'store s':>9}{'share':>8}{'MB/step':>9}{'driver KB':>11}")
+    print(f"{'transport':<10}{'step s':>9}{'store s':>9}{'share':>8}{'kB/step':>9}{'driver kB':>11}")
     for r in results:
         print(f"{r['transport']:<10}{r['step_s']:>9.3f}{r['data_plane_s']:>9.4f}{100 * r['data_plane_share']:>7.2f}%"
-              f"{r['bytes_per_step'] / 1e6:>9.2f}{r['driver_bytes_read'] / 1e3:>11.1f}")
+              f"{r['bytes_per_step'] / 1e3:>9.1f}{r['driver_bytes_read'] / 1e3:>11.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "date": time.strftime("%Y-%m-%d")}, f, indent=2)

@@ -66,7 +66,7 @@ def model_folder(name: str, seed: int = 0) -> Path:
 
 
 def workload(tok, prompts: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    from dataplane_rl.rollout.engine import sample_seed
+    from dataplane_rl.rollout.generation import sample_seed
     from dataplane_rl.tasks import get_task
 
     texts = get_task("repeat").prompts(seed, 1, 0, prompts)
@@ -215,7 +215,9 @@ def table(results: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of hf, vllm (default hf,vllm); hf always runs: it is the baseline and holds the ceiling")
+    p.add_argument("--backends", default=None, help="comma list of hf, vllm (default: hf,vllm, or hf alone, said in "
+                   "one line, when vllm is not installed; naming vllm without it installed is an error); hf always "
+                   "runs: it is the baseline and holds the ceiling")
     p.add_argument("--models", default=",".join(MODELS), help="comma list of tiny, small-24m (default both)")
     p.add_argument("--prompts", type=int, default=64, help="prompts per generate call, one sample each")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -223,18 +225,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write results as JSON here")
 
 
+def pick_backends(arg: str | None) -> list[str]:
+    """--backends as a list; left unset: every backend, or hf alone (said in one line) without vllm."""
+    from dataplane_rl.rollout.vllm_engine import INSTALL_HINT, vllm_installed
+
+    if arg is not None:
+        return [b for b in arg.split(",") if b]
+    if vllm_installed():
+        return list(BACKENDS)
+    print(f"bench generate: vllm is not installed, so only hf runs ({INSTALL_HINT})", file=sys.stderr)
+    return ["hf"]
+
+
 def run_args(args) -> int:
     if getattr(args, "serve", None):  # the worker side of run()
         model, backend = args.serve.split(":")
         serve(model, backend, args.prompts, args.max_new_tokens)
         return 0
+    from dataplane_rl.rollout.vllm_engine import INSTALL_HINT, vllm_installed
+
     models = [m for m in args.models.split(",") if m]
-    backends = [b for b in args.backends.split(",") if b]
+    backends = pick_backends(args.backends)
     for name, got, valid in (("model", models, MODELS), ("backend", backends, BACKENDS)):
         bad = [x for x in got if x not in valid]
         if bad:
             print(f"error: unknown {name} {bad}; use {', '.join(valid)}", file=sys.stderr)
             return 2
+    if "vllm" in backends and not vllm_installed():  # refused here, not as a worker's nested traceback
+        print(f"error: --backends {args.backends}: vllm is not installed; {INSTALL_HINT}", file=sys.stderr)
+        return 2
     res = run(models, backends, args.prompts, args.max_new_tokens, args.repeats,
               log=lambda s: print(s, file=sys.stderr, flush=True))
     print(table(res))

@@ -71,7 +71,7 @@ def _wait_until(t: float) -> None:
 
 
 def _codes(codes) -> str:
-    from dataplane_rl.store.mooncake_cluster import error_name
+    from dataplane_rl.store.mooncake.client import error_name
 
     bad = sorted({c for c in codes if c < 0})
     return ", ".join(error_name(c) for c in bad)
@@ -87,7 +87,7 @@ def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: lis
             payload: np.ndarray | None, ranges: list[tuple[int, int, int]] | None, per_call: int) -> None:
     """role 'writer': holds all buffers; role 'reader': reads `ranges` ((key index, byte lo, byte hi))."""
     try:
-        from dataplane_rl.store.mooncake_cluster import connect_client, no_eviction_config
+        from dataplane_rl.store.mooncake.client import connect_client, no_eviction_config
 
         t0 = time.monotonic()
         client = connect_client(master, 0, protocol=protocol, device_name=device)
@@ -200,7 +200,7 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
            'bytes' - reader r reads bytes [r/R, (r+1)/R) of every key (one get_into_ranges), i.e. a row
            shard of per-column chunks of fixed-width columns.
     max_keys_per_call: batch calls are split into calls of at most this many keys, run back to back
-    (Mooncake's TCP transport wedges on batches of more than ~2000 small keys; see mooncake_cluster).
+    (Mooncake's TCP transport wedges on batches of more than ~2000 small keys; see store/mooncake/client.py).
     Each repeat writes fresh keys and removes them afterwards (put of an existing key would be a no-op).
     Returns write/read/e2e GB/s stats (median, min, max over `repeats`), the per-repeat seconds, and setup times.
     """
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     layouts = args.layout or ["per-sample", "per-column"]
 
-    from dataplane_rl.store.mooncake_cluster import MooncakeCluster
+    from dataplane_rl.store.mooncake.cluster import MooncakeCluster
 
     cluster = None
     if args.address:

@@ -331,11 +331,14 @@ def plot(results: dict[str, Any], path: str, title: str = "") -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=DEFAULT_BACKENDS, help=f"comma list of shm, mooncake, ray (default {DEFAULT_BACKENDS})")
-    p.add_argument("--samples", type=int, default=512)
-    p.add_argument("--min-len", type=int, default=256)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--readers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--samples", type=int, default=512, help="rows in the batch (default %(default)s)")
+    p.add_argument("--min-len", type=int, default=256, help="shortest row in tokens; lengths are drawn uniformly "
+                   "from [min-len, max-len] with a fixed seed (default %(default)s)")
+    p.add_argument("--max-len", type=int, default=1024, help="longest row in tokens (default %(default)s)")
+    p.add_argument("--readers", type=int, default=2, help="reader processes, each getting a contiguous shard of "
+                   "the rows (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=10, help="timed write+read rounds after one warm-up; the "
+                   "median is reported (default %(default)s)")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--plot", help="write a bar chart PNG here")
 

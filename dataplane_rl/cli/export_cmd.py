@@ -23,6 +23,9 @@ def run(args) -> int:
         raise ConfigError(f"export target {out} is a file, not a folder; pass a new folder")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"export target {out} exists and is not empty; pass a new folder")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar, for one small file
     from dataplane_rl.train.export import export_run
 
     path, step = export_run(args.run_dir, out, args.step)

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.from_command_line = argv is None or list(argv) == sys.argv[1:]  # this process is the command: it may re-exec
     try:
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit

@@ -1,5 +1,6 @@
-"""`dataplane-rl store ls|show|drop`: look into (or free) a live column store, by URL or by the run folder
-of a run that kept its partitions (its summary.json names the store)."""
+"""`dataplane-rl store ls|show|drop|gc`: look into (or free) a live column store, by URL or by a run folder: a
+live run's (its store.json names the store) or one that kept its partitions (its summary.json); list this
+machine's shm stores with their owners, and remove those of dead runs (store/owners.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ SHOW_DEFAULT_ROWS = "0-9"
 def add_parser(sub) -> None:
     p = sub.add_parser("store", help="inspect a live column store (shm://DIR, mooncake://HOST:PORT, ray://...)")
     ssub = p.add_subparsers(dest="store_command", required=True, metavar="ACTION")
-    ls = ssub.add_parser("ls", help="partitions, columns, rows written of total, bytes")
-    ls.add_argument("url", help=URL_HELP)
+    ls = ssub.add_parser("ls", help="partitions, columns, rows written of total, bytes; without a URL, this "
+                         "machine's shm stores with owner, size and state (live, kept, orphaned)")
+    ls.add_argument("url", nargs="?", help=URL_HELP)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=ls_cmd)
     show = ssub.add_parser("show", help="print rows of a partition (token columns abbreviated)")
@@ -30,22 +32,32 @@ def add_parser(sub) -> None:
     which.add_argument("partition", nargs="?", help="partition id, e.g. step-000042")
     which.add_argument("--all", action="store_true", help="every partition; an shm:// folder is then removed")
     drop.set_defaults(func=drop_cmd)
+    gc = ssub.add_parser("gc", help="remove the auto-made shm stores of dead runs that were not kept "
+                         "(also done at each `train` start)")
+    gc.set_defaults(func=gc_cmd)
 
 
-URL_HELP = ("store URL (shm:///dev/shm/dataplane-rl-..., mooncake://HOST:PORT, ...) or the run folder of a run "
-            "with data_plane.keep_partitions=true, e.g. runs/latest")
+URL_HELP = ("store URL (shm:///dev/shm/dataplane-rl-..., mooncake://HOST:PORT, ...) or a run folder: a live run's, "
+            "or one with data_plane.keep_partitions=true, e.g. runs/latest")
 
 
 def store_url(arg: str) -> str:
-    """A store URL as given, or the one a run folder's summary.json records as kept."""
+    """A store URL as given, or a run folder's store: the one its summary.json records as kept once the run
+    has ended, else (a live run) the one its store.json names."""
     from dataplane_rl.errors import ConfigError
 
     if "://" in arg:
         return arg
-    summary = Path(arg) / "summary.json"
+    summary, live = Path(arg) / "summary.json", Path(arg) / "store.json"
+    if not summary.is_file() and live.is_file():
+        url = json.loads(live.read_text()).get("store_url")
+        if not url:
+            raise ConfigError(f"the run in '{arg}' has the data plane off: its columns live in the driver's "
+                              "memory; run with data_plane.enabled=true to inspect its store")
+        return url
     if not summary.is_file():
         raise ConfigError(f"'{arg}' is neither a store URL (shm://DIR, mooncake://HOST:PORT, ...) nor a run folder "
-                          "with summary.json")
+                          "(with store.json or summary.json)")
     doc = json.loads(summary.read_text())
     if not doc.get("kept_store_url"):
         raise ConfigError(f"the run in '{arg}' kept no partitions: its store ended with it; run with "
@@ -102,7 +114,35 @@ def describe(store) -> dict:
     return out
 
 
+def ls_machine(as_json: bool) -> int:
+    from dataplane_rl.store import owners
+
+    found = owners.scan()
+    if as_json:
+        json.dump([vars(e) for e in found], sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"{len(found)} shm store(s) of this user in {owners.auto_root()}, "
+          f"{human_bytes(sum(e.nbytes for e in found))}")
+    for e in found:
+        print(f"  {e.path}  {e.state:8}  {human_bytes(e.nbytes):>10}  owner {e.owner_text()}")
+    if any(e.state == "orphaned" for e in found):
+        print("free the orphaned ones: dataplane-rl store gc")
+    return 0
+
+
+def gc_cmd(args) -> int:
+    from dataplane_rl.store import owners
+
+    removed = owners.collect(say=print)
+    print(f"removed {len(removed)} orphaned store(s), {sum(e.nbytes for e in removed)} bytes "
+          f"({human_bytes(sum(e.nbytes for e in removed))})")
+    return 0
+
+
 def ls_cmd(args) -> int:
+    if args.url is None:
+        return ls_machine(args.json)
     store = _open(args.url)
     try:
         doc = describe(store)

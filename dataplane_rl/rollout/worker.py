@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from dataplane_rl.rollout.engine import Generation
+from dataplane_rl.rollout.generation import Generation
 from dataplane_rl.store import list_array_of_rows
 
 
@@ -138,7 +138,7 @@ class RolloutWorker:
     def generate(self, job: RolloutJob):
         """Generate G samples per prompt of the job with the current weights; returns (table, receipt):
         the table is None when the data plane put it, else the driver holds the columns."""
-        from dataplane_rl.rollout.engine import sample_seed
+        from dataplane_rl.rollout.generation import sample_seed
 
         gen, G, seed = self.cfg.generation, self.cfg.grpo.num_generations_per_prompt, self.cfg.grpo.seed
         temperature, top_k, top_p = gen.temperature, gen.top_k, gen.top_p

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -43,6 +44,16 @@ def _closest(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
+# Schema, column, field-set and alias names; fullmatch only (a `$` anchor lets a trailing newline through).
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
+NAME_RULE = "1-128 letters, digits, '_', '.', '-', starting with a letter or '_'"
+
+
+def _check_name(what: str, name: str) -> None:
+    if not NAME.fullmatch(name):
+        raise ValueError(f"{what} name {name!r} is invalid; use {NAME_RULE}")
+
+
 class Column(BaseModel):
     """One declared column."""
 
@@ -58,6 +69,7 @@ class Column(BaseModel):
 
     @model_validator(mode="after")
     def _check_dtype(self) -> "Column":
+        _check_name("column", self.name)
         if self.dtype not in ARROW_DTYPES:
             raise ValueError(
                 f"column '{self.name}' has unknown dtype '{self.dtype}'{_closest(self.dtype, ARROW_DTYPES)}; "
@@ -107,6 +119,9 @@ class Schema(BaseModel):
 
     @model_validator(mode="after")
     def _check_references(self) -> "Schema":
+        _check_name("schema", self.name)
+        for name in (*self.field_sets, *self.aliases.values()):
+            _check_name("field set or alias", name)
         seen: set[str] = set()
         for col in self.columns:
             if col.name in seen:

@@ -132,7 +132,7 @@ class ColumnStore(ABC):
     def create_partition(self, pid: str, schema: str | Schema = "grpo", num_rows: int = 0) -> None:
         """Create partition `pid` of `num_rows` rows following `schema` (a name, path or Schema)."""
         self._check_open()
-        if not isinstance(pid, str) or not PID.match(pid):
+        if not isinstance(pid, str) or not PID.fullmatch(pid):
             raise SchemaError(f"partition id {pid!r} is invalid; use 1-128 characters of letters, digits, '.', '_', '-'")
         if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) or not 0 <= num_rows <= MAX_ROWS:
             raise SchemaError(f"partition {pid}: num_rows={num_rows!r} must be an integer from 0 to at most "
@@ -326,7 +326,7 @@ class ColumnStore(ABC):
         return PartitionNotFoundError(f"partition {pid} {why} in {self.url}; live partitions: {live}")
 
     def _check_pid(self, pid: Any) -> str:
-        if not isinstance(pid, str) or not PID.match(pid):
+        if not isinstance(pid, str) or not PID.fullmatch(pid):
             raise PartitionNotFoundError(f"partition {pid!r} is unknown in {self.url}: a partition id is 1-128 "
                                          "letters, digits, '.', '_', '-'")
         return pid

@@ -61,5 +61,5 @@ def bind_env(address: str, env: dict[str, str]) -> dict[str, str]:
     path = shim_path()
     if path is None:
         return env
-    preload = " ".join(p for p in (path, env.get("LD_PRELOAD", "")) if p)
+    preload = " ".join(dict.fromkeys(p for p in (path, *env.get("LD_PRELOAD", "").split()) if p))  # once
     return {**env, "LD_PRELOAD": preload, ADDRESS_ENV: address}

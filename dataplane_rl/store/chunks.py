@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-PID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # partition ids: also safe as file and key names
+PID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # partition ids, fullmatch only: also safe as file and key names
 ALIGN = 64  # block offsets inside a put's object or file, so every Arrow buffer stays 64-byte aligned
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # explicit: the default re-reads two env vars per stream
 _EOS = 8  # the end-of-stream marker a stream writer adds on close

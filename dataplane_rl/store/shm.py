@@ -4,6 +4,7 @@ A store is a folder, on /dev/shm so the bytes live in RAM. `shm://` alone makes 
 store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes) DIR and leaves it in place.
 
     DIR/.dataplane-rl                  marker: this folder is a store
+    DIR/.owner                         the process that made it, and whether it is kept (owners.py)
     DIR/.pool/<bytes>-<hex>            chunk files of dropped partitions, kept for reuse
     DIR/<pid>/meta.json                the PartitionMeta: a JSON line (pid, num_rows), then the schema
     DIR/<pid>/lock                     flock'd exclusively by commit and drop
@@ -36,7 +37,6 @@ import fcntl
 import json
 import os
 import shutil
-import tempfile
 import uuid
 import weakref
 from pathlib import Path
@@ -53,15 +53,16 @@ from dataplane_rl.errors import (
     StoreFullError,
     StoreUnavailableError,
 )
-from dataplane_rl.store import chunks
+from dataplane_rl.store import chunks, owners
 from dataplane_rl.store.arrow import block_head
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
-from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, create_file, framed, read_file, unframe
+from dataplane_rl.store.shm_files import (CHUNK_KEY, DIR_MODE, check_trusted, create_file, framed, open_file, read_file,
+                                          unframe)
 from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
 
-_MARKER = ".dataplane-rl"
+_MARKER = owners.MARKER
 _FORMAT = b"dataplane-rl shm store v3\n"  # v3: one record batch of all a put's columns per row block
 _POOL = ".pool"
 DEFAULT_POOL_BYTES = 1 << 30
@@ -95,8 +96,7 @@ class ShmStore(ColumnStore):
             raise ConfigError("shm:// without a folder makes a new, empty store; to open an existing one give its "
                               "folder: shm:///dev/shm/dataplane-rl-...")
         if self._auto:
-            root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            path = os.path.join(root, f"dataplane-rl-{uuid.uuid4().hex[:12]}")
+            path = owners.new_auto_path()
         self._dir = os.path.abspath(path)
         if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes < 0:
             raise ConfigError(f"shm store {self._dir}: pool_bytes={pool_bytes!r} must be a non-negative integer")
@@ -134,33 +134,38 @@ class ShmStore(ColumnStore):
         if self._cleanup is not None:
             self._cleanup.detach()
             self._cleanup = None
+            owners.write_owner(self._dir, auto=True, kept=True)  # `store gc` must leave it
 
     def _open_dir(self, create: bool) -> None:
         marker = os.path.join(self._dir, _MARKER)
-        if os.path.exists(self._dir) and not os.path.isdir(self._dir):
+        if os.path.lexists(self._dir) and not os.path.islink(self._dir) and not os.path.isdir(self._dir):
             raise StoreUnavailableError(f"shm://{self._dir} names a file, not a folder; point shm:// at a store "
                                         "folder or a new path")
-        if os.path.isdir(self._dir) and not os.access(self._dir, os.R_OK | os.X_OK):
-            raise StoreUnavailableError(f"shm store {self._dir} is not readable by this user (uid {os.getuid()}); "
-                                        "stores are private to the user who made them")
-        if os.path.isfile(marker):
-            with open(marker, "rb") as f:
-                version = f.read(64)
-            if version != _FORMAT:  # v1: metadata without checksums; v2: one chunk per column
-                raise StoreUnavailableError(f"shm store {self._dir} was made by an older dataplane-rl (format "
-                                            f"{version.decode(errors='replace').strip()!r}, this one writes "
-                                            f"{_FORMAT.decode().strip()!r}); make a new store (drop this folder)")
-            return
+        if check_trusted(self._dir):  # before anything is read or written there
+            if check_trusted(marker, folder=False):
+                fd = open_file(marker, os.O_RDONLY)
+                with os.fdopen(fd, "rb") as f:
+                    version = f.read(64)
+                if version != _FORMAT:  # v1: metadata without checksums; v2: one chunk per column
+                    raise StoreUnavailableError(f"shm store {self._dir} was made by an older dataplane-rl (format "
+                                                f"{version.decode(errors='replace').strip()!r}, this one writes "
+                                                f"{_FORMAT.decode().strip()!r}); make a new store (drop this folder)")
+                check_trusted(os.path.join(self._dir, _POOL))
+                return
         if not create:
-            raise StoreUnavailableError(f"no shm store at {self._dir} ({marker} is missing); check the URL or "
-                                        "create the store first")
+            why = (f"{marker} is missing" if os.path.isdir(self._dir) else "the folder does not exist: a store's "
+                   "folder goes with `dataplane-rl store drop --all` and with the run that made it, unless kept")
+            raise StoreUnavailableError(f"no shm store at {self._dir} ({why}); check the URL")
         if os.path.isdir(self._dir) and any(not n.startswith(".") for n in os.listdir(self._dir)):
             raise ConfigError(f"{self._dir} holds files but is not a dataplane-rl store; point shm:// at a new "
                               "or empty folder")
         with self._os_errors("make the store folder"):
             os.makedirs(self._dir, mode=DIR_MODE, exist_ok=True)
+            check_trusted(self._dir)  # made by another user between the check above and ours?
             os.chmod(self._dir, DIR_MODE)
             os.makedirs(os.path.join(self._dir, _POOL), mode=DIR_MODE, exist_ok=True)
+            check_trusted(os.path.join(self._dir, _POOL))
+            owners.write_owner(self._dir, auto=self._auto)  # before the marker: no store is without an owner
             with contextlib.suppress(FileExistsError):  # another process made the store meanwhile
                 create_file(marker, _FORMAT)
 
@@ -188,7 +193,7 @@ class ShmStore(ColumnStore):
                               "kept. Drop partitions, lower pool_bytes, or give the filesystem more room")
     # -- paths and locks -------------------------------------------------------------------------
     def _pdir(self, pid: str) -> str:
-        if not isinstance(pid, str) or not PID.match(pid):  # also keeps '../x' out of the folder
+        if not isinstance(pid, str) or not PID.fullmatch(pid):  # also keeps '../x' out of the folder
             raise self._not_found(pid)
         return os.path.join(self._dir, pid)
 
@@ -198,7 +203,7 @@ class ShmStore(ColumnStore):
         pdir = self._pdir(pid)
         lock = os.path.join(pdir, "lock")
         try:
-            fd = os.open(lock, os.O_RDWR)
+            fd = open_file(lock, os.O_RDWR)
         except (FileNotFoundError, NotADirectoryError):
             raise self._not_found(pid) from None
         try:
@@ -251,14 +256,16 @@ class ShmStore(ColumnStore):
         inode, and the inode is the token) and the refs files, each parsed once: a stat and a listdir."""
         pdir = self._pdir(pid)
         try:
-            ino = os.stat(pdir).st_ino
+            st = os.lstat(pdir)
+            ino = st.st_ino
             cached = self._metas.get(pid)
             if cached is not None and cached.token == str(ino):
                 meta = cached
-            else:
+            else:  # first sight of this partition here: it and its folders must be the store's own
+                for folder in (pdir, os.path.join(pdir, "refs"), os.path.join(pdir, "chunks")):
+                    check_trusted(folder)
                 path = os.path.join(pdir, "meta.json")
-                with open(path, "rb") as f:
-                    text = unframe(f.read(), path)
+                text = unframe(read_file(path), path)
                 try:
                     meta = _parse_meta(text, str(ino))
                 except (ValueError, KeyError, TypeError) as e:
@@ -302,7 +309,7 @@ class ShmStore(ColumnStore):
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptChunkError(f"shm refs file {path} does not hold chunk refs ({e!r})") from None
         for ref in refs:  # checksummed already; still, never join an unchecked name to a path
-            if not CHUNK_KEY.match(ref.key) or ref.nbytes < 0:
+            if not CHUNK_KEY.fullmatch(ref.key) or ref.nbytes < 0:
                 raise CorruptChunkError(f"shm refs file {path} names chunk key {ref.key!r}, not one this store "
                                         "writes; the partition cannot be trusted, drop it")
         return refs
@@ -329,7 +336,7 @@ class ShmStore(ColumnStore):
             self._refs_cache[pid] = (meta.token, snap.refs + list(refs), n + 1)  # our own commit: no parse
 
     def _list(self) -> list[str]:
-        return [n for n in os.listdir(self._dir) if PID.match(n)]
+        return [n for n in os.listdir(self._dir) if PID.fullmatch(n)]
 
     # -- chunk hooks -----------------------------------------------------------------------------
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
@@ -388,7 +395,7 @@ class ShmStore(ColumnStore):
             path = os.path.join(folder, file)
             try:
                 # never map or read past the end of the file (SIGBUS); a short chunk fails its checksum
-                st = os.stat(path)
+                st = os.lstat(path)
                 need = min(max(off + n for _, off, n in parts), st.st_size)
                 if need <= 0:
                     continue

@@ -1,26 +1,84 @@
-"""Files of an shm store: private (0700 folders, 0600 files) and, for metadata, checksummed.
+"""Files of an shm store: private (0700 folders, 0600 files), trusted only if they are the user's own, and,
+for metadata, checksummed.
 
 A metadata file (meta.json, a refs file) is the xxh3 of its JSON in 16 hex digits, a space, then the
 JSON: a damaged or truncated one is a CorruptChunkError, never rows read from a wrong map.
+
+Trust (DESIGN §13): a store folder another user owns, that others may write, or that is a symlink could be
+changed under us (another user renaming our partitions, or a store built in a symlink's target), so it is
+refused, as is a symlink where the store expects one of its files or folders: every file is opened with
+O_NOFOLLOW, every folder checked with lstat.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import pwd
 import re
+import stat
 
-from dataplane_rl.errors import CorruptChunkError
+from dataplane_rl.errors import CorruptChunkError, StoreUnavailableError
 from dataplane_rl.store.base import checksum
 
-CHUNK_KEY = re.compile(r"^put-[0-9a-f]{32}@[0-9]{1,15}$")  # a chunk key in a refs file: a file of chunks/ only
+CHUNK_KEY = re.compile(r"put-[0-9a-f]{32}@[0-9]{1,15}")  # fullmatch only: a chunk key in a refs file: a file of chunks/ only
 DIR_MODE, FILE_MODE = 0o700, 0o600  # private to the store's user
+
+
+def owner_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def untrusted(path: str, st: os.stat_result | None, folder: bool) -> str | None:
+    """Why `path` (lstat'd as `st`) must not be used as one of the store's own files or folders, or None."""
+    if st is None:
+        return None
+    kind = "folder" if folder else "file"
+    if stat.S_ISLNK(st.st_mode):
+        why = f"is a symlink (to {os.readlink(path)!r}), not a {kind}"
+    elif stat.S_ISDIR(st.st_mode) != folder:
+        why = f"is not a {kind}"
+    elif st.st_uid != os.getuid():
+        why = "belongs to another user"
+    elif st.st_mode & 0o022:
+        why = f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})"
+    else:
+        return None
+    return (f"shm store {path} {why}; owner {owner_name(st.st_uid)}. A store is trusted only if it is a private "
+            f"{kind} of this user ({owner_name(os.getuid())}): remove it or use another path")
+
+
+def check_trusted(path: str, folder: bool = True) -> bool:
+    """Refuse `path` unless it is absent or trusted (see `untrusted`); returns whether it exists."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    why = untrusted(path, st, folder)
+    if why:
+        raise StoreUnavailableError(why)
+    return True
+
+
+def open_file(path: str, flags: int, mode: int = FILE_MODE) -> int:
+    """os.open that never follows a symlink: one planted where a store file belongs is refused by name."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        check_trusted(path, folder=False)
+        raise
 
 
 def create_file(path: str, data: bytes = b"") -> None:
     """Make a new private file holding `data` (O_EXCL: never reuses a name), or none at all: a write that
     fails (a full filesystem) removes the file, so no empty marker or metadata file is left to misread."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         view = memoryview(data)
         while view:
@@ -36,7 +94,7 @@ def create_file(path: str, data: bytes = b"") -> None:
 def read_file(path: str) -> bytes:
     """A metadata file's bytes. With os.open, not open(): its io layers cost more than the read, and most
     reads of a refs file find none (no new commit)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_file(path, os.O_RDONLY)
     try:
         data = b""
         while chunk := os.read(fd, 1 << 20):

@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
 from typing import Iterator
 
 import pyarrow as pa
+
+from dataplane_rl.store.shm_files import check_trusted, open_file
 
 
 class Maps:
@@ -37,7 +40,9 @@ class Maps:
     def file(self, path: str, size: int, writable: bool, st: os.stat_result | None = None) -> Iterator[pa.MemoryMappedFile]:
         """The mapped file at `path` (`st`: its stat, if just taken), mapping at least `size` bytes; raises
         FileNotFoundError."""
-        st = st or os.stat(path)
+        st = st or os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            check_trusted(path, folder=False)  # a symlink or another user's file where a chunk file belongs
         key = (st.st_dev, st.st_ino)
         with self._lock:
             f = self._files.pop(key, None)
@@ -89,7 +94,7 @@ class Lease:
 
     def __init__(self, path: str) -> None:
         self.fd = -1
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_file(path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:

@@ -17,7 +17,7 @@ import shutil
 import time
 import uuid
 
-from dataplane_rl.store.shm_files import FILE_MODE
+from dataplane_rl.store.shm_files import open_file
 
 
 class Pool:
@@ -47,7 +47,7 @@ class Pool:
     def _reserve(self, path: str, size: int, new: bool) -> None:
         """Make `path` at least `size` bytes with every page allocated now: a mapped page the filesystem
         cannot back later would SIGBUS the writer. When space is short, pooled files go first."""
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if new else 0), FILE_MODE)
+        fd = open_file(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if new else 0))
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -86,7 +86,7 @@ class Pool:
         """Pool the chunk files of a dropped partition if nobody maps them any more; delete the rest."""
         fd = -1
         try:
-            fd = os.open(os.path.join(trash, "readers"), os.O_RDONLY)
+            fd = open_file(os.path.join(trash, "readers"), os.O_RDONLY)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             room = self._limit - self.bytes()
             for entry in os.scandir(os.path.join(trash, "chunks")):

@@ -114,14 +114,63 @@ def build_train_batch(table: pa.Table, schema: Schema, device: torch.device | st
     return {k: v.to(device) for k, v in schema.apply_aliases(out).items()}
 
 
+def _rows(batch: dict[str, torch.Tensor], idx: torch.Tensor | slice, width: int | None = None) -> dict[str, torch.Tensor]:
+    """Those rows, token tensors trimmed to their longest row, or right-padded with zeros to `width`."""
+    mb = {k: v[idx] for k, v in batch.items()}
+    T = int(mb["attention_mask"].sum(-1).max()) if "attention_mask" in mb else None
+    if T is None:
+        return mb
+    W = width if width is not None else T
+    return {k: (torch.nn.functional.pad(v[:, :T], (0, W - T)) if v.dim() == 2 else v) for k, v in mb.items()}
+
+
 def microbatches(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
     """Split along rows; each microbatch is trimmed to its own longest row."""
     B = next(iter(batch.values())).shape[0]
+    return [_rows(batch, slice(s, s + size)) for s in range(0, B, size)]
+
+
+def plan_microbatches(batch: dict[str, torch.Tensor], policy, pass_: str = "train") -> list[dict[str, torch.Tensor]]:
+    """The microbatches of a rank's batch, as `policy` (a PolicyConfig) asks, for the train or logprob pass.
+
+    Padded (the default): `train_micro_batch_size` rows each, right-padded to their longest row.
+    `dynamic_batching`: length-sorted rows cut by `*_mb_tokens`, padded to `sequence_length_round`.
+    `sequence_packing`: rows packed into `*_mb_tokens`; each microbatch keeps its rows' padded tensors for
+    the loss plus `packed_input_ids` [1, L] and `cu_seqlens` [n+1], which the forward uses instead
+    (train/model.py `microbatch_logprobs`). The loss sees [b, t] tensors in every mode. `row_index` [b]
+    says which rows of `batch` a microbatch holds (packing and dynamic batching reorder them).
+    """
+    from dataplane_rl.train.packing import dynamic_cuts, pack_rows, round_up
+
+    sp, db = policy.sequence_packing, policy.dynamic_batching
+    any_ = next(iter(batch.values()))
+    batch = {**batch, "row_index": torch.arange(any_.shape[0], device=any_.device)}  # [B]: where each row came from
+    if not (sp.enabled or db.enabled):
+        return microbatches(batch, policy.train_micro_batch_size)
+    lengths = batch["attention_mask"].sum(-1).cpu().numpy()  # [B]
+    if db.enabled:
+        budget = db.train_mb_tokens if pass_ == "train" else db.logprob_mb_tokens
+        return [_rows(batch, torch.as_tensor(c), round_up(int(lengths[c].max()), db.sequence_length_round))
+                for c in dynamic_cuts(lengths, budget, db.sequence_length_round)]
+    budget = sp.train_mb_tokens if pass_ == "train" else sp.logprob_mb_tokens
     out = []
-    for s in range(0, B, size):
-        mb = {k: v[s:s + size] for k, v in batch.items()}
-        T = int(mb["attention_mask"].sum(-1).max()) if "attention_mask" in mb else None
-        if T is not None:
-            mb = {k: (v[:, :T] if v.dim() == 2 else v) for k, v in mb.items()}
+    for b in pack_rows(lengths, budget, sp.algorithm):
+        mb = _rows(batch, torch.as_tensor(b))
+        valid = mb["attention_mask"].bool()  # [b, t]
+        mb["packed_input_ids"] = mb["input_ids"][valid][None]  # [1, L]: row-major, so rows stay in order
+        n = torch.as_tensor(lengths[b], device=valid.device)  # [b]
+        mb["cu_seqlens"] = torch.cat([n.new_zeros(1), n.cumsum(0)])  # [b+1]
         out.append(mb)
     return out
+
+
+def slots(mb: dict[str, torch.Tensor]) -> int:
+    """Token slots the forward pass of a microbatch computes (valid + padding)."""
+    return int(mb["packed_input_ids"].shape[1]) if "packed_input_ids" in mb else int(mb["input_ids"].numel())
+
+
+def unpack(flat: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[L] values of a packed microbatch -> [b, t] right-padded like its rows' tensors (zeros in padding)."""
+    valid = mb["attention_mask"].bool()  # [b, t]
+    out = flat.new_zeros(valid.shape)  # [b, t]
+    return out.masked_scatter(valid, flat)  # row-major, the packing order

@@ -1,11 +1,15 @@
 """Distributed checkpoints: one manager decides what is saved, as `Stateful` objects (STYLE §13).
 
 A checkpoint is a folder RUN_DIR/checkpoints/step_NNNNNN/ holding
-  train/        torch.distributed.checkpoint: each train rank writes its own model/optimizer shards and RNG
-  driver/       the driver's state (step, prompt cursor, its RNG and every rollout actor's RNG)
-  config.yaml   the run's resolved config
+  train/          torch.distributed.checkpoint: each train rank writes its own model/optimizer shards and RNG;
+                  loaded resharded for any policy.dp_size
+  driver.json     the driver's state: step, its RNG, every rollout actor's RNG, the async schedule
+  partitions/     async GRPO: the rounds generated ahead of the trainer, as Arrow IPC (train/ahead.py)
+  config.yaml     the run's resolved config
+  manifest.json   every other file with its size and xxh3, written last (train/checkpoint_files.py)
 It is written under a hidden temporary name and renamed when complete, so a crash during a save leaves
-the previous checkpoint the latest one; a leftover temporary folder is removed by the next save.
+the previous checkpoint the latest one; a leftover temporary folder is removed by the next save. Resume and
+export verify the manifest before they load anything, and load no pickled code.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dataplane_rl.errors import ConfigError
+from dataplane_rl.train.checkpoint_files import (CheckpointError, damage, dcp_load, read_dcp_metadata, read_json,
+                                                 write_manifest)
 
 _NAME = re.compile(r"^step_(\d{6,})$")
+DRIVER = "driver.json"
 
 
 class PolicyState(Stateful):
@@ -44,34 +52,32 @@ class PolicyState(Stateful):
 
 
 class RNGState(Stateful):
-    """This process's torch, numpy and Python RNG states."""
+    """This process's torch, numpy and Python RNG states, as plain lists: JSON for the driver and the
+    rollout actors, weights_only-loadable items in DCP for the train ranks."""
 
     def state_dict(self) -> dict:
-        return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        version, internal, gauss_next = random.getstate()
+        return {"torch": torch.get_rng_state().tolist(),
+                "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+                "python": [version, list(internal), gauss_next]}
 
     def load_state_dict(self, state: dict) -> None:
-        torch.set_rng_state(state["torch"])
-        np.random.set_state(state["numpy"])
-        random.setstate(state["python"])
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
 
 
-class ValueState(Stateful):
-    """Plain values (the step, the rollout actors' RNG states) restored into a dict the caller reads."""
-
-    def __init__(self, values: dict) -> None:
-        self.values = values
-
-    def state_dict(self) -> dict:
-        return dict(self.values)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.values.update(state)
-
-
-def worker_states(worker) -> dict[str, Stateful]:
-    """What a train rank saves. RNG keys carry the rank: DCP writes a non-sharded value once per key."""
-    states: dict[str, Stateful] = {"policy": PolicyState(worker.model, worker.opt),
-                                   f"rng_rank{worker.rank}": RNGState()}
+def worker_states(worker, saved: set[str] | None = None) -> dict[str, Stateful]:
+    """What a train rank saves. RNG keys carry the rank: DCP writes a non-sharded value once per key.
+    saved: the checkpoint's top-level keys, on load; a rank the saving run did not have keeps its seeded
+    RNG (training draws no random numbers: the RNG is saved for a future dropout, not for today's numbers)."""
+    states: dict[str, Stateful] = {"policy": PolicyState(worker.model, worker.opt)}
+    rng = f"rng_rank{worker.rank}"
+    if saved is None or rng in saved:
+        states[rng] = RNGState()
     if getattr(worker, "scheduler", None) is not None:  # a torch LRScheduler is already Stateful
         states["scheduler"] = worker.scheduler
     return states
@@ -82,7 +88,18 @@ def save_worker(worker, path: str) -> None:
 
 
 def load_worker(worker, path: str) -> None:
-    dcp.load(worker_states(worker), checkpoint_id=path)
+    """Collective: DCP reshards the saved DTensors for this run's ranks, whatever their number was."""
+    saved = {k.split(".", 1)[0] for k in read_dcp_metadata(Path(path)).state_dict_metadata}
+    dcp_load(worker_states(worker, saved), Path(path))
+
+
+def check_plain_items(path: Path) -> None:
+    """Read every non-tensor item of a DCP folder with weights_only=True, in this process: a crafted item is
+    refused here, before any actor starts, naming the file."""
+    meta = read_dcp_metadata(path)
+    items = {k: None for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    with single_process():
+        dcp_load(items, path, no_dist=True)
 
 
 @contextlib.contextmanager
@@ -98,7 +115,7 @@ def step_of(path: Path) -> int:
 
 
 class CheckpointManager:
-    """Saves, finds and prunes the checkpoints of one run; the driver calls it between steps."""
+    """Saves, finds, verifies and prunes the checkpoints of one run; the driver calls it between steps."""
 
     def __init__(self, root: str | Path, keep_top_k: int | None = None) -> None:
         # absolute: the train workers write their shards from their own working directory (Ray's), so a
@@ -112,61 +129,82 @@ class CheckpointManager:
         return cls(c.checkpoint_dir or Path(cfg.logger.run_dir) / "checkpoints", c.keep_top_k)
 
     def all(self) -> list[Path]:
-        """Complete checkpoints, oldest first (temporary folders never match the name)."""
+        """Checkpoint folders, oldest first (temporary folders never match the name)."""
         if not self.root.is_dir():
             return []
         return sorted((p for p in self.root.iterdir() if _NAME.match(p.name) and p.is_dir()), key=step_of)
 
     def find(self, step: int | None = None) -> Path:
+        """The checkpoint of `step` (default: the latest), its bytes verified against its manifest."""
         done = self.all()
         if not done:
             raise ConfigError(f"no complete checkpoint in {self.root}; the run saved none (checkpointing.enabled "
                               "was false, or it died before checkpointing.save_period steps)")
-        if step is None:
-            return done[-1]
-        for p in done:
-            if step_of(p) == step:
-                return p
-        raise ConfigError(f"no checkpoint of step {step} in {self.root}; have steps {[step_of(p) for p in done]}")
+        path = done[-1] if step is None else next((p for p in done if step_of(p) == step), None)
+        if path is None:
+            raise ConfigError(f"no checkpoint of step {step} in {self.root}; have steps {[step_of(p) for p in done]}")
+        self.verify(path)
+        return path
+
+    def verify(self, path: Path) -> None:
+        """Raise one line naming the damaged file and the step, offering the newest checkpoint that verifies."""
+        why = damage(path)
+        if why is None:
+            return
+        good = next((p for p in reversed(self.all()) if p != path and damage(p) is None), None)
+        offer = (f"the newest complete checkpoint is step {step_of(good)} (export --step {step_of(good)}; to resume "
+                 f"from it, move {path} out of {self.root})" if good else "no other checkpoint of this run verifies")
+        raise CheckpointError(f"checkpoint step {step_of(path)} ({path}): {why}; {offer}")
+
+    def check(self, path: Path) -> dict:
+        """Everything a resume reads, read here before Ray starts, with no code run: returns driver.json."""
+        driver = read_json(path / DRIVER)
+        check_plain_items(path / "train")
+        from dataplane_rl.train.ahead import check_partitions
+
+        check_partitions(path, driver.get("ahead", []))
+        return driver
 
     def save(self, trainer, step: int, config_yaml: str) -> Path:
+        import json
+
         import ray
+
+        from dataplane_rl.train.ahead import save_ahead
 
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".step_*.tmp"):  # what a crashed save left behind
             shutil.rmtree(stale, ignore_errors=True)
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".{final.name}.tmp"
+        tmp.mkdir(mode=0o700)
         ray.get([w.save_checkpoint.remote(str(tmp / "train")) for w in trainer.workers])
-        with single_process():
-            dcp.save(self.driver_states(trainer, step)[0], checkpoint_id=str(tmp / "driver"), no_dist=True)
+        driver = {"step": step, "rng": RNGState().state_dict(),
+                  "rollout_rng": ray.get([a.rng_state.remote() for a in trainer.rollout]),
+                  "ahead": save_ahead(trainer, tmp)}
+        (tmp / DRIVER).write_text(json.dumps(driver))
         (tmp / "config.yaml").write_text(config_yaml)
+        write_manifest(tmp, step)  # last: a folder without it is incomplete
         if final.exists():  # a resumed run saving a step again
             shutil.rmtree(final)
         os.replace(tmp, final)  # the checkpoint appears whole or not at all
         self.prune()
         return final
 
-    def load(self, trainer, path: Path) -> int:
-        """Restore every process from `path`; returns its step. The caller refits the rollout actors."""
+    def load(self, trainer, path: Path, driver: dict | None = None) -> int:
+        """Restore every process from `path` (verified by find); returns its step. The caller refits the
+        rollout actors. Rollout actors beyond the saving run's number keep their seeded RNG: generation
+        is seeded per sample, so no number depends on it."""
         import ray
 
+        from dataplane_rl.train.ahead import restore_ahead
+
+        driver = driver if driver is not None else self.check(path)
         ray.get([w.load_checkpoint.remote(str(path / "train")) for w in trainer.workers])
-        states, values = self.driver_states(trainer, 0)  # the current values give dcp.load the shapes
-        with single_process():
-            dcp.load(states, checkpoint_id=str(path / "driver"), no_dist=True)
-        ray.get([a.set_rng_state.remote(s) for a, s in zip(trainer.rollout, values["rollout_rng"])])
-        return int(values["step"])
-
-    @staticmethod
-    def driver_states(trainer, step: int) -> tuple[dict[str, Stateful], dict]:
-        """What the driver saves, and the dict a load fills. Prompts are a function of (seed, step, round),
-        so the step is the whole prompt cursor; generation is seeded per sample, the actors' RNG is saved
-        anyway so nothing a future engine draws is lost."""
-        import ray
-
-        values = {"step": step, "rollout_rng": ray.get([a.rng_state.remote() for a in trainer.rollout])}
-        return {"driver": ValueState(values), "driver_rng": RNGState()}, values
+        RNGState().load_state_dict(driver["rng"])
+        ray.get([a.set_rng_state.remote(s) for a, s in zip(trainer.rollout, driver["rollout_rng"])])
+        restore_ahead(trainer, path, driver.get("ahead", []))
+        return int(driver["step"])
 
     def prune(self) -> None:
         if self.keep_top_k is None:

@@ -38,19 +38,19 @@ def export_hf(state_dict: dict[str, torch.Tensor], model_folder: str | Path, out
 
 def checkpoint_model_state(path: Path, model_folder: str | Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) model weights from a checkpoint's train/ shards, read in this process."""
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dataplane_rl.train.checkpoint import single_process
+    from dataplane_rl.train.checkpoint_files import dcp_load, read_dcp_metadata
 
     train = path / "train"
-    saved = dcp.FileSystemReader(str(train)).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(train).state_dict_metadata  # no pickled code runs (train/checkpoint_files.py)
     with torch.device("meta"):  # shapes only; dcp.load needs real tensors, made below
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_folder), dtype=torch.float32)
     target = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()
               if f"policy.model.{k}" in saved}
     with single_process():
-        dcp.load({"policy": {"model": target}}, checkpoint_id=str(train), no_dist=True)
+        dcp_load({"policy": {"model": target}}, train, no_dist=True)
     return target
 
 
@@ -64,6 +64,6 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run folder (no config.yaml); pass the RUN_DIR of a training run")
     cfg = load_config(run_dir / "config.yaml", [f"logger.run_dir={run_dir}"])
-    path = CheckpointManager.for_config(cfg).find(step)
+    path = CheckpointManager.for_config(cfg).find(step)  # verified against its manifest before any load
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     return export_hf(checkpoint_model_state(path, folder), folder, out), step_of(path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 
 from dataplane_rl.config import Config, dump_config
 from dataplane_rl.errors import ConfigError, DataPlaneError
@@ -18,27 +19,34 @@ from dataplane_rl.train.loggers import MetricLoggers
 from dataplane_rl.train.preempt import LOST, RayLost, StopSignals
 from dataplane_rl.train.rollouts import RolloutActorError, RolloutWaitError
 from dataplane_rl.train.run_dir import RunDir
-from dataplane_rl.train.trainer import (DynamicSamplingError, GRPOTrainer, open_run_store, preflight,
-                                        quiet_ray_token_warning)
+from dataplane_rl.train.trainer import DynamicSamplingError, GRPOTrainer, open_run_store, preflight
 
 __all__ = ["DynamicSamplingError", "GRPOTrainer", "NonFiniteError", "RolloutActorError", "RolloutWaitError", "StepProgress", "check_finite",
-           "open_run_store", "preflight", "quiet_ray_token_warning", "train"]
+           "open_run_store", "preflight", "train"]
 
 
 class StepProgress:
-    """The console bar: it advances when a step ends, showing that step's numbers (never step k's at k-1/N)."""
+    """The console bar: it advances when a step ends, showing that step's numbers (never step k's at k-1/N).
+    Disabled (logger.progress=false), it prints one plain line every `every` steps and at the last."""
 
-    def __init__(self, total: int, enabled: bool = True, file=None, mininterval: float = 0.1, initial: int = 0) -> None:
+    def __init__(self, total: int, enabled: bool = True, file=None, mininterval: float = 0.1, initial: int = 0,
+                 every: int = 10) -> None:
         from tqdm import tqdm
 
         # initial: steps already done (a resumed run starts its bar there)
         self.bar = tqdm(total=total, initial=initial, desc="grpo", unit="step", disable=not enabled,
                         dynamic_ncols=True, file=file, mininterval=mininterval)
+        self.enabled, self.file, self.every, self.total, self.done = enabled, file, every, total, initial
 
     def step_done(self, metrics: dict) -> None:
         self.bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", loss=f"{metrics['train/loss']:.4f}",
                              step_s=f"{metrics['timing/step']:.1f}", refresh=False)
         self.bar.update(1)
+        self.done += 1
+        if not self.enabled and (self.done % self.every == 0 or self.done == self.total):
+            print(f"grpo step {self.done}/{self.total}: reward {metrics['train/reward']:.3f} loss "
+                  f"{metrics['train/loss']:.4f} step_s {metrics['timing/step']:.1f}",
+                  file=self.file or sys.stderr, flush=True)
 
     def close(self) -> None:
         self.bar.close()
@@ -79,12 +87,13 @@ def train(cfg: Config, resume: bool = False) -> dict:
     """
     import ray
 
-    start = None
+    start = saved = None
     if resume:  # refused before the folder is opened, so a refusal leaves the run's summary as it was
-        start = CheckpointManager.for_config(cfg).find()
+        start = CheckpointManager.for_config(cfg).find()  # its bytes verified against its manifest
         if step_of(start) > cfg.grpo.max_num_steps:
             raise ConfigError(f"--resume: the latest checkpoint is step {step_of(start)}, past grpo.max_num_steps="
                               f"{cfg.grpo.max_num_steps}; raise grpo.max_num_steps to continue the run")
+        saved = CheckpointManager.for_config(cfg).check(start)  # every file parsed, no code run, before Ray
     run = RunDir(cfg.logger.run_dir, overwrite=cfg.logger.overwrite, resume=resume)
     if cfg.logger.run_dir is None:  # the fresh runs/<time> folder: record it, so --resume and the checkpoints find it
         cfg = cfg.model_copy(deep=True)
@@ -104,13 +113,20 @@ def train(cfg: Config, resume: bool = False) -> dict:
             first = 1
             if start is not None:
                 run.resume_from(config_yaml, step_of(start))
-                first = ckpt.load(trainer, start) + 1
+                first = ckpt.load(trainer, start, saved) + 1  # async: with the rounds generated ahead
                 trainer.version = first - 1
                 trainer.refit()
+                left = cfg.grpo.max_num_steps - first + 1
+                print(f"resumed {run.path} from its checkpoint of step {first - 1}; "
+                      + (f"steps {first}-{cfg.grpo.max_num_steps} to go" if left else "no steps left to run"),
+                      file=sys.stderr, flush=True)
             else:
                 run.begin(config_yaml)
-            # async GRPO: the first steps generate now; a resumed run regenerates its steps ahead with the
-            # checkpoint's weights (newer than an unbroken run's, so within the bound, but not the same rows)
+            run.record_store(trainer.store_url)
+            print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
+                                              if trainer.store_url else ""), file=sys.stderr, flush=True)
+            # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
+            # checkpoint (train/ahead.py), so this sends none of them again
             trainer.rollouts.send_ahead(trainer.version)
             # after the start: a run refused before it touches nothing in the folder
             loggers = MetricLoggers(cfg.logger, run.path, cfg.model_dump(mode="json", by_alias=True))
@@ -119,7 +135,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 run.log_validation(start_metrics)
                 loggers.log(start_metrics, 0)
             last = cfg.grpo.max_num_steps
-            bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1)
+            bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1, every=cfg.logger.log_every_n_steps)
             done = first - 1  # the last step finished
             for step in range(first, last + 1):
                 metrics, samples = trainer.step(step)
@@ -151,7 +167,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         if isinstance(e, RayLost) or ray_lost(stop, trainer):
             status, error = "interrupted", "SIGTERM to the process group: Ray's processes stopped with the driver"
         else:
-            error = f"{type(e).__name__}: {e}"
+            error = run.record_error(e)
             raise
     finally:
         if bar is not None:

@@ -26,13 +26,13 @@ def check_store_reachable(cfg: Config) -> None:
     address = url[len("mooncake://"):].partition("?")[0]
     if not address:
         return  # the run starts its own master
-    from dataplane_rl.store.mooncake_cluster import port_open, split_address
+    from dataplane_rl.store.mooncake.client import port_open, split_address
 
     split_address(address)  # StoreUnavailableError unless HOST:PORT
     if not port_open(address, timeout=5.0):
         raise StoreUnavailableError(
             f"data_plane.backend={url}: no Mooncake master accepts connections at {address} from this node "
-            "(waited 5 s); start mooncake_master there (README, 'On a Ray cluster with Mooncake') or fix the address")
+            "(waited 5 s); start mooncake_master there (docs/cluster.md) or fix the address")
 
 
 def alive_nodes() -> list[dict]:
@@ -51,7 +51,7 @@ def check_backend_spans(cfg: Config, nodes: list[dict]) -> None:
     if url.startswith("shm://"):
         raise ConfigError(f"data_plane.backend={url} keeps the columns in this machine's /dev/shm, but {where}; use "
                           "data_plane.backend=mooncake://HEAD:PORT (a Mooncake master and a holder on every node, "
-                          "see README 'On a Ray cluster with Mooncake'), or data_plane.enabled=false")
+                          "see docs/cluster.md), or data_plane.enabled=false")
     if url.startswith("mooncake://"):
         from dataplane_rl.hosts import is_loopback
 
@@ -59,8 +59,8 @@ def check_backend_spans(cfg: Config, nodes: list[dict]) -> None:
         if not host or is_loopback(host):
             what = "starts a master and holders on this machine's 127.0.0.1" if not host else "names a loopback master"
             raise ConfigError(f"data_plane.backend={url} {what}, which other nodes cannot reach, but {where}; start "
-                              "a master on the head node's IP and a holder on every node (README 'On a Ray cluster "
-                              "with Mooncake') and set data_plane.backend=mooncake://HEAD:PORT")
+                              "a master on the head node's IP and a holder on every node (docs/cluster.md) "
+                              "and set data_plane.backend=mooncake://HEAD:PORT")
 
 
 def gpu_plan(cfg: Config) -> tuple[int, int]:

@@ -17,8 +17,9 @@ def run_title(config: dict, steps_done: int) -> str:
 
 
 def reward_figure(metrics: list[dict], title: str, validation: list[dict] = ()):
-    """Two panels over the steps: the rewards (and held-out validation where logged, `validation` adding
-    lines that are not steps, e.g. step 0), then loss, KL penalty and entropy."""
+    """Three panels over the steps: the rewards (and held-out validation where logged, `validation` adding
+    lines that are not steps, e.g. step 0); the loss, with the KL penalty on its own right-hand axis; the
+    entropy. Each legend sits above its panel, never on the curves."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines
@@ -26,7 +27,9 @@ def reward_figure(metrics: list[dict], title: str, validation: list[dict] = ()):
     from matplotlib.ticker import MaxNLocator
 
     steps = [m["step"] for m in metrics]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    # constrained layout makes room for the legends placed above the panels
+    fig, (top, mid, bottom) = plt.subplots(3, 1, figsize=(7, 8), sharex=True, layout="constrained",
+                                           height_ratios=(2, 1.4, 1))
     fig.suptitle(title)
 
     reward = np.array([m["train/reward"] for m in metrics])
@@ -42,24 +45,28 @@ def reward_figure(metrics: list[dict], title: str, validation: list[dict] = ()):
         top.plot([m["step"] for m in val], [m["validation/reward"] for m in val], marker="s", linestyle="--",
                  label="validation/reward (held-out, greedy by default)")
     top.set_ylabel("mean reward")
-    top.grid(alpha=0.3)
-    top.legend(fontsize="small")
+    _legend_above(top, top.get_lines(), ncol=1)  # long labels: one per row, within the figure's width
 
-    # entropy (~ln V at the start) on its own axis, so loss and KL keep a readable scale
-    right = bottom.twinx()
+    # the KL penalty is often 100x smaller than the loss: its own axis, so neither is drawn flat
+    right = mid.twinx()
     lines = []
-    for ax, key, color in ((bottom, "train/loss", "C0"), (bottom, "train/kl_penalty", "C1"),
-                           (right, "train/entropy", "C2")):
+    for ax, key, color in ((mid, "train/loss", "C0"), (right, "train/kl_penalty", "C1"), (bottom, "train/entropy", "C2")):
         if all(key in m for m in metrics):
-            lines += ax.plot(steps, [m[key] for m in metrics], marker=".", color=color, label=key)
+            line = ax.plot(steps, [m[key] for m in metrics], marker=".", color=color, label=key)
+            lines += line if ax is not bottom else []
+            ax.set_ylabel(key.split("/")[1].replace("_", " "), color=color)
+    _legend_above(mid, lines)
+    _legend_above(bottom, bottom.get_lines())
     bottom.set_xlabel("step")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    bottom.set_ylabel("loss, KL penalty")
-    right.set_ylabel("entropy (nats per token)")
-    bottom.grid(alpha=0.3)
-    bottom.legend(lines, [ln.get_label() for ln in lines], fontsize="small")
-    fig.tight_layout()
     return fig
+
+
+def _legend_above(ax, lines, ncol: int = 2) -> None:
+    ax.grid(alpha=0.3)
+    if lines:
+        ax.legend(lines, [ln.get_label() for ln in lines], fontsize="small", loc="lower left",
+                  bbox_to_anchor=(0, 1.0), ncol=ncol, frameon=False, borderaxespad=0.2)
 
 
 def save_reward_png(metrics: list[dict], title: str, path: Path, validation: list[dict] = ()) -> None:

@@ -1,4 +1,4 @@
-"""Nothing a run started outlives it, however it ends (README "Guarantees and limits").
+"""Nothing a run started outlives it, however it ends (docs/store.md, "Guarantees and limits").
 
 Ray starts gcs_server and raylet as children of the driver, and raylet starts the dashboard and
 runtime-env agents. A Ctrl-C inside ray.init can leave those agents running with no one to stop them

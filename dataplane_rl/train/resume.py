@@ -9,10 +9,12 @@ from pydantic import BaseModel
 from dataplane_rl.config import ALL_KEYS, Config, load_config
 from dataplane_rl.errors import ConfigError
 
-# Keys a resumed run may change: where and how data moves, how often it saves, how long it runs, memory.
-# Everything else (seed, batch sizes, loss, model, generation, dp_size, whose per-rank RNG is saved) would
-# make the resumed steps differ from an uninterrupted run, so it is refused.
+# Keys a resumed run may change: where and how data moves, how often it saves, how long it runs, memory,
+# and the shape (train ranks and rollout actors: DCP reshards the state, normalisers are global and every
+# sample is seeded by itself, so only the reduction order changes). Everything else (seed, batch sizes,
+# loss, model, task, generation sampling) would make the resumed steps differ from an uninterrupted run.
 SAFE_PREFIXES = ("logger.", "cluster.", "checkpointing.", "data_plane.enabled", "data_plane.backend",
+                 "policy.dp_size", "generation.num_workers",
                  "data_plane.keep_partitions", "data_plane.mooncake.", "grpo.max_num_steps",
                  "policy.train_micro_batch_size", "policy.activation_checkpointing", "policy.model_cache_dir",
                  "generation.vllm.kv_cache_space_gb", "generation.vllm.gpu_memory_utilization",

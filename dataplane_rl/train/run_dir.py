@@ -3,28 +3,34 @@
 Every file is appended line by line or written atomically, so an interrupted run leaves a folder whose
 files are each whole.
 
-Who may write a folder (the policy, README "The run folder"):
-- no `logger.run_dir`: a fresh `runs/YYYYmmdd-HHMMSS` (suffix -2, -3, ... if taken), and `runs/latest`
-  points at it;
+Who may write a folder (the policy, docs/run-folder.md):
+- no `logger.run_dir`: a fresh `runs/YYYYmmdd-HHMMSS` (suffix -2, -3, ... if taken); `runs/latest` points
+  at it once the run has started, and a run that fails before that removes the folder again;
 - a folder that already holds a run is refused unless `overwrite` (or, with `--resume`, reopened:
   `resume_from` drops what a killed run logged after its checkpoint);
 - a live run holds an flock on `RUN_DIR/.lock`, which names its PID; a second one is refused;
 - `open` removes nothing: an overwritten run's files go only in `begin`, once the run has really started,
-  and a failure before that still writes `summary.json` (status failed, `started: false`).
+  and a failure before that still writes `summary.json` (status failed, `started: false`) in a folder the
+  user named.
+- `store.json` names the run's store from the start (`dataplane-rl store ls RUN_DIR` on a live run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import re
+import shutil
 import time
+import traceback
 from pathlib import Path
 
 from dataplane_rl.errors import ConfigError
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
-_STALE = ("metrics.jsonl", "summary.json", "reward.png")
+_STALE = ("metrics.jsonl", "summary.json", "reward.png", "store.json")
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -33,9 +39,12 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+# colour codes Ray puts into a remote traceback's text
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
 def fresh_run_dir(root: str | Path = "runs") -> Path:
-    """Make `root/YYYYmmdd-HHMMSS` (or -2, -3, ...; mkdir decides, so two runs never share one) and point
-    `root/latest` at it."""
+    """Make `root/YYYYmmdd-HHMMSS` (or -2, -3, ...; mkdir decides, so two runs never share one)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -48,6 +57,12 @@ def fresh_run_dir(root: str | Path = "runs") -> Path:
             continue
     else:
         raise ConfigError(f"{root}: 999 runs started in second {stamp}; set logger.run_dir")
+    return path
+
+
+def link_latest(path: Path) -> None:
+    """Point `latest` next to `path` at it."""
+    root = path.parent
     latest, tmp = root / "latest", root / f".latest-{os.getpid()}"
     tmp.unlink(missing_ok=True)
     os.symlink(path.name, tmp)
@@ -55,7 +70,6 @@ def fresh_run_dir(root: str | Path = "runs") -> Path:
         os.replace(tmp, latest)  # atomic: readers see the old run or the new one
     except OSError:  # runs/latest is a real folder (an older layout): leave it alone
         tmp.unlink(missing_ok=True)
-    return path
 
 
 def holds_run(path: Path) -> bool:
@@ -82,6 +96,7 @@ class RunDir:
     """A run folder, locked for this process from `__init__` until `close`."""
 
     def __init__(self, path: str | Path | None, *, overwrite: bool = False, resume: bool = False) -> None:
+        self.fresh = not path  # ours alone: made here, linked as latest only once the run starts
         self.path = Path(path) if path else fresh_run_dir()
         self.overwrite = overwrite
         self.started = False
@@ -125,6 +140,13 @@ class RunDir:
         (self.path / "train_data").mkdir(exist_ok=True)
         _atomic_write(self.path / "config.yaml", config_yaml)
         self.started = True
+        if self.fresh:
+            link_latest(self.path)
+
+    def record_store(self, url: str | None) -> None:
+        """store.json: the store this run's partitions live in while it runs (None: the data plane is off),
+        for `dataplane-rl store ls RUN_DIR` before summary.json exists."""
+        _atomic_write(self.path / "store.json", json.dumps({"store_url": url}) + "\n")
 
     def close(self) -> None:
         """Release the lock (also released by the OS if the process dies)."""
@@ -163,7 +185,25 @@ class RunDir:
             f.write(json.dumps(metrics) + "\n")
         self.validation.append(metrics)
 
+    def record_error(self, e: BaseException) -> str:
+        """The summary's error: one line, no colour codes, no remote traceback; the whole traceback (a
+        Ray task's remote one included) goes to error.log in the run folder, which the line names."""
+        cause = getattr(e, "cause", None)  # a RayTaskError: the error raised inside the actor
+        shown = cause if isinstance(cause, BaseException) else e
+        lines = [x.strip() for x in _ANSI.sub("", str(shown)).splitlines() if x.strip()]
+        line = f"{type(shown).__name__}: {lines[0] if lines else ''}"
+        if not self.started:  # a run refused before it started leaves the folder's files as they were
+            return line
+        log = self.path / "error.log"
+        try:
+            _atomic_write(log, _ANSI.sub("", "".join(traceback.format_exception(e))))
+        except OSError:  # a folder that cannot take it still gets the summary
+            return line
+        return f"{line} (traceback: {log})"
+
     def finish(self, status: str, error: str | None = None, extra: dict | None = None) -> dict:
+        """Write summary.json and reward.png; returns the summary. A fresh folder of a run that never
+        started is removed instead: nothing ran, and runs/latest keeps naming the last run that did."""
         rewards = [m["train/reward"] for m in self.metrics]
         k = max(1, len(rewards) // 4)
         summary = {
@@ -176,8 +216,17 @@ class RunDir:
             "reward_first_quarter": sum(rewards[:k]) / k if rewards else None,
             "reward_last_quarter": sum(rewards[-k:]) / k if rewards else None,
             "final_metrics": self.metrics[-1] if self.metrics else None,
+            "final_validation_reward": next((m["validation/reward"] for m in reversed([*self.validation, *self.metrics])
+                                             if "validation/reward" in m), None),
             **(extra or {}),
         }
+        if self.fresh and not self.started:
+            shutil.rmtree(self.path, ignore_errors=True)
+            with contextlib.suppress(OSError):  # runs/ itself, if this attempt made it and nothing else is there
+                self.path.parent.rmdir()
+            return summary
+        if self.metrics:
+            summary["plot"] = str(self.path / "reward.png")
         _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
         if self.metrics:
             self.plot()

@@ -21,11 +21,12 @@ from dataplane_rl.config import Config
 from dataplane_rl.errors import DataPlaneError
 from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
-from dataplane_rl.store import MemoryStore, open_store, to_numpy
+from dataplane_rl.store import MemoryStore, open_store, owners, to_numpy
 from dataplane_rl.tasks import get_task
-from dataplane_rl.train import validation
+from dataplane_rl.train import private_ray, validation
 from dataplane_rl.train.batch import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.model import resolve_model
+from dataplane_rl.train.packing import balance_by_tokens, refuse_over_budget
 from dataplane_rl.train.reaper import deferred_sigint
 from dataplane_rl.train.rollouts import Rollouts, fresh_groups, rollout_actors_alive
 from dataplane_rl.train.transport import DriverTransport
@@ -63,6 +64,8 @@ class Groups:
     pids: list[str]            # every round partition of the step (dropped at its end)
     rounds_rewards: list       # every generated reward, per round (train/reward)
     dropped_stale: int = 0     # rows older than the staleness bound
+    groups_generated: int = 0  # every group of every round
+    zero_advantage_groups: int = 0  # of those, the groups whose rewards are all equal
 
 
 def open_run_store(cfg: Config):
@@ -132,15 +135,6 @@ def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:
     return max(1, cpus // N), max(1, cpus // D)
 
 
-def quiet_ray_token_warning() -> None:
-    """Ray 2.60 logs a warning about token authentication on every ray.init() unless RAY_AUTH_MODE is set;
-    it says nothing about this run (a user who sets RAY_AUTH_MODE=token asked for it, and gets no warning
-    either). Errors of that module still show."""
-    import logging
-
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-
-
 class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -161,6 +155,7 @@ class GRPOTrainer:
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
         self._ray_started = False
         self.ray_lost = False  # Ray's processes were stopped under us: close() must not wait on them
+        self._unprivate = None  # undoes private_ray.make_private once this run's Ray is shut down
         self.kept_store_url: str | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -170,15 +165,21 @@ class GRPOTrainer:
         from dataplane_rl.train import placement
 
         cfg = self.cfg
+        owners.collect_at_start()  # the stores of runs that were killed (their own --resume included)
         placement.check_store_reachable(cfg)  # before Ray: a wrong address fails in seconds
         if not ray.is_initialized():
-            quiet_ray_token_warning()
+            if not cfg.cluster.address:
+                self._unprivate = private_ray.make_private()
             # set first: a Ctrl-C inside ray.init must still shut down what it started (close())
             self._ray_started = True
             # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
             # even a dead `ray start` head, instead of starting this run's own instance
             ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
                      include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+            # after the join: ray.init(address="auto") turns token auth on when it finds the user's token
+            for line in (private_ray.open_warning(cfg), private_ray.security_line(cfg)):
+                if line:
+                    print(line, file=sys.stderr)
         ray_nodes = placement.alive_nodes()
         placement.check_backend_spans(cfg, ray_nodes)
         self.store = open_run_store(cfg)
@@ -244,6 +245,9 @@ class GRPOTrainer:
                     elif self._ray_started:
                         ray.shutdown()
                         self._ray_started = False
+                    if self._unprivate is not None:
+                        self._unprivate()
+                        self._unprivate = None
 
     def refit(self, wait: bool = True) -> float:
         """Hand the policy's weights (version `self.version`) to the rollout actors, gathered once (rank 0's
@@ -293,6 +297,7 @@ class GRPOTrainer:
         kept: list = []  # (pid, rows of one whole group)
         scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS, read once
         rounds_rewards, dropped = [], 0
+        generated = flat = 0
         rounds = g.max_gen_batches if g.use_dynamic_sampling or self.rollouts.ahead else 1
         for round_ in range(rounds):
             p = self.rollouts.first_round(step) if round_ == 0 else self.rollouts.send_round(step, round_)
@@ -305,6 +310,9 @@ class GRPOTrainer:
             rewards = to_numpy(sc.column("total_reward")).astype(np.float64)
             groups = to_numpy(sc.column("group_id"))
             rounds_rewards.append(rewards)
+            uniq = np.unique(groups)
+            generated += len(uniq)
+            flat += len(uniq) - len(informative_groups(rewards, groups))
             keep, stale = fresh_groups(to_numpy(sc.column("generation_policy_version")), groups, oldest)
             dropped += stale
             if g.use_dynamic_sampling:
@@ -323,7 +331,7 @@ class GRPOTrainer:
                 "grpo.num_prompts_per_step, or turn grpo.use_dynamic_sampling off")
         rs = merge([[k] for k in kept])  # the kept rows, whole groups in order, by partition
         sc = pa.concat_tables([scalars[pid].take(pa.array(rows)) for pid, rows in rs])
-        return Groups(rs, sc, list(scalars), rounds_rewards, dropped)
+        return Groups(rs, sc, list(scalars), rounds_rewards, dropped, generated, flat)
 
     def advantages_and_masks(self, got: Groups, io: StepIO) -> np.ndarray:
         """Per-sample advantages and sample_mask, put as driver columns; returns the kept rewards."""
@@ -345,11 +353,16 @@ class GRPOTrainer:
         """Global batches in row-set order, each split over the ranks balanced by tokens: per rank, one
         row set per optimizer step."""
         lengths = to_numpy(got.scalars.column("input_lengths")).astype(np.int64)
-        n, GB, D = rowset_size(got.rs), self.cfg.policy.train_global_batch_size, self.cfg.policy.dp_size
+        p = self.cfg.policy
+        n, GB, D = rowset_size(got.rs), p.train_global_batch_size, p.dp_size
+        budgets = p.token_budgets()
+        refuse_over_budget(lengths, got.rs, p)
+        # token budgets make the pass counts differ anyway (evened by empty passes): give rows by tokens only
+        split = balance_by_tokens if budgets else shard_balanced
         per_rank: list[list[RowSet]] = [[] for _ in range(D)]
         for start in range(0, n, GB):
             pos = np.arange(start, min(start + GB, n))
-            for r, shard in enumerate(shard_balanced(lengths[pos], D)):
+            for r, shard in enumerate(split(lengths[pos], D)):
                 per_rank[r].append(select(got.rs, pos[shard]))
         return per_rank
 
@@ -408,9 +421,19 @@ class GRPOTrainer:
         m = {"step": step}
         for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
                   "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch",
-                  "lr", "param_norm"):
+                  "lr", "param_norm", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl", "padding_fraction",
+                  "rank_token_imbalance"):
             m[f"train/{k}"] = train[k]
-        m["train/reward"] = float(np.mean(np.concatenate(got.rounds_rewards)))
+        generated = np.concatenate(got.rounds_rewards)
+        m["train/reward"] = float(np.mean(generated))
+        m["train/reward_std"] = float(np.std(generated))
+        m["train/reward_min"] = float(np.min(generated))
+        m["train/reward_max"] = float(np.max(generated))
+        m["train/zero_advantage_group_fraction"] = got.zero_advantage_groups / max(got.groups_generated, 1)
+        m["generation/response_length_mean"] = train["response_length_mean"]
+        m["generation/response_length_max"] = train["response_length_max"]
+        m["generation/prompt_length_mean"] = train["prompt_length_mean"]
+        m["generation/truncated_fraction"] = float(to_numpy(got.scalars.column("truncated")).astype(bool).mean())
         m["train/filtered_reward"] = float(np.mean(kept_rewards))
         m["train/generation_rounds"] = len(got.pids)
         m["train/optimizer_steps"] = train["optimizer_steps"]
@@ -434,4 +457,8 @@ class GRPOTrainer:
         since = now - (self._last_step_end if self._last_step_end is not None else now - io.timing["step"])
         self._last_step_end = now
         m["throughput/samples_per_s"] = rowset_size(got.rs) / since
+        # prompt + response tokens through the train passes (every epoch) per second of the train phase, and
+        # response tokens of the trained rows per second of generation (verl's and NeMo-RL's throughput keys)
+        m["throughput/train_tokens_per_s"] = train["total_tokens"] * self.cfg.grpo.num_epochs / max(io.timing["train"], 1e-9)
+        m["throughput/generation_tokens_per_s"] = train["response_tokens"] / max(io.timing["generate"], 1e-9)
         return m

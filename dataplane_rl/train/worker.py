@@ -17,9 +17,41 @@ import torch
 import torch.distributed as dist
 
 from dataplane_rl.store import list_array
-from dataplane_rl.train.batch import RowSet, build_train_batch, microbatches
+from dataplane_rl.train.batch import RowSet, build_train_batch, plan_microbatches, slots
 from dataplane_rl.train.fsdp import to_float
 from dataplane_rl.train.transport import ActorIO
+
+
+def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a small CPU tensor over the world on the group's device (NCCL reduces CUDA tensors only)."""
+    from dataplane_rl.train.counts import _group_device
+
+    on = t.to(_group_device(None))
+    dist.all_reduce(on, op=op)
+    return on.cpu()
+
+
+def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: float) -> tuple[list[dict], torch.Tensor]:
+    """Forward and backward of one optimizer step's microbatches (gradients accumulate in `model`).
+    Returns each microbatch's metrics (shares of the global values) and [valid, all] token slots computed."""
+    from dataplane_rl.algorithms.loss import batch_masks
+    from dataplane_rl.train.model import microbatch_logprobs
+
+    per_mb = []
+    used = torch.zeros(2, dtype=torch.float64)  # [valid token slots, all token slots]
+    # every microbatch's backward reduce-scatters into the sharded grads (FSDP2's default):
+    # skipping the sync would accumulate full-size unsharded grads, the memory FSDP saves
+    for mb in mbs:
+        lp, ent = microbatch_logprobs(model, mb, temperature, with_entropy=True)  # [b, t] each
+        used += torch.tensor([float(mb["attention_mask"].sum()), float(slots(mb))], dtype=torch.float64)
+        # FSDP2 averages gradients over the D ranks; the loss carries the factor D, so the
+        # reduced gradient is the global one (sum over all tokens / the global counts)
+        loss, metrics = loss_fn(lp, mb, counts)
+        loss.backward()
+        valid = batch_masks(mb)[0]  # [b, t]
+        metrics["entropy"] = (ent * valid).sum() / max(counts.tokens, 1)  # this mb's share, like the loss's
+        per_mb.append(metrics)
+    return per_mb, used
 
 
 class TrainWorker:
@@ -41,6 +73,12 @@ class TrainWorker:
         self.ref = None
         if self.cfg.loss_fn.reference_policy_kl_penalty > 0:
             self.ref = load_model(model_folder, self.device).eval().requires_grad_(False)
+        if self.cfg.policy.sequence_packing.enabled:
+            from dataplane_rl.train.model import packed_attention
+
+            for m in (self.model, self.ref):
+                if m is not None:
+                    packed_attention(m, self.device)
         self.opt = None  # made in init_dist, over the sharded parameters
         self.loss_fn = ClippedPGLoss(self.cfg.loss_fn)
         self.io = ActorIO(store_url)
@@ -85,7 +123,7 @@ class TrainWorker:
         """prev_logprobs (the policy's current weights, before this step: in async mode newer than the rows'
         generation_policy_version, whose generation_logprobs stay the behaviour policy's) and
         reference_policy_logprobs for the shard."""
-        from dataplane_rl.train.model import token_logprobs
+        from dataplane_rl.train.model import microbatch_logprobs
 
         seed_fields = self.schema.field_set("LOGPROB_SEED_FIELDS")
         table = self.io.fetch(rs, seed_fields, table)
@@ -97,28 +135,49 @@ class TrainWorker:
         out = {}
         temp = self.cfg.generation.temperature
         self.model.eval()
+        mbs = plan_microbatches(batch, self.cfg.policy, "logprob")
+        extra = self._even_passes(len(mbs))
         for name, model in models.items():
-            parts = []
-            for mb in microbatches(batch, self.cfg.policy.train_micro_batch_size):
-                parts.append(token_logprobs(model, mb["input_ids"], mb["attention_mask"], temp).float().cpu())  # [b, t]
-            rows = [row for part in parts for row in part.numpy()]  # padded, in batch order
+            rows: list = [None] * len(lengths)
+            for mb in mbs:
+                lp = microbatch_logprobs(model, mb, temp).float().cpu()  # [b, t]
+                for i, row in zip(mb["row_index"].tolist(), lp.numpy()):
+                    rows[i] = row
+            for _ in range(extra):
+                self._empty_pass(model, backward=False)
             flat = np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)])
             out[name] = list_array(flat, lengths, pa.float32())
         return self.io.emit(rs, pa.table(out))
+
+    def _even_passes(self, mine: int) -> int:
+        """How many empty passes this rank adds so every rank runs as many forwards (and backwards) as the
+        busiest: FSDP2's all-gathers and reduce-scatters are collectives, a rank short of passes would hang."""
+        if not (dist.is_initialized() and self.world > 1):
+            return 0
+        return int(_all_reduce(torch.tensor([mine], dtype=torch.int64), dist.ReduceOp.MAX)) - mine
+
+    def _empty_pass(self, model, backward: bool) -> None:
+        """A one-token forward (and backward) that contributes nothing: zero gradient, no metrics."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)  # [1, 1]
+        with torch.set_grad_enabled(backward):
+            logits = model(input_ids=ids, use_cache=False).logits  # [1, 1, V]
+            if backward:
+                (logits.sum() * 0.0).backward()
 
     # -- train pass ---------------------------------------------------------------------------------
     def train(self, steps: list[RowSet], tables: list[pa.Table] | None = None) -> dict:
         """grpo.num_epochs passes over this rank's shards of the step's global batches, one optimizer step
         per shard per pass; prev_logprobs stay those of the log-prob pass. Returns global metrics."""
-        from dataplane_rl.algorithms.loss import batch_masks
         from dataplane_rl.train.counts import all_reduce_counts, local_counts, reduce_metrics
-        from dataplane_rl.train.model import token_logprobs
 
         p = self.cfg.policy
         self.model.train()
         batches = [build_train_batch(self.io.fetch(rs, self.train_fields, tables[i] if tables is not None else None),
                                      self.schema, self.device) for i, rs in enumerate(steps)]
         history = []
+        plans = [plan_microbatches(b, p, "train") for b in batches]
+        extras = [self._even_passes(len(mbs)) for mbs in plans]
+        used = torch.zeros(2, dtype=torch.float64)  # [valid token slots, all token slots] of the train passes
         mismatch = torch.zeros(2, dtype=torch.float64)  # [sum |gen - prev| over valid tokens, count]
         for batch in batches:
             if "generation_logprobs" in batch:
@@ -126,22 +185,13 @@ class TrainWorker:
                 mismatch[0] += float(((batch["generation_logprobs"] - batch["prev_logprobs"]).abs() * m).sum())
                 mismatch[1] += float(m.sum())
         for _ in range(self.cfg.grpo.num_epochs):
-            for batch in batches:
+            for batch, mbs, extra in zip(batches, plans, extras):
                 counts = all_reduce_counts(local_counts(batch))
                 self.opt.zero_grad(set_to_none=True)
-                per_mb = []
-                # every microbatch's backward reduce-scatters into the sharded grads (FSDP2's default):
-                # skipping the sync would accumulate full-size unsharded grads, the memory FSDP saves
-                for mb in microbatches(batch, p.train_micro_batch_size):
-                    lp, ent = token_logprobs(self.model, mb["input_ids"], mb["attention_mask"],
-                                             self.cfg.generation.temperature, with_entropy=True)  # [b, t] each
-                    # FSDP2 averages gradients over the D ranks; the loss carries the factor D, so the
-                    # reduced gradient is the global one (sum over all tokens / the global counts)
-                    loss, metrics = self.loss_fn(lp, mb, counts)
-                    loss.backward()
-                    valid = batch_masks(mb)[0]  # [b, t]
-                    metrics["entropy"] = (ent * valid).sum() / max(counts.tokens, 1)  # this mb's share, like the loss's
-                    per_mb.append(metrics)
+                per_mb, mb_used = train_microbatches(self.model, self.loss_fn, mbs, counts, self.cfg.generation.temperature)
+                used += mb_used
+                for _ in range(extra):
+                    self._empty_pass(self.model, backward=True)
                 # the grads are DTensor shards: clip_grad_norm_ reduces the norm over ranks (a DTensor)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm)
                 lr = self.opt.param_groups[0]["lr"]
@@ -155,12 +205,30 @@ class TrainWorker:
                 # learning rate): the norm of the updated weights shows it before the next rollout uses them
                 metrics["param_norm"] = to_float(torch.nn.utils.get_total_norm([q.detach() for q in self.model.parameters()]))
                 history.append(metrics)
+        rows = self._row_stats(batches)
         if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(mismatch)
+            mismatch, used = _all_reduce(mismatch), _all_reduce(used)
         out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+        # the step's trained tokens: N_tok of every optimizer step (all epochs) added up, not their mean
+        out["global_valid_toks"] = float(sum(h["global_valid_toks"] for h in history))
         out["logprob_mismatch"] = float(mismatch[0] / max(float(mismatch[1]), 1.0))
+        out["padding_fraction"] = float(1.0 - used[0] / max(float(used[1]), 1.0))
+        out.update(rows)
         out["optimizer_steps"] = len(history)
         return out
+
+    def _row_stats(self, batches: list[dict]) -> dict:
+        """Global prompt and response lengths of the step's rows and the ranks' token imbalance (max / mean)."""
+        resp = torch.cat([b["token_mask"].sum(-1) for b in batches]).double().cpu()  # [n]
+        total = torch.cat([b["input_lengths"] for b in batches]).double().cpu()  # [n]
+        sums = torch.stack([resp.sum(), (total - resp).sum(), torch.tensor(float(len(resp))), total.sum()])  # [4]
+        peak = torch.stack([resp.max(), total.sum()])  # [2]: longest response, this rank's tokens
+        if dist.is_initialized() and self.world > 1:
+            sums, peak = _all_reduce(sums), _all_reduce(peak, dist.ReduceOp.MAX)
+        n = max(float(sums[2]), 1.0)
+        return {"response_length_mean": float(sums[0]) / n, "response_length_max": float(peak[0]),
+                "prompt_length_mean": float(sums[1]) / n, "response_tokens": float(sums[0]), "total_tokens": float(sums[3]),
+                "rank_token_imbalance": float(peak[1]) / max(float(sums[3]) / self.world, 1.0)}
 
     def state_dict(self) -> dict:
         """The full policy for refit, gathered once: rank 0 returns it, the other ranks {} (collective)."""

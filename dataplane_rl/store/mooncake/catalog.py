@@ -191,7 +191,7 @@ class Catalog:
         """The partition's meta and committed refs. A known partition costs one master RPC (is its
         incarnation's marker there, and any refs key after the last known?) plus one read of new refs;
         an unknown one, one read of the meta with the first refs keys."""
-        if not isinstance(pid, str) or not PID.match(pid):
+        if not isinstance(pid, str) or not PID.fullmatch(pid):
             raise self._not_found(pid)
         self._check(f"partition {pid}")
         part = self.parts.get(pid)

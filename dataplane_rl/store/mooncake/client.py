@@ -27,14 +27,17 @@ import json
 import os
 import shutil
 import socket
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 from dataplane_rl.errors import StoreUnavailableError
 from dataplane_rl.hosts import advertise_host, quiet_glog
+from dataplane_rl.resources import pip_install_extra
+from dataplane_rl.store.bind_shim import ADDRESS_ENV
 
-INSTALL_HINT = ("install the `mooncake` extra: pip install 'dataplane-rl[mooncake]' "
+INSTALL_HINT = (f"install the `mooncake` extra: {pip_install_extra('mooncake')} "
                 "(package mooncake-transfer-engine-non-cuda), and Debian libibverbs1 (apt-get install libibverbs1)")
 
 # mooncake-store/include/types.h (ErrorCode); returned as negative ints by the Python API.
@@ -240,10 +243,18 @@ def connect_client(master_address: str, local_buffer_size: int, protocol: str = 
     (`quiet_glog`). `close()` on the returned client takes about 1 s.
     """
     store_mod = import_mooncake_store()
-    if not port_open(master_address, timeout=connect_timeout):
-        raise StoreUnavailableError(f"Mooncake master at {master_address} is not accepting connections "
-                                    f"(waited {connect_timeout}s); start one with MooncakeCluster or check the address")
+    t0 = time.monotonic()
+    try:
+        socket.create_connection(split_address(master_address), timeout=connect_timeout).close()
+    except OSError as e:  # the reason and the real wait: a refused port answers at once, a dead host times out
+        raise StoreUnavailableError(
+            f"Mooncake master at {master_address} is not accepting connections ({e.strerror or e}, after "
+            f"{time.monotonic() - t0:.1f}s); check the address, start a long-running store there (mooncake_master "
+            "and `python -m dataplane_rl.store.mooncake.holder`, as in the cluster recipe), or let the run start "
+            "its own with data_plane.backend=mooncake://") from None
     host = advertise_host(master_address, local_hostname)
+    if ADDRESS_ENV in os.environ:  # the bind shim is preloaded here (train/private_ray.py): listen where peers dial
+        os.environ[ADDRESS_ENV] = host
     for k, v in {**CLIENT_ENV_DEFAULTS, "MC_TCP_BIND_ADDRESS": host}.items():
         os.environ.setdefault(k, v)
     quiet_glog()

@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:  # pragma: no cover - exercised only without the extra
+        from dataplane_rl.resources import pip_install_extra
+
         print(f"mooncake_holder: cannot import mooncake.store ({e}); install the `mooncake` extra "
-              "(pip install 'dataplane-rl[mooncake]') and Debian libibverbs1", file=sys.stderr, flush=True)
+              f"({pip_install_extra('mooncake')}) and Debian libibverbs1", file=sys.stderr, flush=True)
         return EXIT_NO_MOONCAKE
 
     stop = threading.Event()

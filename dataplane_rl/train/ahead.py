@@ -1,0 +1,85 @@
+"""Async GRPO's rounds generated ahead of the trainer, saved with a checkpoint and loaded back on resume.
+
+When a checkpoint of step k is saved, steps k+1..k+1+age have been sent to the rollout actors, each with
+the weights of the version it was sent after (train/rollouts.py). The save WAITS for them rather than
+reissuing them on resume: the wait is bounded by the age (at most age+1 batches), the rows are exactly
+those the uninterrupted run trains on, and reissuing would need every older weight version kept. Their
+rollout columns go to partitions/<pid>.arrow (Arrow IPC, covered by the checkpoint's manifest), and the
+schedule (which step each partition is, its jobs and receipts) into driver.json. On resume they are put
+back into the new run's store, whatever its backend, and the step loop takes them as if never stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from dataplane_rl.rollout.worker import RolloutJob
+from dataplane_rl.train.batch import write
+from dataplane_rl.train.checkpoint_files import CheckpointError
+from dataplane_rl.train.rollouts import Pending
+
+
+def _done(receipts: list[dict]) -> list:
+    """Futures that are already resolved: the data is in the store, so a collect returns these receipts."""
+    import ray
+
+    return [ray.put((None, r)) for r in receipts]
+
+
+def save_ahead(trainer, folder: Path) -> list[dict]:
+    """Wait for every round sent ahead, write its rollout columns under `folder`; the schedule entries."""
+    r = getattr(trainer, "rollouts", None)
+    if r is None or not r.pending:
+        return []
+    (folder / "partitions").mkdir(mode=0o700)
+    entries = []
+    for step in sorted(r.pending):
+        p = r.pending[step]
+        receipts = r.collect(p)  # lands the rows in the store (the data plane off: from the futures)
+        p.futures = _done(receipts)  # the step that takes it later sees the same receipts, no second write
+        table = trainer.store.get(p.pid, r.fields)
+        rel = f"partitions/{p.pid}.arrow"
+        with pa.OSFile(str(folder / rel), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+            w.write_table(table)
+        entries.append({"pid": p.pid, "step": p.step, "G": p.G, "rows": table.num_rows, "file": rel,
+                        "jobs": [asdict(j) for j in p.jobs], "receipts": receipts})
+    return entries
+
+
+def _read(folder: Path, e: dict) -> pa.Table:
+    path = folder / e["file"]
+    try:
+        with pa.memory_map(str(path)) as f:
+            table = pa.ipc.open_file(f).read_all()
+    except (OSError, pa.ArrowInvalid) as err:
+        raise CheckpointError(f"{path}: not an Arrow IPC file ({err})") from None
+    if table.num_rows != e["rows"]:
+        raise CheckpointError(f"{path}: {table.num_rows} rows, driver.json says {e['rows']}")
+    return table
+
+
+def check_partitions(folder: Path, entries: list) -> None:
+    """Parse every saved partition and its schedule entry (before Ray starts)."""
+    try:
+        for e in entries:
+            if Path(e["file"]).is_absolute() or ".." in Path(e["file"]).parts:
+                raise CheckpointError(f"{folder}/driver.json: partition file {e['file']!r} is outside the checkpoint")
+            _read(folder, e)
+            for j in e["jobs"]:
+                RolloutJob(**j)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{folder}/driver.json: not a checkpoint's schedule ({type(err).__name__}: {err})") from None
+
+
+def restore_ahead(trainer, folder: Path, entries: list) -> None:
+    """Put the saved rounds into this run's store and schedule them for their steps."""
+    for e in entries:
+        table = _read(folder, e)
+        trainer.store.create_partition(e["pid"], trainer.schema, e["rows"])
+        write(trainer.store, [(e["pid"], np.arange(e["rows"]))], table)
+        jobs = [RolloutJob(**j) for j in e["jobs"]]
+        trainer.rollouts.pending[e["step"]] = Pending(e["pid"], e["step"], e["G"], jobs, _done(e["receipts"]))

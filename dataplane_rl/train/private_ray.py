@@ -1,0 +1,143 @@
+"""What a run starts listens only where it must, with the authentication Ray offers (DESIGN §13).
+
+A run that starts its own Ray (no `cluster.address`) makes it private:
+- every Ray service binds 127.0.0.1. Ray has no switch for its listen address: gcs_server, raylet, the
+  workers and the driver's core worker bind gRPC to the wildcard address. Two things fix it:
+  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray's node IP 127.0.0.1 (ray._private.services.
+  get_node_ip_address, which otherwise turns 127.0.0.1 into the node's LAN address), and the bind_local.c
+  preload shim (store/bind_shim.py) turns each wildcard bind into a bind to 127.0.0.1. Every actor
+  inherits it, and its Mooncake client points the shim at the address it advertises (127.0.0.1 for the
+  run's own store);
+- Ray's token authentication is on, with a token of this run only, in a 0600 file in a 0700 folder
+  (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH): Ray's own default is one token for every cluster of the
+  user, in ~/.ray/auth_token.
+
+The shim must be loaded when the process starts, so `dataplane-rl train` re-executes itself once with this
+environment; every process Ray starts inherits it. A program that calls `train()` itself gets the same
+for every process Ray starts, but its own driver listens as Ray does (docs/security.md).
+
+A run that joins `cluster.address` uses the cluster's settings: it warns in one line when it joins without
+token authentication. The security line says what still listens on every interface.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from typing import Callable
+
+from dataplane_rl.config import Config
+from dataplane_rl.hosts import is_loopback
+from dataplane_rl.store.bind_shim import ADDRESS_ENV, bind_env
+
+REEXEC_ENV = "DATAPLANE_RL_PRIVATE_RAY"  # set in the re-executed driver: its environment is the run's already
+TOKEN_DIR_ENV = "DATAPLANE_RL_RAY_TOKEN_DIR"  # the token folder this run made, removed at its exit
+NODE_IP_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_MODE_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
+SECURITY_DOC = "docs/security.md"
+
+
+def one_machine(cfg: Config) -> bool:
+    """No cluster to join, and a store URL naming no host but this one's loopback."""
+    if cfg.cluster.address:
+        return False
+    url = cfg.data_plane.backend if cfg.data_plane.enabled else ""
+    scheme, _, rest = url.partition("://")
+    host = rest.partition("?")[0].rpartition(":")[0].strip("[]") if scheme in ("mooncake", "ray") else ""
+    return not host or is_loopback(host)
+
+
+def _new_token() -> dict[str, str]:
+    folder = tempfile.mkdtemp(prefix="dataplane-rl-ray-")  # 0700
+    path = os.path.join(folder, "auth_token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return {AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: path, TOKEN_DIR_ENV: folder}
+
+
+def private_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` plus what makes a local Ray private (a user's own RAY_AUTH_MODE is respected)."""
+    out = dict(env)
+    out.setdefault(NODE_IP_ENV, "0")
+    if AUTH_MODE_ENV not in out:
+        out.update(_new_token())
+    if ADDRESS_ENV not in out:
+        out = bind_env("127.0.0.1", out)  # unchanged when no C compiler can build the shim
+    return out
+
+
+def reexec(cfg: Config, argv: list[str]) -> None:
+    """For the CLI: start again, once, as `python -m dataplane_rl.cli.main ARGV` with the private
+    environment, so the driver's own listeners bind 127.0.0.1 too. Returns only when nothing is to do."""
+    if REEXEC_ENV in os.environ or cfg.cluster.address:
+        return
+    env = private_env({**os.environ, REEXEC_ENV: "1"})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "dataplane_rl.cli.main", *argv], env)
+
+
+def make_private() -> Callable[[], None]:
+    """Before this process starts a local Ray: the private environment for every process Ray starts.
+    Returns what undoes it once that Ray is shut down, so that nothing this process starts later (another
+    Ray, a subprocess on another address) inherits the shim or the 127.0.0.1 node IP."""
+    added = {k: v for k, v in private_env(dict(os.environ)).items() if k not in os.environ}
+    os.environ.update(added)
+    folder = os.environ.get(TOKEN_DIR_ENV)
+    if folder and TOKEN_DIR_ENV not in added:  # the CLI's re-executed driver: the token goes when it exits
+        atexit.register(shutil.rmtree, folder, True)
+    _refresh_ray()
+
+    def undo() -> None:
+        for key in added:
+            os.environ.pop(key, None)
+        if TOKEN_DIR_ENV in added:
+            shutil.rmtree(added[TOKEN_DIR_ENV], ignore_errors=True)
+        _refresh_ray()
+
+    return undo
+
+
+def _refresh_ray() -> None:
+    """Make this process's Ray see the environment as it is now."""
+    import ray._private.ray_constants as ray_constants
+    from ray._raylet import AuthenticationTokenLoader, Config as RayConfig
+
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get(NODE_IP_ENV) != "0"  # Ray read the variable at its import
+    RayConfig.initialize("")  # Ray caches RAY_AUTH_MODE; re-read it (as Ray's own _enable_token_auth does)
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def auth_on() -> bool:
+    return os.environ.get(AUTH_MODE_ENV, "").lower() == "token"
+
+
+def open_warning(cfg: Config) -> str | None:
+    """One warning line when this run's Ray has no token authentication."""
+    if auth_on():
+        return None
+    where = f"the Ray cluster at {cfg.cluster.address}" if cfg.cluster.address else "this run's local Ray"
+    return (f"warning: {where} runs without token authentication ({AUTH_MODE_ENV}="
+            f"{os.environ.get(AUTH_MODE_ENV, 'unset')}): anyone who reaches its ports can run code as its user; "
+            f"start it with {AUTH_MODE_ENV}=token ({SECURITY_DOC})")
+
+
+def security_line(cfg: Config) -> str:
+    """What listens on every interface, in one line (the table is in docs/security.md)."""
+    if cfg.cluster.address:
+        return ("security: on a cluster, Ray (GCS port of cluster.address, raylet, object manager, workers) and "
+                "the Mooncake clients and holders listen on every interface of each node: firewall them to the "
+                f"cluster's network ({SECURITY_DOC})")
+    if ADDRESS_ENV not in os.environ:
+        return ("security: no C compiler built the bind shim, so Ray and the Mooncake clients of this run listen "
+                f"on every interface (random ports): install cc, or firewall them ({SECURITY_DOC})")
+    driver = "" if REEXEC_ENV in os.environ else (", except this program's own Ray driver, which listens on every "
+                                                   "interface (run `dataplane-rl train` to avoid it)")
+    store = "the data plane" if one_machine(cfg) else "the data plane's clients on this node's address"
+    return (f"security: Ray{' (token auth, per-run token)' if auth_on() else ''} on 127.0.0.1 and {store} "
+            f"listen on no other interface{driver} ({SECURITY_DOC})")

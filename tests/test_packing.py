@@ -1,0 +1,188 @@
+"""Sequence packing and dynamic batching change no number (DESIGN §11): the packers, the packed forward, one
+optimizer step in every mode, an unbalanced shard on two real FSDP2 ranks, and the refusals."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from dataplane_rl.algorithms.loss import ClippedPGLoss, LossConfig
+from dataplane_rl.bench.train import policy_for, synthetic_table
+from dataplane_rl.config import load_config
+from dataplane_rl.schema import load_schema
+from dataplane_rl.train.batch import build_train_batch, plan_microbatches, slots
+from dataplane_rl.train.counts import local_counts, reduce_metrics
+from dataplane_rl.train.model import build_tiny, load_model, packed_attention, packed_logprobs, token_logprobs
+from dataplane_rl.train.packing import balance_by_tokens, dynamic_cuts, pack_rows, round_up
+from dataplane_rl.train.worker import train_microbatches
+
+LENGTHS = np.array([5, 31, 9, 17, 3, 26, 12, 40, 7, 22])
+LOSS = LossConfig(reference_policy_kl_penalty=0.05, positive_example_nll_weight=0.2, ratio_clip_c=3.0,
+                  use_importance_sampling_correction=True)
+
+
+@pytest.mark.parametrize("algorithm", ["first_fit_decreasing", "concatenative"])
+def test_packs_hold_every_row_once_within_the_budget(algorithm):
+    packs = pack_rows(LENGTHS, 48, algorithm)
+    assert sorted(np.concatenate(packs).tolist()) == list(range(len(LENGTHS)))
+    assert all(LENGTHS[p].sum() <= 48 for p in packs)
+    # 172 tokens need at least ceil(172 / 48) = 4 packs; first-fit decreasing reaches that here
+    if algorithm == "first_fit_decreasing":
+        assert len(packs) == 4
+    with pytest.raises(ValueError, match="40 tokens"):
+        pack_rows(LENGTHS, 39)
+
+
+def test_dynamic_cuts_and_rank_balance():
+    cuts = dynamic_cuts(LENGTHS, 64, 8)
+    assert sorted(np.concatenate(cuts).tolist()) == list(range(len(LENGTHS)))
+    # padded size: rows x longest rounded up to 8; 40 -> 40, so [40] alone then 31+26 -> 2 x 32 = 64
+    assert all(len(c) * round_up(int(LENGTHS[c].max()), 8) <= 64 for c in cuts)
+    assert [LENGTHS[c].tolist() for c in cuts][:2] == [[40], [31, 26]]
+    shards = balance_by_tokens(LENGTHS, 3)
+    loads = sorted(int(LENGTHS[s].sum()) for s in shards)
+    assert loads == [57, 57, 58] and sorted(np.concatenate(shards).tolist()) == list(range(len(LENGTHS)))
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return build_tiny(0)
+
+
+@pytest.mark.parametrize("attention", ["segments", "sdpa"])
+def test_packed_forward_equals_padded(folder, attention):
+    """Each packed row's log-probs, entropies and gradient equal its padded forward's: positions restart and
+    attention stays in the row (`sdpa`: the block-diagonal mask transformers builds from the positions)."""
+    torch.manual_seed(0)
+    ref, packed = load_model(folder, torch.device("cpu")), load_model(folder, torch.device("cpu"))
+    assert packed_attention(packed, torch.device("cpu"), attention) == attention
+    lengths = torch.tensor([6, 11, 3, 9])
+    ids = torch.zeros((4, 11), dtype=torch.long)  # [B, T]
+    mask = (torch.arange(11)[None] < lengths[:, None]).long()  # [B, T]
+    ids[mask.bool()] = torch.randint(3, 50, (int(lengths.sum()),))
+    lp, ent = token_logprobs(ref, ids, mask, 0.7, with_entropy=True)  # [B, T]
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # [5]
+    plp, pent = packed_logprobs(packed, ids[mask.bool()][None], cu, 0.7, with_entropy=True)  # [L]
+    assert torch.allclose(plp, lp[mask.bool()], atol=2e-6) and torch.allclose(pent, ent[mask.bool()], atol=2e-6)
+    lp.sum().backward()
+    plp.sum().backward()
+    for a, b in zip(ref.parameters(), packed.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def one_step(folder, mode: str, table, budget: int = 64):
+    """Metrics and gradients of one optimizer step over the table's rows, microbatched as `mode` says."""
+    torch.manual_seed(0)
+    model = load_model(folder, torch.device("cpu"))
+    if mode == "packed":
+        packed_attention(model, torch.device("cpu"))
+    batch = build_train_batch(table, load_schema("grpo"))
+    mbs = plan_microbatches(batch, policy_for(mode, 3, budget), "train")
+    per_mb, used = train_microbatches(model, ClippedPGLoss(LOSS), mbs, local_counts(batch), 0.7)
+    return reduce_metrics(per_mb), [p.grad for p in model.parameters()], mbs, used
+
+
+def test_one_step_is_the_same_padded_dynamic_and_packed(folder):
+    table = synthetic_table(LENGTHS, 50, seed=3, prompt=4)
+    base, grads, _, used = one_step(folder, "padded", table)
+    assert float(used[0]) == LENGTHS.sum() and 0.3 < 1 - float(used[0] / used[1])  # padding is really there
+    for mode in ("dynamic", "packed"):
+        m, g, mbs, used = one_step(folder, mode, table)
+        for k, v in base.items():
+            assert math.isclose(m[k], v, rel_tol=1e-5, abs_tol=1e-8), f"{mode} {k}: {m[k]} vs {v}"
+        for a, b in zip(grads, g):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), mode
+        assert sorted(torch.cat([mb["row_index"] for mb in mbs]).tolist()) == list(range(len(LENGTHS)))
+        if mode == "packed":
+            assert all(slots(mb) <= 64 for mb in mbs) and float(used[0]) == float(used[1])  # no padding at all
+        else:
+            assert all(mb["input_ids"].shape[1] % 64 == 0 for mb in mbs)  # the round (64: bench's default)
+
+
+def test_refusals_name_the_keys():
+    from dataplane_rl.errors import ConfigError
+    from dataplane_rl.train.packing import refuse_over_budget
+
+    rs = [("step-000001", np.arange(4)), ("step-000001b", np.array([7, 9]))]
+    lengths = np.array([10, 20, 30, 40, 90, 50])
+    packed = policy_for("packed", 1, 90)
+    refuse_over_budget(lengths, rs, packed)  # 90 fits 90
+    with pytest.raises(ConfigError, match=r"partition step-000001b row 7 has 90 tokens, more than "
+                                          r"policy\.sequence_packing\.train_mb_tokens=89"):
+        refuse_over_budget(lengths, rs, policy_for("packed", 1, 89))
+    # dynamic batching pads 90 up to 128 (round 64): a budget of 100 cannot hold it
+    with pytest.raises(ConfigError, match=r"90 tokens \(padded to a multiple of 64\), more than policy\.dynamic_batching"):
+        refuse_over_budget(lengths, rs, policy_for("dynamic", 1, 100))
+
+    with pytest.raises((ConfigError, ValueError), match=r"policy\.sequence_packing\.enabled.*policy\.dynamic_batching\.enabled"):
+        load_config(None, ["policy.sequence_packing.enabled=true", "policy.dynamic_batching.enabled=true"])
+    with pytest.raises((ConfigError, ValueError), match=r"policy\.sequence_packing\.train_mb_tokens=64"):
+        load_config(None, ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=64",
+                           "policy.max_total_sequence_length=100"])
+
+
+# -- two FSDP2 ranks, one with far more packs than the other --------------------------------------------
+UNEVEN = np.array([40, 38, 35, 33, 30, 5])  # rank 0: the five long rows (five packs), rank 1: one short row
+
+
+def _worker_cfg(world: int) -> dict:
+    cfg = load_config(None, ["policy.sequence_packing.enabled=true", "policy.sequence_packing.train_mb_tokens=48",
+                             "policy.sequence_packing.logprob_mb_tokens=48", f"policy.dp_size={world}",
+                             "policy.train_global_batch_size=6", "policy.train_micro_batch_size=1",
+                             "grpo.num_prompts_per_step=3", "grpo.num_generations_per_prompt=2", "grpo.num_epochs=2",
+                             "loss_fn.positive_example_nll_weight=0.2"])
+    return cfg.model_dump(mode="json", by_alias=True)
+
+
+def _rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
+    from dataplane_rl.train.worker import TrainWorker
+
+    table = synthetic_table(UNEVEN, 50, seed=5, prompt=4)
+    rows = [np.arange(5), np.arange(5, 6)][rank] if world == 2 else np.arange(6)
+    w = TrainWorker(_worker_cfg(world), folder, None, rank, world, 1)
+    w.init_dist(f"tcp://127.0.0.1:{port}")
+    metrics = w.train([[("p", rows)]], [table.take(rows)])
+    state = w.state_dict()
+    if rank == 0:
+        torch.save({"metrics": metrics, "state": state}, out)
+    w.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unbalanced_packs_on_two_ranks_equal_one_rank(folder, tmp_path):
+    """Rank 0 runs five packs, rank 1 one: rank 1 adds four empty passes per optimizer step, nothing hangs, and
+    metrics and updated weights (two epochs) equal one rank's over all six rows."""
+    import torch.multiprocessing as mp
+
+    outs = {}
+    for world in (1, 2):
+        out = str(tmp_path / f"w{world}.pt")
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_rank, args=(r, world, port, str(folder), out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=240)
+            alive = p.is_alive()
+            if alive:
+                p.kill()
+            assert not alive and p.exitcode == 0, f"world {world}: a rank hung or failed (exit {p.exitcode})"
+        outs[world] = torch.load(out, weights_only=True)
+    one, two = outs[1], outs[2]
+    for k in ("loss", "pg_loss", "positive_nll_loss", "kl_penalty", "entropy", "grad_norm", "ppo_kl"):
+        assert math.isclose(one["metrics"][k], two["metrics"][k], rel_tol=1e-4, abs_tol=1e-7), k
+    assert two["metrics"]["rank_token_imbalance"] > 1.9  # 176 of 181 tokens on one of two ranks
+    # AdamW divides by sqrt(v): on a weight whose gradient is ~0, float noise of the summation order moves the
+    # update by up to lr; 1e-5 is 1% of one step at lr 1e-3 (measured worst: 5e-6 on v_proj)
+    for name, t in one["state"].items():
+        assert torch.allclose(t, two["state"][name], rtol=0, atol=1e-5), name

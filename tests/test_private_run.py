@@ -1,0 +1,122 @@
+"""A local run is private, and a killed run's store does not outlive it (DESIGN §12-13).
+
+One real `dataplane-rl train` (data plane on shm, a checkpoint per step) is watched: every listening socket
+of every process it started binds loopback (docs/security.md names no exception for a local run), and its
+Ray token is a private file of its own. It is then SIGKILLed with its whole process group after step 1's
+checkpoint: its store stays behind, orphaned, and `train --resume` of that run reaps it, saying so in
+one line. Stores go to a private temporary root (DATAPLANE_RL_SHM_ROOT): no other store is looked at."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from dataplane_rl.config import load_config
+from dataplane_rl.store import owners
+from dataplane_rl.train import private_ray
+from test_shutdown import CHILD, Tree, wait_for
+
+TINY = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
+        "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2", "generation.max_new_tokens=4",
+        "logger.progress=false", "data_plane.enabled=true", "checkpointing.enabled=true",
+        "checkpointing.save_period=1"]
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+def listeners(tree: Tree) -> list[tuple[str, str]]:
+    """(address, 'port pid command') of every listening TCP socket of the run's processes."""
+    pids = {tree.root.pid} | {p.pid for p in tree.poll()}
+    return [(c.laddr.ip, f"{c.laddr.port} pid {c.pid} {tree.seen.get(c.pid, ('', 'driver'))[1][:60]}")
+            for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    """(run folder, env, listeners seen, token file mode, the orphaned store) of a run SIGKILLed after step 1."""
+    tmp = tmp_path_factory.mktemp("private")
+    root, run_dir = tmp / "shm", tmp / "run"
+    root.mkdir(mode=0o700)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{owners.ROOT_ENV: str(root)})
+    for key in ("RAY_AUTH_MODE", private_ray.REEXEC_ENV, private_ray.NODE_IP_ENV, "RAY_ADDRESS"):
+        env.pop(key, None)  # the run must make its own choices
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, "train", *TINY, f"logger.run_dir={run_dir}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    tree, token = Tree(psutil.Process(proc.pid)), None
+    try:
+        wait_for("step 1's checkpoint", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), proc, tree, 420)
+        seen = listeners(tree)
+        token = psutil.Process(proc.pid).environ().get("RAY_AUTH_TOKEN_PATH")
+        modes = (stat.S_IMODE(os.stat(token).st_mode), stat.S_IMODE(os.stat(os.path.dirname(token)).st_mode)) \
+            if token else None
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        tree.kill_all()  # Ray's own processes may sit in sessions of their own
+        if token:
+            shutil.rmtree(os.path.dirname(token), ignore_errors=True)  # a SIGKILL leaves it (docs/security.md)
+    out = proc.stdout.read()
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    return run_dir, env, seen, modes, out, [e for e in owners.scan(str(root))]
+
+
+def test_a_local_run_listens_on_loopback_only_with_a_private_token(killed_run):
+    _, _, seen, modes, out, _ = killed_run
+    assert seen, "no listening socket was seen: the check looked at the wrong processes"
+    wide = [f"{ip} {what}" for ip, what in seen if ip not in LOOPBACK]
+    assert not wide, "listening beyond loopback:\n" + "\n".join(wide)
+    assert modes == (0o600, 0o700), modes
+    assert "security: Ray (token auth, per-run token) on 127.0.0.1" in out, out[-2000:]
+    assert "warning:" not in out, out[-2000:]
+
+
+def test_resume_of_a_sigkilled_run_reaps_its_store(killed_run):
+    run_dir, env, _, _, _, stores = killed_run
+    assert [e.state for e in stores] == ["orphaned"], stores
+    (orphan,) = stores
+    assert os.path.exists(orphan.path)
+    p = subprocess.run([sys.executable, "-c", CHILD, "train", "--resume", str(run_dir)], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next((x for x in p.stderr.splitlines() if x.startswith("store gc:")), "")
+    assert line.startswith("store gc: removed 1 orphaned store(s) of dead runs, ") and orphan.path in line, p.stderr
+    assert not os.path.exists(orphan.path)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert owners.scan(env[owners.ROOT_ENV]) == []  # the resumed run's own store went with it
+
+
+def test_warning_when_ray_runs_without_token_auth(monkeypatch):
+    cfg = load_config(None, ["cluster.address=10.0.0.1:6379"])
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    line = private_ray.open_warning(cfg)
+    assert line.startswith("warning: the Ray cluster at 10.0.0.1:6379 runs without token authentication")
+    assert "\n" not in line and "docs/security.md" in line
+    assert "every interface of each node" in private_ray.security_line(cfg)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert private_ray.open_warning(cfg) is None
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert private_ray.open_warning(load_config(None, [])).startswith("warning: this run's local Ray runs without")
+
+
+def test_in_process_privacy_is_undone_after_the_run(monkeypatch):
+    """A program that calls train() itself: the private environment lives only as long as its Ray."""
+    keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", private_ray.TOKEN_DIR_ENV, private_ray.NODE_IP_ENV,
+            "DATAPLANE_RL_BIND_ADDRESS", "LD_PRELOAD")
+    for key in keys:
+        monkeypatch.delenv(key, raising=False)
+    undo = private_ray.make_private()
+    token = os.environ["RAY_AUTH_TOKEN_PATH"]
+    assert os.environ["RAY_AUTH_MODE"] == "token" and stat.S_IMODE(os.stat(token).st_mode) == 0o600
+    assert len(open(token).read()) == 64
+    undo()
+    assert not set(keys) & set(os.environ) and not os.path.exists(os.path.dirname(token))

@@ -1,0 +1,92 @@
+"""Resume that continues the interrupted run: async GRPO with its rounds generated ahead, on another shape.
+
+Each case kills a real CLI run with SIGKILL after checkpoint 2 and resumes it; the straight run it is
+compared with goes in-process on the session's Ray. Sync resume on another shape (dp 1->2, dp 2->1 with
+rollout actors 2->1) is in test_checkpoint.py next to the same-shape case it shares its straight run with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from test_checkpoint import KEYS, Payload, kill_after_checkpoint, read_metrics, straight_run
+
+ASYNC_KEYS = (*KEYS, "train/filtered_reward", "train/generation_rounds", "train/lr", "async/staleness_mean",
+              "async/staleness_max", "async/dropped_stale")
+IS = "loss_fn.use_importance_sampling_correction=true"
+CASES = {
+    # checkpoint 2 holds step 3, generated with version 1; resumed with the data plane off (portability)
+    "age1": (["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1", IS,
+              "data_plane.enabled=true"], ["data_plane.enabled=false"], 1),
+    # checkpoint 2 holds steps 3 and 4 (versions 0 and 1); dynamic sampling adds rounds of the current weights
+    "age2_dynamic": (["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=2", IS,
+                      "grpo.max_num_steps=4", "grpo.use_dynamic_sampling=true", "grpo.max_gen_batches=8"], [], 2),
+}
+
+
+def train_data(run_dir: Path) -> dict[str, list[dict]]:
+    return {p.name: [json.loads(x) for x in p.read_text().splitlines()]
+            for p in sorted((run_dir / "train_data").iterdir())}
+
+
+def assert_same_rows(got: dict, expected: dict) -> None:
+    """The same rows trained at every step, in the same order: none twice, none skipped."""
+    assert list(got) == list(expected)
+    for name in expected:
+        assert len(got[name]) == len(expected[name]), name
+        for a, b in zip(got[name], expected[name]):
+            assert math.isclose(a.pop("advantage"), b.pop("advantage"), rel_tol=1e-6, abs_tol=1e-9), (name, a)
+            assert a == b, name
+
+
+def refuse_a_crafted_partition(ckpt: Path, tmp_path: Path) -> None:
+    from dataplane_rl.train.checkpoint import CheckpointManager
+    from dataplane_rl.train.checkpoint_files import CheckpointError, write_manifest
+
+    copy = tmp_path / "crafted" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    part = next((copy / "partitions").iterdir())
+    part.write_bytes(pickle.dumps(Payload(tmp_path / "pwned")))
+    write_manifest(copy, 2)
+    with pytest.raises(CheckpointError, match=part.name):
+        CheckpointManager(copy.parent).check(copy)
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_async_kill_9_then_resume_continues_the_run(case, tmp_path, ray_session):
+    from dataplane_rl.train.loop import train
+    from dataplane_rl.train.resume import resume_config
+
+    overrides, on_resume, age = CASES[case]
+    expected = straight_run(tmp_path / "straight", *overrides)
+    run_dir = tmp_path / "killed"
+    shm = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}-{tmp_path.name}"  # kill -9 skips the store's close
+    named = [f"data_plane.backend=shm://{shm}"] if "data_plane.enabled=true" in overrides else []
+    try:
+        kill_after_checkpoint(run_dir, 2, *overrides, *named)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    saved = sorted(p.name for p in (ckpt / "partitions").iterdir())
+    assert saved == [f"step-{k:06d}.arrow" for k in range(3, 3 + age)], saved
+    if case == "age1":
+        refuse_a_crafted_partition(ckpt, tmp_path)
+    summary = train(resume_config(run_dir, ["data_plane.backend=shm://", *on_resume]), resume=True)
+    assert summary["status"] == "completed"
+    got = read_metrics(run_dir)
+    assert [m["step"] for m in got] == [m["step"] for m in expected]
+    for x, y in zip(got, expected):
+        for k in ASYNC_KEYS:
+            assert math.isclose(x[k], y[k], rel_tol=1e-6, abs_tol=1e-9), f"step {x['step']} {k}: {x[k]} vs {y[k]}"
+    assert_same_rows(train_data(run_dir), train_data(tmp_path / "straight"))
+    ahead = [r for r in train_data(run_dir)["step_000003.jsonl"] if r["sample_id"].startswith("step-000003/")]
+    assert ahead and {r["generation_policy_version"] for r in ahead} == {3 - 1 - age}, \
+        "step 3 trains the rows generated before the kill, with the weights of then"
