@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     if args.run_dir is None:
         shutil.rmtree(tmp, ignore_errors=True)
-    if proc.returncode != 0 and not (stopped and proc.returncode == 128 + signal.SIGTERM):
+    failed = proc.returncode != 0 and not (stopped and proc.returncode == 128 + signal.SIGTERM)
+    if failed:  # the samples taken still say whether anything grew
         print(f"the run failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
-        return 2
     rows = compare(samples, warmup, args.steps)
     last_step = max((s["step"] for s in samples), default=0)
     print(f"{len(samples)} samples over {samples[-1]['t'] if samples else 0:.0f} s, steps {warmup}..{last_step} "
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| process or store | figure | first after warm-up | last | |\n| --- | --- | --- | --- | --- |")
     for series, fig, a, b, grows in rows:
         print(f"| {series} | {fig} | {a:.1f} | {b:.1f} | {'GROWS' if grows else 'flat'} |")
-    return 1 if any(r[4] for r in rows) else 0
+    return 2 if failed else 1 if any(r[4] for r in rows) else 0
 
 
 if __name__ == "__main__":
