@@ -15,6 +15,7 @@ from dataplane_rl.algorithms.loss import LossConfig
 from dataplane_rl.config_types import CONFIG, StrictScalars
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.resources import data_dir
+from dataplane_rl.yaml_load import load_yaml
 
 
 class _Section(StrictScalars):
@@ -414,7 +415,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if not path.is_file():
         raise ConfigError(f"config file '{path}' not found; pass an existing YAML file with --config")
     try:
-        tree = yaml.safe_load(path.read_bytes().decode()) or {}
+        tree = load_yaml(path.read_bytes().decode()) or {}
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); pass a YAML "
                           "file with --config") from None

@@ -137,3 +137,19 @@ def test_a_backend_without_the_data_plane_is_refused_naming_enabled():
 def test_math_jsonl_without_a_path_is_refused_naming_the_sample():
     with pytest.raises(ConfigError, match=r"task.name=math_jsonl needs task.path.*task.path=\S+math_sample.jsonl"):
         load_config(None, ["task.name=math_jsonl"])
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["policy.max_total_sequence_length=3"], "a prompt of 4 tokens leaves no room for a response within "
+                                             "policy.max_total_sequence_length=3"),
+    (["policy.precision=bfloat16", "policy.device=cpu"], "policy.precision=bfloat16 needs CUDA"),
+    pytest.param(["policy.device=cuda"], "policy.device=cuda but torch sees no CUDA device",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")),
+], ids=["prompt-too-long", "bf16-cpu", "cuda-none"])
+def test_machine_dependent_config_is_refused_before_ray(overrides, match):
+    """Once a RayTaskError from inside an actor (remote traceback, ANSI colours); now one ConfigError
+    from the driver's preflight, before ray.init (round-3 probe)."""
+    from dataplane_rl.train.trainer import preflight
+
+    with pytest.raises(ConfigError, match=match):
+        preflight(load_config(None, overrides))

@@ -103,6 +103,13 @@ def test_shapes_found_by_hand(store, fuzz_part, tmp_path):
         store.get(fuzz_part, None)
     with pytest.raises(ConfigError, match="must be an integer, not true/false"):
         load_config(None, ["policy.dp_size=true"])
+    for timeout in (float("nan"), "1", -1, None, True):  # nan made a wait that never ends
+        with pytest.raises(ConfigError, match=rf"partition {fuzz_part} wait: timeout=.* must be a finite number"):
+            store.wait(fuzz_part, ["total_reward"], range(4), timeout=timeout)
+    assert list(store.wait(fuzz_part, ["total_reward"], range(4), timeout=0)) == [0, 1, 2, 3]
+    with pytest.raises(SchemaError, match=r"column 'prompt_text' row #1 is not valid Unicode"):
+        store.put(fuzz_part, {"prompt_text": ["ok", "\ud800"]}, [0, 1])
+    assert store.status(fuzz_part).rows_written["prompt_text"] == 0
 
 
 def test_binary_config_and_task_files(tmp_path):
@@ -114,3 +121,47 @@ def test_binary_config_and_task_files(tmp_path):
 
     with pytest.raises(ConfigError, match=rf"task.path '{blob}' is not UTF-8 text"):
         get_task("math_jsonl", str(blob))
+
+
+def test_round3_probe_files_and_flags(tmp_path, capsys):
+    """The round-3 probe's file and flag findings: each one clear error naming the thing (issue 22)."""
+    import argparse
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dataplane_rl.bench.store import run_args
+    from dataplane_rl.cli.export_cmd import run as export_run
+    from dataplane_rl.cli.schema_cmd import read_columns
+    from dataplane_rl.schema import load_schema
+    from dataplane_rl.tasks import get_task
+
+    twice = tmp_path / "twice.yaml"  # PyYAML kept the second grpo: silently
+    twice.write_text("grpo:\n  max_num_steps: 3\npolicy:\n  dp_size: 1\ngrpo:\n  max_num_steps: 5\n")
+    with pytest.raises(ConfigError, match=r"found key 'grpo' twice \(line 5\)"):
+        load_config(twice)
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes("name: caf\u00e9\ncolumns: []\n".encode("latin-1"))
+    with pytest.raises(SchemaError, match=rf"schema file '{latin}' is not UTF-8 text"):
+        load_schema(latin)
+    dup = tmp_path / "dup.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array([1]), pa.array([2])], names=["total_reward", "total_reward"]), dup)
+    with pytest.raises(SchemaError, match=r"column\(s\) 'total_reward' more than once"):
+        read_columns(dup)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=rf"export target {blocker} is a file, not a folder"):
+        export_run(argparse.Namespace(out=str(blocker), run_dir=str(tmp_path), step=None))
+    for line, says in (('{"question": null, "answer": "4"}', "'question' is null"),
+                       ('{"question": "2+2?", "answer": null}', "'answer' is null")):
+        jsonl = tmp_path / "math.jsonl"
+        jsonl.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=rf"line 1: {says}"):
+            get_task("math_jsonl", str(jsonl))
+    base = dict(backends="shm", samples=8, min_len=4, max_len=8, readers=1, repeats=1, json=None, plot=None)
+    for bad, says in ((dict(samples=0), "--samples 0: must be at least 1"), (dict(samples=-5), "--samples -5"),
+                      (dict(repeats=0), "--repeats 0"), (dict(readers=0), "--readers 0"),
+                      (dict(min_len=10, max_len=2), "--min-len 10 is above --max-len 2")):
+        assert run_args(argparse.Namespace(**{**base, **bad})) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err

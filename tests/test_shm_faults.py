@@ -124,6 +124,20 @@ def test_create_partition_and_commit_on_a_full_filesystem(tmpfs):
         store.close()
 
 
+def test_a_store_made_on_a_full_filesystem_works_once_space_is_back(tmpfs):
+    fill(tmpfs)
+    with pytest.raises(StoreFullError, match=rf"shm store {tmpfs}/new is full"):
+        open_store(f"shm://{tmpfs}/new")
+    assert not (tmpfs / "new" / ".dataplane-rl").exists(), "an empty marker was left (read later as format '')"
+    (tmpfs / "filler").unlink()
+    store = open_store(f"shm://{tmpfs}/new")
+    try:
+        store.create_partition("p", "grpo", 4)
+        store.put("p", grpo_columns(range(4), ["total_reward"]), range(4))
+    finally:
+        store.close()
+
+
 def test_read_only_folder_and_url_naming_a_file(tmpfs, tmp_path):
     store = open_store(f"shm://{tmpfs}/s")
     try:
@@ -168,6 +182,16 @@ def test_edited_refs_file_is_corrupt_not_wrong_rows(shm):
     other = reopen(shm)
     with pytest.raises(CorruptChunkError, match=rf"shm metadata {f} is damaged"):
         other.get("p", ["total_reward"])
+    other.close()
+
+
+def test_a_copied_refs_file_is_corrupt_not_rows_counted_twice(shm):
+    f = refs_file(shm)
+    copy = f.with_name(f"{int(f.stem) + 1:010d}.json")
+    copy.write_bytes(f.read_bytes())  # a valid checksum: the same commit, seen twice
+    other = reopen(shm)
+    with pytest.raises(CorruptChunkError, match=rf"shm refs file {copy} repeats chunk put-\w+@\d+ of an earlier commit"):
+        other.status("p")
     other.close()
 
 

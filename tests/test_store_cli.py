@@ -72,6 +72,20 @@ def test_errors_name_the_problem(shm_url, tmp_path):
     assert p.returncode == 2 and "no shm store" in p.stderr and not (tmp_path / "missing").exists()
     p = run("show", shm_url, "step-000001", "--rows", "a-b")
     assert p.returncode == 2 and "--rows" in p.stderr
+    # refused before the range is built: 10**20 rows would be an OverflowError or a MemoryError first
+    p = run("show", shm_url, "step-000001", "--rows", "0-99999999999999999999")
+    assert p.returncode == 2 and "row 99999999999999999999 is out of range" in p.stderr and "16 rows" in p.stderr
+
+
+def test_rows_are_range_checked_before_they_are_built():
+    from dataplane_rl.cli.store_cmd import parse_rows
+    from dataplane_rl.errors import ConfigError
+
+    assert parse_rows("0-2,7", 8) == [0, 1, 2, 7]
+    for bad, says in (("0-30000000", "row 30000000 is out of range"), ("8", "row 8 is out of range"),
+                      ("5-3", "ends before it starts")):
+        with pytest.raises(ConfigError, match=says):
+            parse_rows(bad, 8)
 
 
 def test_ls_ray(ray_store_url):

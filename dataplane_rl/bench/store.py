@@ -349,6 +349,13 @@ def run_args(args) -> int:
         if b not in ("shm", "mooncake", "ray", "memory"):
             print(f"error: unknown backend '{b}'; use shm, mooncake, ray", file=sys.stderr)
             return 2
+    for flag in ("samples", "min_len", "max_len", "readers", "repeats"):
+        if getattr(args, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1", file=sys.stderr)
+            return 2
+    if args.min_len > args.max_len:
+        print(f"error: --min-len {args.min_len} is above --max-len {args.max_len}; swap them", file=sys.stderr)
+        return 2
     res = run(backends, args.samples, args.min_len, args.max_len, args.readers, args.repeats,
               log=lambda s: print(s, file=sys.stderr, flush=True))
     print(table(res))

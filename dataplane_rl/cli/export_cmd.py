@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export target {out} is a file, not a folder; pass a new folder")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"export target {out} exists and is not empty; pass a new folder")
     from transformers.utils import logging as hf_logging

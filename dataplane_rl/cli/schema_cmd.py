@@ -73,6 +73,12 @@ def read_columns(path: Path):
         magic = f.read(6)
     try:
         if magic[:4] == b"PAR1":
+            # read_table fails on a name given twice with an ArrowInvalid that names neither file nor column
+            names = pq.read_schema(path).names
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise SchemaError(f"file '{path}' has column(s) {', '.join(map(repr, twice))} more than once; "
+                                  "write each column once")
             return pq.read_table(path)
         if magic == b"ARROW1":
             return ipc.open_file(path).read_all()

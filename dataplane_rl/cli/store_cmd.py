@@ -81,17 +81,24 @@ def human_bytes(n: int) -> str:
     return ""
 
 
-def parse_rows(text: str) -> list[int]:
-    """'0-9,12' -> [0, ..., 9, 12]."""
+def parse_rows(text: str, num_rows: int | None = None) -> list[int]:
+    """'0-9,12' -> [0, ..., 9, 12]. With num_rows, a row past the partition is refused before any range is
+    built (a typo like 0-99999999999 would otherwise take gigabytes first)."""
     from dataplane_rl.errors import ConfigError
 
     rows: list[int] = []
     for part in text.split(","):
         a, sep, b = part.strip().partition("-")
         try:
-            rows.extend(range(int(a), int(b) + 1) if sep else [int(a)])
+            lo, hi = int(a), int(b) if sep else int(a)
         except ValueError:
             raise ConfigError(f"--rows {text!r}: '{part}' is not a row or a range like 0-9") from None
+        if lo > hi:
+            raise ConfigError(f"--rows {text!r}: '{part}' ends before it starts")
+        if num_rows is not None and hi >= num_rows:
+            raise ConfigError(f"--rows {text!r}: row {hi} is out of range; the partition has {num_rows} rows "
+                              f"(0-{num_rows - 1})" if num_rows else f"--rows {text!r}: the partition has no rows")
+        rows.extend(range(lo, hi + 1))
     return rows
 
 
@@ -200,7 +207,7 @@ def show_cmd(args) -> int:
         status = store.status(args.partition)
         schema = store.schema(args.partition)
         rows = [r for r in parse_rows(args.rows) if r < status.num_rows] if args.rows == SHOW_DEFAULT_ROWS \
-            else parse_rows(args.rows)
+            else parse_rows(args.rows, status.num_rows)
         if args.fields:
             fields = [f.strip() for f in args.fields.split(",") if f.strip()]
             table = store.get(args.partition, fields, rows)  # an unwritten field is an error, as in the API

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -43,4 +44,11 @@ def run(args) -> int:
     print(json.dumps({k: summary.get(k) for k in ("status", "steps_completed", "reward_first_quarter",
                                                   "reward_last_quarter", "final_validation_reward", "run_dir",
                                                   "plot")}))
-    return 128 + summary["signal"] if summary["status"] == "interrupted" else 0  # the shell's code for a signal
+    code = 128 + summary["signal"] if summary["status"] == "interrupted" else 0  # the shell's code for a signal
+    from dataplane_rl.train.preempt import LOST
+
+    if LOST.is_set():  # Ray's core worker, its raylet gone, crashes (SIGSEGV) in its destructors at exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

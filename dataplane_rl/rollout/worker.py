@@ -61,6 +61,13 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, 
     })
 
 
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A prompt's token ids as the engine gets them: BOS (if the tokenizer has one), then the text."""
+    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + list(ids)
+
+
 def response_rooms(prompt_ids: list[list[int]], max_new_tokens: int, max_total: int | None) -> list[int]:
     """Most response tokens per prompt: generation.max_new_tokens, less where prompt + response would
     exceed policy.max_total_sequence_length."""
@@ -126,9 +133,7 @@ class RolloutWorker:
         RNGState().load_state_dict(state)
 
     def encode(self, prompt: str) -> list[int]:
-        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
-        bos = self.tokenizer.bos_token_id
-        return ([bos] if bos is not None else []) + list(ids)
+        return encode_prompt(self.tokenizer, prompt)
 
     def generate(self, job: RolloutJob):
         """Generate G samples per prompt of the job with the current weights; returns (table, receipt):

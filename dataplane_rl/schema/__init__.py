@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dataplane_rl.errors import SchemaError, format_rows
 from dataplane_rl.resources import data_dir
+from dataplane_rl.yaml_load import load_yaml
 
 # Arrow type names a column may declare. Fixed-width types convert to numpy/torch without a copy.
 ARROW_DTYPES: dict[str, pa.DataType] = {
@@ -354,7 +355,10 @@ def load_schema(name_or_path: str | Path = "grpo") -> Schema:
 def _load_file(path_text: str, mtime_ns: int) -> Schema:
     path = Path(path_text)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_bytes().decode())
+    except UnicodeDecodeError as e:
+        raise SchemaError(f"schema file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); pass a YAML "
+                          "schema file") from None
     except yaml.YAMLError as e:
         raise SchemaError(f"schema file '{path}' is not valid YAML: {e}") from None
     if not isinstance(raw, dict):

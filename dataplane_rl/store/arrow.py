@@ -149,13 +149,26 @@ def to_arrow(col: Column, data: Any, where: Any, want: pa.DataType | None = None
         values = list(data)
         if not all(isinstance(v, str) for v in values):
             raise SchemaError(f"{where} string column '{col.name}' holds a non-str value; pass a list of str")
-        return pa.array(values, type=pa.string())
+        try:
+            return pa.array(values, type=pa.string())
+        except UnicodeEncodeError:  # a lone surrogate ('\ud800', e.g. from errors="surrogateescape") has no UTF-8
+            i = next(i for i, v in enumerate(values) if not _utf8(v))
+            raise SchemaError(f"{where} string column '{col.name}' row #{i} is not valid Unicode (it holds a lone "
+                              "surrogate, which UTF-8 cannot encode); decode the text with errors='replace'") from None
     arr = as_numpy(data)
     if arr.ndim != 1:
         raise SchemaError(f"{where} sample column '{col.name}' has shape {arr.shape}; a sample column is 1-D "
                           "(one value per row)")
     _check_np_dtype(col, arr, where)
     return pa.array(arr, type=col.value_type)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _check_np_dtype(col: Column, arr: np.ndarray, where: str) -> None:

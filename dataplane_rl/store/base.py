@@ -20,6 +20,8 @@ partition.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ import pyarrow as pa
 
 from dataplane_rl.errors import (
     AlignmentError,
+    ConfigError,
     CorruptChunkError,
     DataPlaneError,
     DuplicateWriteError,
@@ -220,6 +223,9 @@ class ColumnStore(ABC):
         Raises StoreTimeoutError after `timeout` seconds naming the rows and fields still missing, and
         PartitionNotFoundError at once if the partition does not exist (or is dropped while waiting)."""
         self._check_open()
+        # NaN compares false with every deadline (a wait that never ends); a string fails deep in the loop
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) or timeout < 0:
+            raise ConfigError(f"partition {pid} wait: timeout={timeout!r} must be a finite number of seconds >= 0")
         snap = self._snapshot(self._check_pid(pid))
         fields = self._field_list(pid, snap.meta, fields, "wait")
         want = self._rows(pid, snap.meta, rows, unique=False)

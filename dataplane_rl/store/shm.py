@@ -277,11 +277,22 @@ class ShmStore(ColumnStore):
         if token != meta.token:
             refs, n = [], 0
         refs = list(refs)  # the cached list stays as readers saw it; the copy grows
+        keys = None
         while True:  # commits are numbered: the next one not there yet ends the list (one failed open)
+            path = self._refs_path(pdir, n)
             try:
-                refs += self._load_refs(self._refs_path(pdir, n))
+                new = self._load_refs(path)
             except (FileNotFoundError, NotADirectoryError):
                 break
+            # every put writes chunks under fresh keys: a key seen twice is a copied refs file, whose rows
+            # would count (and read) twice
+            keys = {r.key for r in refs} if keys is None else keys
+            again = next((r.key for r in new if r.key in keys), None)
+            if again is not None:
+                raise CorruptChunkError(f"shm refs file {path} repeats chunk {again} of an earlier commit of partition "
+                                        f"{pid}; the partition cannot be trusted, drop it")
+            keys.update(r.key for r in new)
+            refs += new
             n += 1
         self._refs_cache[pid] = (meta.token, refs, n)
         return Snapshot(meta, refs)

@@ -12,6 +12,7 @@ O_NOFOLLOW, every folder checked with lstat.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pwd
@@ -75,14 +76,19 @@ def open_file(path: str, flags: int, mode: int = FILE_MODE) -> int:
 
 
 def create_file(path: str, data: bytes = b"") -> None:
-    """Make a new private file holding `data` (O_EXCL: never reuses a name)."""
+    """Make a new private file holding `data` (O_EXCL: never reuses a name), or none at all: a write that
+    fails (a full filesystem) removes the file, so no empty marker or metadata file is left to misread."""
     fd = open_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-    finally:
+    except BaseException:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
 
 
 def read_file(path: str) -> bytes:

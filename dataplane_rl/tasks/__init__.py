@@ -147,9 +147,15 @@ class MathJsonlTask:
                 continue
             try:
                 row = json.loads(line)
-                q, a = str(row["question"]), str(row["answer"]).strip()
+                q, a = row["question"], row["answer"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ConfigError(f"task.path '{p}' line {i}: need a JSON object with 'question' and 'answer' ({e})") from None
+            # str() would make a null question the text "None"
+            if not isinstance(q, str) or not q.strip():
+                raise ConfigError(f"task.path '{p}' line {i}: 'question' is {json.dumps(q)}; it must be non-empty text")
+            if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+                raise ConfigError(f"task.path '{p}' line {i}: 'answer' is {json.dumps(a)}; it must be text or a number")
+            a = str(a).strip()
             gold = extract_answer(a)
             if gold is None:
                 raise ConfigError(f"task.path '{p}' line {i}: answer {a[:40]!r} is empty")

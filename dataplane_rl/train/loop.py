@@ -16,7 +16,7 @@ from dataplane_rl.train import validation
 from dataplane_rl.train.checkpoint import CheckpointManager, step_of
 from dataplane_rl.train.export import export_hf
 from dataplane_rl.train.loggers import MetricLoggers
-from dataplane_rl.train.preempt import StopSignals
+from dataplane_rl.train.preempt import LOST, RayLost, StopSignals
 from dataplane_rl.train.rollouts import RolloutActorError, RolloutWaitError
 from dataplane_rl.train.run_dir import RunDir
 from dataplane_rl.train.trainer import DynamicSamplingError, GRPOTrainer, open_run_store, preflight
@@ -65,6 +65,17 @@ def check_finite(metrics: dict) -> None:
                                  "Lower policy.learning_rate or policy.max_grad_norm, or check the rewards")
 
 
+def ray_lost(stop: StopSignals, trainer) -> bool:
+    """After a SIGTERM: whether Ray's processes went with it (a signal to the whole process group); if so,
+    neither the handler nor close() may wait on Ray any more."""
+    if stop.ray_lost or (stop.signum == signal.SIGTERM and stop.ray_going()):
+        stop.ray_lost = True
+        LOST.set()
+        if trainer is not None:
+            trainer.ray_lost = True
+    return stop.ray_lost
+
+
 def train(cfg: Config, resume: bool = False) -> dict:
     """Run GRPO as configured; returns the summary. The run folder is consistent however it ends: a run
     refused its folder (held by a live run, or holding a finished one) touches nothing there; any other
@@ -97,6 +108,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
             trainer = GRPOTrainer(cfg)
             trainer.start()
             stop.install()  # ray.init replaced the SIGTERM handler
+            if trainer._ray_started:
+                stop.watch_ray()
             first = 1
             if start is not None:
                 run.resume_from(config_yaml, step_of(start))
@@ -149,8 +162,13 @@ def train(cfg: Config, resume: bool = False) -> dict:
         status, error = "interrupted", "KeyboardInterrupt"
         raise
     except BaseException as e:
-        error = run.record_error(e)
-        raise
+        # a SIGTERM to the whole process group stopped Ray too: RayLost, or an actor's death seen first.
+        # Stop now, without waiting on Ray, as the interrupted run it is (exit 143 all the same)
+        if isinstance(e, RayLost) or ray_lost(stop, trainer):
+            status, error = "interrupted", "SIGTERM to the process group: Ray's processes stopped with the driver"
+        else:
+            error = run.record_error(e)
+            raise
     finally:
         if bar is not None:
             bar.close()
@@ -158,6 +176,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             loggers.close()
         try:
             if trainer is not None:
+                ray_lost(stop, trainer)  # a step that ended anyway: close() must not wait on a dead Ray either
                 trainer.close()
         finally:
             try:

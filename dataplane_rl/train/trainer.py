@@ -83,11 +83,45 @@ def preflight(cfg: Config):
     an actor's traceback: the task and its file, the model folder, the engine. Returns (task, model folder)."""
     task = get_task(cfg.task.name, cfg.task.path)
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
+    check_device(cfg)
+    check_prompt_lengths(cfg, task, folder)
     if cfg.generation.backend == "vllm":
         from dataplane_rl.rollout.vllm_engine import require_vllm
 
         require_vllm()
     return task, str(folder)
+
+
+def check_device(cfg: Config) -> None:
+    """policy.device and policy.precision against this machine's torch, when the run is all on it (a
+    joined cluster's workers may have GPUs the driver lacks). Else the train actors fail on start-up."""
+    if cfg.cluster.address:
+        return
+    from dataplane_rl.errors import ConfigError
+    from dataplane_rl.train.model import pick_device
+
+    device = pick_device(cfg.policy.device)  # device=cuda without one: the ConfigError the actors would raise
+    if cfg.policy.precision == "bfloat16" and device.type != "cuda":
+        raise ConfigError(f"policy.precision=bfloat16 needs CUDA (an FSDP mixed-precision policy), and the run is on "
+                          f"{device.type} (policy.device={cfg.policy.device}); use policy.precision=float32")
+
+
+def check_prompt_lengths(cfg: Config, task, folder: str) -> None:
+    """Every prompt of the task's pools leaves room for a response within policy.max_total_sequence_length
+    (else the rollout actor fails mid-run on the first long prompt it draws). Tasks without pools are
+    checked as their prompts come."""
+    max_total = cfg.policy.max_total_sequence_length
+    pools = [getattr(task, name, None) for name in ("train_pool", "val_pool")]
+    if max_total is None or not any(pools):
+        return
+    from dataplane_rl.rollout.worker import encode_prompt, response_rooms
+    from dataplane_rl.train.model import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    for prompt in (p for pool in pools if pool for p in pool):
+        ids = encode_prompt(tok, prompt)
+        if len(ids) >= max_total:
+            response_rooms([ids], cfg.generation.max_new_tokens, max_total)  # its ConfigError, naming the limit
 
 
 def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:
@@ -120,6 +154,7 @@ class GRPOTrainer:
         self._groups: list = []  # placement groups: rollout, train
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
         self._ray_started = False
+        self.ray_lost = False  # Ray's processes were stopped under us: close() must not wait on them
         self._unprivate = None  # undoes private_ray.make_private once this run's Ray is shut down
         self.kept_store_url: str | None = None
 
@@ -181,7 +216,8 @@ class GRPOTrainer:
             try:
                 # a rollout actor with batches sent ahead would generate them all before close(): just kill it
                 polite = self.workers + ([] if self.rollouts.pending else self.rollout)
-                for actor in self.rollout + self.workers:
+                # with Ray gone, every call below would wait 30-60 s for a GCS that is not coming back
+                for actor in [] if self.ray_lost else self.rollout + self.workers:
                     if any(actor is a for a in polite):
                         with contextlib.suppress(Exception):  # the actor may already be dead; the kill is what matters
                             ray.get(actor.close.remote(), timeout=30)
@@ -189,7 +225,7 @@ class GRPOTrainer:
                         ray.kill(actor)
             finally:
                 self.rollout, self.workers = [], []
-                for pg in self._groups:
+                for pg in [] if self.ray_lost else self._groups:
                     with contextlib.suppress(Exception):  # gone with a dead cluster
                         ray.util.remove_placement_group(pg)
                 self._groups = []
@@ -199,7 +235,14 @@ class GRPOTrainer:
                         self.store.close()
                         self.store = None
                 finally:
-                    if self._ray_started:
+                    if self._ray_started and self.ray_lost:
+                        # ray.shutdown (and Ray's own atexit call of it) would block ~20-60 s in the core
+                        # worker's goodbye to a dead raylet; the CLI's reaper stops what is left of Ray
+                        import atexit
+
+                        atexit.unregister(ray.shutdown)
+                        self._ray_started = False
+                    elif self._ray_started:
                         ray.shutdown()
                         self._ray_started = False
                     if self._unprivate is not None:

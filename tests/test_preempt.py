@@ -1,0 +1,89 @@
+"""Preemption by a SIGTERM to the whole process group (`timeout`, `kill -- -PGID`, scancel, a pod stop):
+Ray's gcs_server, raylet and actors get it together with the driver. The run must still stop within
+SLURM's default grace period (30 s), exit 143, say `interrupted` in summary.json, leave no process of
+its group and no store folder, and leave its latest complete checkpoint resumable. Two moments: during
+a step, and during a checkpoint save (the one then resumed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from test_shutdown import Tree, wait_for
+from test_train_e2e import SMALL
+
+from dataplane_rl.train.checkpoint import CheckpointManager, step_of
+
+GRACE_S = 30  # SLURM's default KillWait: after it, the job gets SIGKILL
+RUN = [*SMALL, "grpo.max_num_steps=100", "data_plane.enabled=true", "checkpointing.enabled=true",
+       "checkpointing.save_period=1", "checkpointing.keep_top_k=2", "grpo.val_period=0"]
+
+
+def group_members(pgid: int) -> list[str]:
+    out = []
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {p.info['name']}")
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def saving(run_dir: Path) -> bool:
+    root = run_dir / "checkpoints"
+    return root.is_dir() and any(p.name.startswith(".step_") for p in root.iterdir())
+
+
+@pytest.mark.parametrize("moment", ["step", "checkpoint-save"])
+def test_group_sigterm_stops_cleanly(tmp_path, moment):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dataplane_rl.cli.main", "train", *RUN, f"logger.run_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    pgid = proc.pid  # start_new_session: the child leads a group of its own, as a batch job does
+    tree = Tree(psutil.Process(proc.pid))
+    try:
+        if moment == "step":  # step 1 is saved: step 2 is under way
+            wait_for("first checkpoint", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), proc, tree)
+        else:  # a save after a complete one: that one must stay the resumable latest
+            wait_for("second checkpoint save in progress",
+                     lambda: (run_dir / "checkpoints" / "step_000001").is_dir() and saving(run_dir), proc, tree)
+        tree.poll()
+        os.killpg(pgid, signal.SIGTERM)
+        sent = time.monotonic()
+        while proc.poll() is None:
+            tree.poll()
+            assert time.monotonic() - sent < GRACE_S, f"the run did not exit within {GRACE_S} s of the group SIGTERM"
+            time.sleep(0.05)
+        out = proc.stdout.read()
+        assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+        deadline = time.monotonic() + 10  # SIGTERMed processes may take a moment to go
+        while (tree.alive() or group_members(pgid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not tree.alive(), "processes of the run outlived it:\n" + "\n".join(tree.alive())
+        assert not group_members(pgid), f"processes of group {pgid} outlived the run: {group_members(pgid)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        tree.kill_all()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == signal.SIGTERM, summary
+    store = summary["store_url"]
+    assert store.startswith("shm:///"), summary
+    assert not Path(store[len("shm://"):].partition("?")[0]).exists(), f"{store} outlived the run"
+    latest = CheckpointManager(run_dir / "checkpoints").find()
+    if moment == "checkpoint-save":  # the last complete checkpoint resumes: one more step from it
+        resumed = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "train", "--resume", str(run_dir),
+                                  f"grpo.max_num_steps={step_of(latest) + 1}"],
+                                 capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
