@@ -108,15 +108,24 @@ def test_warning_when_ray_runs_without_token_auth(monkeypatch):
     assert private_ray.open_warning(load_config(None, [])).startswith("warning: this run's local Ray runs without")
 
 
-def test_in_process_privacy_is_undone_after_the_run(monkeypatch):
-    """A program that calls train() itself: the private environment lives only as long as its Ray."""
+def test_in_process_privacy_is_undone_after_the_run():
+    """A program that calls train() itself: the private environment lives only as long as its Ray. In a
+    process of its own: make_private resets this process's Ray token cache, which would cut the test
+    session's own Ray client off its (differently authenticated) GCS."""
     keys = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", private_ray.TOKEN_DIR_ENV, private_ray.NODE_IP_ENV,
             "DATAPLANE_RL_BIND_ADDRESS", "LD_PRELOAD")
-    for key in keys:
-        monkeypatch.delenv(key, raising=False)
-    undo = private_ray.make_private()
-    token = os.environ["RAY_AUTH_TOKEN_PATH"]
-    assert os.environ["RAY_AUTH_MODE"] == "token" and stat.S_IMODE(os.stat(token).st_mode) == 0o600
-    assert len(open(token).read()) == 64
-    undo()
-    assert not set(keys) & set(os.environ) and not os.path.exists(os.path.dirname(token))
+    child = f"""
+import os, stat
+from dataplane_rl.train import private_ray
+keys = {keys!r}
+undo = private_ray.make_private()
+token = os.environ["RAY_AUTH_TOKEN_PATH"]
+assert os.environ["RAY_AUTH_MODE"] == "token" and stat.S_IMODE(os.stat(token).st_mode) == 0o600
+assert len(open(token).read()) == 64
+undo()
+assert not set(keys) & set(os.environ), set(keys) & set(os.environ)
+assert not os.path.exists(os.path.dirname(token))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in keys}
+    p = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
