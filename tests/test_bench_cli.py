@@ -18,15 +18,23 @@ def test_bench_store_json_and_plot(tmp_path):
     out = tmp_path / "store.json"
     png = tmp_path / "store.png"
     p = bench("store", "--backends", "shm,mooncake", "--samples", "32", "--min-len", "8", "--max-len", "64",
-              "--readers", "2", "--repeats", "2", "--json", str(out), "--plot", str(png))
+              "--readers", "2", "--repeats", "2", "--small-repeats", "2", "--json", str(out), "--plot", str(png))
     res = json.loads(out.read_text())
+    assert res["fresh_pages"]["e2e_gbps"]["median"] > 0
     for name in ("shm", "mooncake"):
         for key in ("write_gbps", "read_gbps", "e2e_gbps"):
             assert res[name][key]["median"] > 0
         assert res[name]["ratio_to_memcpy"] > 0
+        assert res[name]["cold"]["e2e_gbps"] > 0 and res[name]["cold"]["ratio_to_fresh_pages"] > 0
+        assert len(res[name]["rounds_e2e_gbps"]) == 2 + 2  # cold, warm-up, the 2 steady rounds
+        small = res[name]["small"]
+        for key in ("put_us", "get_us", "remote_get_us", "put_full_us", "remote_get_full_us",
+                    "put_full_first_step_us", "remote_get_full_first_step_us"):
+            assert small[key]["median"] > 0, key
     assert res["mooncake"]["ratio_to_raw_mooncake"] > 0 and res["raw_mooncake"]["e2e_gbps"]["median"] > 0
     assert png.stat().st_size > 1000
-    assert "| shm |" in p.stdout and "| memcpy |" in p.stdout
+    assert "| shm |" in p.stdout and "| memcpy |" in p.stdout and "| fresh_pages |" in p.stdout
+    assert "get, other process" in p.stdout
 
 
 def test_bench_store_options_have_help_with_their_defaults():
@@ -34,7 +42,7 @@ def test_bench_store_options_have_help_with_their_defaults():
                        capture_output=True, text=True, timeout=120)
     text = " ".join(p.stdout.split())  # argparse wraps lines
     for option, default in (("--samples", 512), ("--min-len", 256), ("--max-len", 1024), ("--readers", 2),
-                            ("--repeats", 10)):
+                            ("--repeats", 10), ("--small-repeats", 20)):
         meta = option.lstrip("-").upper().replace("-", "_")
         help_ = re.search(rf"  ?{option} {meta} (.*?)(?= --[a-z]|$)", text.split("options:")[1])
         assert help_ and help_.group(1).endswith(f"(default {default})"), (option, help_ and help_.group(1))

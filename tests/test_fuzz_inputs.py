@@ -158,9 +158,11 @@ def test_round3_probe_files_and_flags(tmp_path, capsys):
         jsonl.write_text(line + "\n")
         with pytest.raises(ConfigError, match=rf"line 1: {says}"):
             get_task("math_jsonl", str(jsonl))
-    base = dict(backends="shm", samples=8, min_len=4, max_len=8, readers=1, repeats=1, json=None, plot=None)
+    base = dict(backends="shm", samples=8, min_len=4, max_len=8, readers=1, repeats=1, small_repeats=1, json=None,
+                plot=None)
     for bad, says in ((dict(samples=0), "--samples 0: must be at least 1"), (dict(samples=-5), "--samples -5"),
                       (dict(repeats=0), "--repeats 0"), (dict(readers=0), "--readers 0"),
+                      (dict(small_repeats=0), "--small-repeats 0"),
                       (dict(min_len=10, max_len=2), "--min-len 10 is above --max-len 2")):
         assert run_args(argparse.Namespace(**{**base, **bad})) == 2
         err = capsys.readouterr().err.strip().splitlines()

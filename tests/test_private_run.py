@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -54,11 +55,19 @@ def killed_run(tmp_path_factory):
     try:
         wait_for("step 1's checkpoint", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), proc, tree, 420)
         seen = listeners(tree)
-        token = psutil.Process(proc.pid).environ().get("RAY_AUTH_TOKEN_PATH")
+        # the command supervises; its child, in a session of its own, is the driver with the run's environment
+        driver = psutil.Process(proc.pid).children()[0]
+        token = driver.environ().get("RAY_AUTH_TOKEN_PATH")
         modes = (stat.S_IMODE(os.stat(token).st_mode), stat.S_IMODE(os.stat(os.path.dirname(token)).st_mode)) \
             if token else None
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+        # the driver, in a session of its own, gets its SIGKILL from the kernel as the command dies
+        # (PR_SET_PDEATHSIG): wait, bounded, until it is gone before its store is looked at
+        deadline = time.monotonic() + 30
+        while _running(driver) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(driver), "the driver outlived its supervisor's SIGKILL by 30 s"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -68,6 +77,13 @@ def killed_run(tmp_path_factory):
     out = proc.stdout.read()
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
     return run_dir, env, seen, modes, out, [e for e in owners.scan(str(root))]
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_local_run_listens_on_loopback_only_with_a_private_token(killed_run):

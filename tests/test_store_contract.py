@@ -178,6 +178,30 @@ def test_large_put_is_stored_in_row_blocks(store, part, monkeypatch):
 
 
 # ---- errors --------------------------------------------------------------------------------------
+def test_a_reader_keeps_a_bounded_cache_of_partitions(store, monkeypatch):
+    """A process that reads partitions it never drops (a train worker: the driver drops them) caches the
+    catalog state of only the last KNOWN_PARTITIONS; a forgotten one is read again from the store."""
+    from dataplane_rl.store import base
+
+    monkeypatch.setattr(base, "KNOWN_PARTITIONS", 4)
+    pids = [f"known-{uuid.uuid4().hex[:6]}-{i}" for i in range(10)]
+    for i, pid in enumerate(pids):
+        store.create_partition(pid, "grpo", N)
+        store.put(pid, grpo_columns(range(N), ["input_lengths", "total_reward"], seed=i), range(N))
+        assert_rows(store, pid, range(N), ["total_reward"], seed=i)
+    assert len(store._known) <= 4 and len(store._indexes) <= 4
+    forgotten = {"shm": lambda: set(store._metas) | set(store._refs_cache),
+                 "mooncake": lambda: set(store._catalog.parts)}.get(store.scheme)
+    if forgotten is not None:  # the backend's own caches follow
+        assert not forgotten() & set(pids[:6]), forgotten()
+    assert_rows(store, pids[0], range(N), ["total_reward"], seed=0)  # forgotten, still readable
+    store.put(pids[0], grpo_columns(range(N), ["advantages"], seed=0), range(N))
+    with pytest.raises(DuplicateWriteError):
+        store.put(pids[1], grpo_columns(range(N), ["total_reward"], seed=1), range(N))  # write-once still holds
+    for pid in pids:
+        store.drop_partition(pid)
+
+
 def test_unknown_column(store, part):
     with pytest.raises(SchemaError, match=rf"partition {part} put rows 0-1.*'total_rewards'.*did you mean 'total_reward'"):
         store.put(part, {"total_rewards": np.zeros(2, np.float32)}, [0, 1])

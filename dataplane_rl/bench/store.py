@@ -103,15 +103,21 @@ def _writer(url: str, conn, samples: int, min_len: int, max_len: int) -> None:
 
 
 def _reader(url: str, conn, barrier, rows: tuple[int, int]) -> None:
+    """Gets on request: ("shard", pid) its shard, released with the other readers by the barrier;
+    ("rows", pid, lo, hi) rows lo..hi-1 at once. Replies (start, end, bytes touched)."""
     from dataplane_rl.schema import DP_TRAIN_FIELDS
     from dataplane_rl.store import open_store
 
     store = open_store(url)
     conn.send("ready")
     while (msg := conn.recv()) is not None:
-        barrier.wait()
+        if msg[0] == "shard":
+            barrier.wait()
+            lo, hi = rows
+        else:
+            lo, hi = msg[2], msg[3]
         t0 = time.perf_counter()
-        table = store.get(msg, DP_TRAIN_FIELDS, range(*rows))
+        table = store.get(msg[1], DP_TRAIN_FIELDS, range(lo, hi))
         touched = touch(views_of(table))
         t1 = time.perf_counter()
         del table
@@ -120,7 +126,11 @@ def _reader(url: str, conn, barrier, rows: tuple[int, int]) -> None:
 
 
 def run_backend(url: str, store, samples: int, min_len: int, max_len: int, readers: int, repeats: int,
-                nbytes: int) -> dict[str, Any]:
+                nbytes: int, small_repeats: int = 20, small_rows: int = 64, full_puts: int = 200) -> dict[str, Any]:
+    """Rounds of what an RL step does with the store: create a partition, put the batch (writer process),
+    get it by `readers` processes (each its shard, touched), drop it. Round 0 is cold (a new store, new
+    processes, new pages); round 1 warms; the steady figures are the medians of rounds 2..repeats+1.
+    Then the small calls, with reader 0 as the other process."""
     ctx = mp.get_context("spawn")
     w_parent, w_child = ctx.Pipe()
     barrier = ctx.Barrier(readers)
@@ -136,22 +146,22 @@ def run_backend(url: str, store, samples: int, min_len: int, max_len: int, reade
         p.start()
     try:
         for c in [w_parent, *r_pipes]:
-            if c.recv() != "ready":
-                raise RuntimeError("worker failed to start")
-        writes, reads = [], []
-        for k in range(repeats + 1):  # repeat 0 warms up (page faults, connections, caches)
+            if not _recv(c, procs, 120) == "ready":
+                raise RuntimeError("a benchmark worker failed to start")
+        rounds = []  # (write s, read s)
+        for k in range(repeats + 2):
             pid = f"bench-{k:04d}"
             w_parent.send(pid)
-            w = w_parent.recv()
+            w = _recv(w_parent, procs)
             for c in r_pipes:
-                c.send(pid)
-            res = [c.recv() for c in r_pipes]
+                c.send(("shard", pid))
+            res = [_recv(c, procs) for c in r_pipes]
             r = max(t1 for _, t1, _ in res) - min(t0 for t0, _, _ in res)
-            assert sum(n for *_, n in res) > 0
+            if sum(n for *_, n in res) < nbytes:  # (each shard's offsets also hold one entry more)
+                raise RuntimeError(f"readers touched {sum(n for *_, n in res)} bytes of {nbytes}")
             store.drop_partition(pid)
-            if k:
-                writes.append(w)
-                reads.append(r)
+            rounds.append((w, r))
+        small = small_calls(store, min_len, max_len, small_repeats, r_pipes[0], procs, small_rows, full_puts)
     finally:
         for c in [w_parent, *r_pipes]:
             try:
@@ -162,19 +172,40 @@ def run_backend(url: str, store, samples: int, min_len: int, max_len: int, reade
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    e2e = [nbytes / (w + r) / 1e9 for w, r in zip(writes, reads)]
-    return {"write_gbps": _stats([nbytes / w / 1e9 for w in writes]),
-            "read_gbps": _stats([nbytes / r / 1e9 for r in reads]),
-            "e2e_gbps": _stats(e2e)}
+    steady = rounds[2:]
+    (cw, cr) = rounds[0]
+    return {"write_gbps": _stats([nbytes / w / 1e9 for w, _ in steady]),
+            "read_gbps": _stats([nbytes / r / 1e9 for _, r in steady]),
+            "e2e_gbps": _stats([nbytes / (w + r) / 1e9 for w, r in steady]),
+            "cold": {"write_s": cw, "read_s": cr, "e2e_gbps": nbytes / (cw + cr) / 1e9},
+            "rounds_e2e_gbps": [nbytes / (w + r) / 1e9 for w, r in rounds],
+            "small": small}
 
 
-def small_calls(store, min_len: int, max_len: int, repeats: int, rows: int = 64) -> dict[str, Any]:
-    """µs per put and per get of `rows` rows (a GRPO step of 8 groups of 8) of DP_TRAIN_FIELDS, in this
-    process: the fixed cost per call that the streaming trainer's many small puts and reads pay."""
+def _recv(conn, procs, timeout: float = 300):
+    """The next message from a worker, or an error if none comes in `timeout` s or a worker died."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.2):
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"benchmark worker {dead[0].name} exited with {dead[0].exitcode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no answer from a benchmark worker in {timeout:g} s")
+    return conn.recv()
+
+
+def small_calls(store, min_len: int, max_len: int, repeats: int, reader=None, procs=(), rows: int = 64,
+                full_puts: int = 200) -> dict[str, Any]:
+    """µs per put and per get of `rows` rows (a GRPO step of 8 groups of 8) of DP_TRAIN_FIELDS: the fixed
+    cost per call that the streaming trainer's many small puts and reads pay.
+    - put, get: into a fresh partition and back, in this process;
+    - remote_get: the same rows read by another process (`reader`), which first sees the partition then;
+    - put_full, remote_get_full: a put into a partition already holding `full_puts` puts, and its rows
+      read by the other process."""
     from dataplane_rl.schema import DP_TRAIN_FIELDS
 
     batch = make_batch(rows, min_len, max_len, seed=1)
-    puts, gets = [], []
+    puts, gets, remote = [], [], []
     for k in range(repeats + 1):  # call 0 warms up
         pid = f"bench-small-{k:04d}"
         store.create_partition(pid, "grpo", rows)
@@ -185,11 +216,80 @@ def small_calls(store, min_len: int, max_len: int, repeats: int, rows: int = 64)
         t2 = time.perf_counter()
         assert table.num_rows == rows
         del table
+        if reader is not None:
+            reader.send(("rows", pid, 0, rows))
+            r0, r1, _ = _recv(reader, procs)
         store.drop_partition(pid)
         if k:
             puts.append((t1 - t0) * 1e6)
             gets.append((t2 - t1) * 1e6)
-    return {"rows": rows, "bytes": payload_bytes(batch), "put_us": _stats(puts), "get_us": _stats(gets)}
+            if reader is not None:
+                remote.append((r1 - r0) * 1e6)
+    out = {"rows": rows, "bytes": payload_bytes(batch), "put_us": _stats(puts), "get_us": _stats(gets)}
+    if reader is not None:
+        out["remote_get_us"] = _stats(remote)
+    # A streaming step: many small puts into one partition, each read by the other process as it lands.
+    # Pass 0 is the run's first such step (every put in new pages); pass 1 the steady one, whose puts
+    # reuse what pass 0's partition gave back when dropped. Timed: the puts after the first `full_puts`.
+    for step in range(2):
+        full, full_remote = [], []
+        pid = f"bench-small-full-{step}"
+        store.create_partition(pid, "grpo", rows * (full_puts + repeats))
+        try:
+            for k in range(full_puts + repeats):
+                lo = k * rows
+                t0 = time.perf_counter()
+                store.put(pid, batch, range(lo, lo + rows))
+                t1 = time.perf_counter()
+                if reader is not None:
+                    reader.send(("rows", pid, lo, lo + rows))
+                    r0, r1, _ = _recv(reader, procs)
+                if k >= full_puts:
+                    full.append((t1 - t0) * 1e6)
+                    if reader is not None:
+                        full_remote.append((r1 - r0) * 1e6)
+        finally:
+            store.drop_partition(pid)
+        suffix = "" if step else "_first_step"
+        out[f"put_full{suffix}_us"] = _stats(full)
+        if reader is not None:
+            out[f"remote_get_full{suffix}_us"] = _stats(full_remote)
+    out["full_puts"] = full_puts
+    return out
+
+
+def fresh_page_ceiling(batch: dict[str, pa.Array], repeats: int, folder: str = "/dev/shm") -> dict[str, Any]:
+    """What a cold round cannot beat: copy the batch's buffers into a new tmpfs file's pages (each page
+    allocated and faulted in by the copy), then touch every byte. A new file per repeat."""
+    import mmap
+    import os
+    import uuid
+
+    srcs = [v.view(np.uint8) for v in views_of(pa.table(batch)) if v.size]
+    nbytes = sum(s.size for s in srcs)
+    e2e = []
+    for _ in range(repeats):
+        path = os.path.join(folder, f".dataplane-rl-bench-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            t0 = time.perf_counter()
+            os.ftruncate(fd, nbytes)
+            with mmap.mmap(fd, nbytes) as m:
+                dst = np.frombuffer(m, dtype=np.uint8)
+                parts, at = [], 0
+                for s in srcs:
+                    np.copyto(dst[at:at + s.size], s)
+                    parts.append(dst[at:at + s.size])
+                    at += s.size
+                t1 = time.perf_counter()
+                touch(parts)
+                t2 = time.perf_counter()
+                del dst, parts
+            e2e.append(nbytes / (t2 - t0) / 1e9)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    return {"e2e_gbps": _stats(e2e)}
 
 
 def memcpy_ceiling(batch: dict[str, pa.Array], repeats: int) -> dict[str, Any]:
@@ -234,17 +334,20 @@ def open_for_bench(name: str, mooncake_segment_mb: int):
 
 
 def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: int, repeats: int,
-        log=print) -> dict[str, Any]:
+        log=print, small_repeats: int = 20) -> dict[str, Any]:
     batch = make_batch(samples, min_len, max_len)
     nbytes = payload_bytes(batch)
-    # mooncake holds a put and its warm-up copy: size the segment from the batch (plus slack)
+    # mooncake holds a put and its warm-up copy: size the segment from the batch (plus slack), and room
+    # for the small calls' partition of 200+ puts
     seg_mb = max(256, int(nbytes * 4 / 2**20) + 64)
     log(f"[bench] {samples} samples, lengths {min_len}-{max_len}, {nbytes / 1e6:.2f} MB, {readers} readers, "
-        f"{repeats} repeats")
+        f"1 cold + 1 warm-up + {repeats} steady rounds")
     results: dict[str, Any] = {"workload": {"samples": samples, "min_len": min_len, "max_len": max_len,
                                             "readers": readers, "repeats": repeats, "bytes": nbytes}}
     results["memcpy"] = memcpy_ceiling(batch, repeats)
-    log(f"[bench] memcpy ceiling e2e {results['memcpy']['e2e_gbps']['median']:.2f} GB/s")
+    results["fresh_pages"] = fresh_page_ceiling(batch, max(repeats, 3))
+    log(f"[bench] memcpy ceiling e2e {results['memcpy']['e2e_gbps']['median']:.2f} GB/s, fresh tmpfs pages "
+        f"{results['fresh_pages']['e2e_gbps']['median']:.2f} GB/s")
     for name in backends:
         if name == "memory":
             log("[bench] memory:// is in-process only; it has no cross-process readers to measure")
@@ -252,76 +355,108 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
         log(f"[bench] {name} ...")
         store = open_for_bench(name, seg_mb)
         try:
-            results[name] = run_backend(store.url, store, samples, min_len, max_len, readers, repeats, nbytes)
-            results[name]["small"] = small_calls(store, min_len, max_len, max(repeats, 20))
+            results[name] = run_backend(store.url, store, samples, min_len, max_len, readers, repeats, nbytes,
+                                        small_repeats=max(small_repeats, 1))
             if name == "mooncake":
                 results["raw_mooncake"] = raw_mooncake(batch, readers, repeats, store.cluster)
         finally:
             store.close()
-        log(f"[bench] {name} e2e {results[name]['e2e_gbps']['median']:.3f} GB/s")
+        log(f"[bench] {name} e2e {results[name]['e2e_gbps']['median']:.3f} GB/s steady, "
+            f"{results[name]['cold']['e2e_gbps']:.3f} GB/s cold")
     ceiling = results["memcpy"]["e2e_gbps"]["median"]
+    fresh = results["fresh_pages"]["e2e_gbps"]["median"]
     raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
     for name in backends:
         if name in results:
             results[name]["ratio_to_memcpy"] = results[name]["e2e_gbps"]["median"] / ceiling
+            results[name]["cold"]["ratio_to_fresh_pages"] = results[name]["cold"]["e2e_gbps"] / fresh
             if raw:
                 results[name]["ratio_to_raw_mooncake"] = results[name]["e2e_gbps"]["median"] / raw
     return results
 
 
+SMALL_COLUMNS = (("put_us", "put"), ("put_full_us", "put into 200"), ("get_us", "get"),
+                 ("remote_get_us", "get, other process"), ("remote_get_full_us", "get of 200, other process"))
+
+
 def table(results: dict[str, Any]) -> str:
-    rows = ["| backend | write GB/s | read GB/s | e2e GB/s (min-max) | x memcpy | x raw Mooncake | "
-            "64-row put µs | 64-row get µs |",
+    """Two markdown tables: throughput (steady and cold) and the small calls' µs."""
+    mem, fresh = results["memcpy"]["e2e_gbps"]["median"], results["fresh_pages"]["e2e_gbps"]["median"]
+    raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
+    rows = ["| backend | write GB/s | read GB/s | steady e2e GB/s (min-max) | x memcpy | x raw Mooncake | "
+            "cold e2e GB/s | cold x fresh pages |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in ("memcpy", "raw_mooncake", "shm", "mooncake", "ray"):
+    for name in ("memcpy", "fresh_pages", "raw_mooncake", "shm", "mooncake", "ray"):
         if name not in results:
             continue
         r = results[name]
         e = r["e2e_gbps"]
-        ratio_m = r.get("ratio_to_memcpy", r["e2e_gbps"]["median"] / results["memcpy"]["e2e_gbps"]["median"])
-        raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
+        w = f"{r['write_gbps']['median']:.3f}" if "write_gbps" in r else "-"
+        rd = f"{r['read_gbps']['median']:.3f}" if "read_gbps" in r else "-"
         ratio_r = f"{e['median'] / raw:.2f}" if raw else "-"
-        small = r.get("small")
-        lat = f"{small['put_us']['median']:.0f} | {small['get_us']['median']:.0f}" if small else "- | -"
-        rows.append(f"| {name} | {r['write_gbps']['median']:.3f} | {r['read_gbps']['median']:.3f} | "
-                    f"{e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | {ratio_m:.2f} | {ratio_r} | {lat} |")
+        cold = r.get("cold")
+        c = f"{cold['e2e_gbps']:.3f} | {cold['e2e_gbps'] / fresh:.2f}" if cold else "- | -"
+        rows.append(f"| {name} | {w} | {rd} | {e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | "
+                    f"{e['median'] / mem:.2f} | {ratio_r} | {c} |")
+    small = [n for n in ("shm", "mooncake", "ray") if n in results and "small" in results[n]]
+    if small:
+        s0 = results[small[0]]["small"]
+        rows += ["", f"µs per call of {s0['rows']} rows ({s0['bytes'] / 1e6:.2f} MB), median (min-max):", "",
+                 "| backend | " + " | ".join(label for _, label in SMALL_COLUMNS) + " |",
+                 "| --- |" + " --- |" * len(SMALL_COLUMNS)]
+        for name in small:
+            sm = results[name]["small"]
+            cells = [f"{sm[k]['median']:.0f} ({sm[k]['min']:.0f}-{sm[k]['max']:.0f})" if k in sm else "-"
+                     for k, _ in SMALL_COLUMNS]
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def plot(results: dict[str, Any], path: str, title: str = "") -> None:
-    """Bar charts of one run: e2e GB/s per backend and reference, and the 64-row put/get latency."""
+    """One run's figures: steady and cold e2e GB/s per backend beside their references, and the small
+    calls' µs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.ScalarFormatter below
 
-    names = [n for n in ("memcpy", "raw_mooncake", "shm", "mooncake", "ray") if n in results]
-    small = [n for n in names if "small" in results[n]]
-    fig, axes = plt.subplots(1, 2 if small else 1, figsize=(10 if small else 6, 3.8), squeeze=False)
+    backends = [n for n in ("shm", "mooncake", "ray") if n in results]
+    small = [n for n in backends if "small" in results[n]]
+    fig, axes = plt.subplots(1, 2 if small else 1, figsize=(11 if small else 6, 4), squeeze=False)
     ax = axes[0][0]
-    vals = [results[n]["e2e_gbps"]["median"] for n in names]
-    ax.bar([n.replace("_", "\n") for n in names], vals,
-           color=["#999" if n in ("memcpy", "raw_mooncake") else "#2a7" for n in names])
-    for i, v in enumerate(vals):
-        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    names = ["memcpy", "fresh_pages", *(["raw_mooncake"] if "raw_mooncake" in results else []), *backends]
+    x = np.arange(len(names))
+    steady = [results[n]["e2e_gbps"]["median"] if n != "fresh_pages" else np.nan for n in names]
+    cold = [results[n]["cold"]["e2e_gbps"] if "cold" in results[n] else
+            (results[n]["e2e_gbps"]["median"] if n == "fresh_pages" else np.nan) for n in names]
+    for k, (vals, label, color) in enumerate(((steady, "steady (median)", "#2a7"), (cold, "cold (first round)", "#c73"))):
+        ax.bar(x + (k - 0.5) * 0.4, vals, 0.4, label=label, color=color)
+        for i, v in enumerate(vals):
+            if v == v:
+                ax.text(x[i] + (k - 0.5) * 0.4, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [n.replace("_", "\n") for n in names], fontsize=8)
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_ylabel("end-to-end GB/s (median, log)")
+    ax.set_ylabel("end-to-end GB/s (log)")
     w = results["workload"]
     ax.set_title(f"{w['samples']} samples, lengths {w['min_len']}-{w['max_len']}, {w['readers']} readers", fontsize=9)
+    ax.legend(fontsize=8)
     if small:
         ax = axes[0][1]
-        x = np.arange(len(small))
-        for k, (key, color) in enumerate((("put_us", "#2a7"), ("get_us", "#27a"))):
-            ax.bar(x + (k - 0.5) * 0.4, [results[n]["small"][key]["median"] for n in small], 0.4, color=color,
-                   label=key.replace("_us", ""))
-        ax.set_xticks(x, small)
+        keys = [(k, label) for k, label in SMALL_COLUMNS if k in results[small[0]]["small"]]
+        xs = np.arange(len(small))
+        width = 0.8 / len(keys)
+        for j, (key, label) in enumerate(keys):
+            ax.bar(xs + (j - (len(keys) - 1) / 2) * width, [results[n]["small"][key]["median"] for n in small],
+                   width, label=label)
+        ax.axhline(300, color="#888", linestyle="--", linewidth=0.8)
+        ax.set_xticks(xs, small)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_ylabel("µs per call (median, log)")
-        ax.set_title(f"{results[small[0]]['small']['rows']}-row put and get", fontsize=9)
-        ax.legend(fontsize=8)
+        ax.set_ylabel("µs per call (median, log); dashed: 300 µs")
+        ax.set_title(f"{results[small[0]]['small']['rows']}-row calls", fontsize=9)
+        ax.legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -337,8 +472,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=1024, help="longest row in tokens (default %(default)s)")
     p.add_argument("--readers", type=int, default=2, help="reader processes, each getting a contiguous shard of "
                    "the rows (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=10, help="timed write+read rounds after one warm-up; the "
-                   "median is reported (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=10, help="steady rounds of create, put, get and drop, timed "
+                   "after a cold round and a warm-up round; their median is reported (default %(default)s)")
+    p.add_argument("--small-repeats", type=int, default=20, help="timed calls of each small-call kind "
+                   "(default %(default)s)")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--plot", help="write a bar chart PNG here")
 
@@ -349,7 +486,7 @@ def run_args(args) -> int:
         if b not in ("shm", "mooncake", "ray", "memory"):
             print(f"error: unknown backend '{b}'; use shm, mooncake, ray", file=sys.stderr)
             return 2
-    for flag in ("samples", "min_len", "max_len", "readers", "repeats"):
+    for flag in ("samples", "min_len", "max_len", "readers", "repeats", "small_repeats"):
         if getattr(args, flag) < 1:
             print(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1", file=sys.stderr)
             return 2
@@ -357,7 +494,7 @@ def run_args(args) -> int:
         print(f"error: --min-len {args.min_len} is above --max-len {args.max_len}; swap them", file=sys.stderr)
         return 2
     res = run(backends, args.samples, args.min_len, args.max_len, args.readers, args.repeats,
-              log=lambda s: print(s, file=sys.stderr, flush=True))
+              log=lambda s: print(s, file=sys.stderr, flush=True), small_repeats=args.small_repeats)
     print(table(res))
     if args.json:
         with open(args.json, "w") as f:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -160,6 +161,11 @@ class Schema(BaseModel):
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns)
+
+    @cached_property
+    def json_text(self) -> str:
+        """model_dump_json(), made once (a partition records its schema's JSON at every create)."""
+        return self.model_dump_json()
 
     def column(self, name: str) -> Column:
         try:
@@ -346,9 +352,23 @@ def load_schema(name_or_path: str | Path = "grpo") -> Schema:
     """Load and validate a schema by built-in name or path. Errors name the file and the fix."""
     if isinstance(name_or_path, Schema):
         return name_or_path
+    if isinstance(name_or_path, str) and name_or_path in _BUILTIN_PATHS and not os.path.exists(name_or_path):
+        # a built-in name seen before (and no file of that name here): two stats, no path resolution
+        path_text = _BUILTIN_PATHS[name_or_path]
+        try:
+            return _load_file(path_text, os.stat(path_text).st_mtime_ns)
+        except FileNotFoundError:
+            _BUILTIN_PATHS.pop(name_or_path, None)
     path = schema_path(name_or_path)
+    path_text = str(path.resolve())
+    if isinstance(name_or_path, str) and Path(name_or_path).suffix == "" and "/" not in name_or_path \
+            and not Path(name_or_path).exists():
+        _BUILTIN_PATHS[name_or_path] = path_text
     # parsing YAML costs ~40 ms; partitions are created every step, so cache by file and mtime
-    return _load_file(str(path.resolve()), path.stat().st_mtime_ns)
+    return _load_file(path_text, path.stat().st_mtime_ns)
+
+
+_BUILTIN_PATHS: dict[str, str] = {}  # built-in schema name -> its resolved file (create_partition runs every step)
 
 
 @functools.lru_cache(maxsize=64)

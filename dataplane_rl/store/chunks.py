@@ -150,30 +150,24 @@ class Block:
     sizes: tuple[int, ...]
 
 
-def _row_bytes(arr: pa.Array) -> np.ndarray:
-    """[n] bytes each row of a column holds (values, and offsets for lists and strings)."""
+def _offsets(arr: pa.Array) -> tuple[np.ndarray | None, float]:
+    """(the [n+1] int32 offsets of a list or string column, read from its buffer, or None for a fixed-width
+    one; the bytes of one value)."""
     t, n = arr.type, len(arr)
     if pa.types.is_list(t) or pa.types.is_string(t):
-        if pa.types.is_list(t):
-            offsets, width = arr.offsets.to_numpy(zero_copy_only=True), t.value_type.bit_width / 8
-        else:
-            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
-            width = 1
-        return np.diff(offsets) * width + 4  # [n]
-    return np.full(n, t.bit_width / 8)
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset) if n else \
+            np.zeros(1, dtype=np.int32)
+        return offsets, (t.value_type.bit_width / 8 if pa.types.is_list(t) else 1)
+    return None, t.bit_width / 8
 
 
 def _column_bytes(arr: pa.Array) -> int:
-    """What `_row_bytes(arr).sum()` is, from the ends of the offsets alone (read from the offsets buffer:
-    no offsets array or scalars made)."""
-    t, n = arr.type, len(arr)
-    if pa.types.is_list(t) or pa.types.is_string(t):
-        if not n:
-            return 0
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
-        width = t.value_type.bit_width / 8 if pa.types.is_list(t) else 1
+    """The bytes of a column's values, with 4 per row for the offsets of a list or string column."""
+    offsets, width = _offsets(arr)
+    n = len(arr)
+    if offsets is not None:
         return int((int(offsets[n]) - int(offsets[0])) * width) + 4 * n
-    return round(n * t.bit_width / 8)
+    return round(n * width)
 
 
 def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int, names: tuple[str, ...] | None = None,
@@ -190,17 +184,24 @@ def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int, names: tupl
     whole = whole or [_column_bytes(c) for c in columns]
     if sum(whole) <= limit:  # one block: no per-row sizes needed
         return [Block(rows, batch, names, pa.ipc.get_record_batch_size(batch), tuple(whole))]
-    per_col = np.stack([_row_bytes(c) for c in columns])  # [C, n]
-    row_cum = np.cumsum(per_col.sum(axis=0))  # [n]
-    total = float(row_cum[-1])
+    # cum[r]: the bytes of rows 0..r-1, from each column's offsets (no per-row array per column)
+    r = np.arange(n + 1, dtype=np.float64)  # [n+1]
+    info = [_offsets(c) for c in columns]
+    fixed = sum(w for off, w in info if off is None)
+    cum = r * (fixed + 4 * sum(1 for off, _ in info if off is not None))  # [n+1]
+    for off, w in info:
+        if off is not None:
+            cum += (off - off[0]) * w
+    total = float(cum[-1])
     k = max(1, min(n, int(-(-total // limit))))
-    cuts = np.searchsorted(row_cum, total * np.arange(1, k) / k, side="right").tolist() if k > 1 else []
+    cuts = np.searchsorted(cum[1:], total * np.arange(1, k) / k, side="right").tolist() if k > 1 else []
     bounds = sorted({0, n, *cuts})
-    sizes = np.add.reduceat(per_col, bounds[:-1], axis=1).round().astype(np.int64).T.tolist()  # [k][C]
     out = []
-    for (lo, hi), size in zip(zip(bounds[:-1], bounds[1:]), sizes):
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        size = tuple(round((hi - lo) * w) if off is None else int((int(off[hi]) - int(off[lo])) * w) + 4 * (hi - lo)
+                     for off, w in info)
         part = batch.slice(lo, hi - lo)
-        out.append(Block(rows[lo:hi], part, names, pa.ipc.get_record_batch_size(part), tuple(size)))
+        out.append(Block(rows[lo:hi], part, names, pa.ipc.get_record_batch_size(part), size))
     return out
 
 

@@ -50,10 +50,12 @@ def new_auto_path() -> str:
 
 
 def _start_time(pid: int) -> float | None:
+    """When process `pid` started, or None if it is gone (a zombie is gone: only its exit status is left)."""
     import psutil
 
     try:
-        return psutil.Process(pid).create_time()
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
     except psutil.Error:
         return None
 

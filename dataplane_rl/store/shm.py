@@ -37,6 +37,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import uuid
 import weakref
 from pathlib import Path
@@ -103,7 +104,8 @@ class ShmStore(ColumnStore):
         self._pool_bytes = pool_bytes
         self._open_dir(create)
         self._maps = Maps(pool_bytes)
-        self._refs_cache: dict[str, tuple[str, list[ChunkRef], int]] = {}  # pid -> (token, refs, puts)
+        self._refs_cache: dict[str, tuple[str, list[ChunkRef], int, set[str]]] = {}  # pid -> (token, refs, puts, keys)
+        self._refs_lock = threading.RLock()
         self._metas: dict[str, PartitionMeta] = {}
         self._pool = Pool(os.path.join(self._dir, _POOL), pool_bytes)
         self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
@@ -273,28 +275,31 @@ class ShmStore(ColumnStore):
                 self._metas[pid] = meta
         except (FileNotFoundError, NotADirectoryError):
             raise self._not_found(pid) from None
-        token, refs, n = self._refs_cache.get(pid, (meta.token, [], 0))
-        if token != meta.token:
-            refs, n = [], 0
-        refs = list(refs)  # the cached list stays as readers saw it; the copy grows
-        keys = None
-        while True:  # commits are numbered: the next one not there yet ends the list (one failed open)
-            path = self._refs_path(pdir, n)
-            try:
-                new = self._load_refs(path)
-            except (FileNotFoundError, NotADirectoryError):
-                break
-            # every put writes chunks under fresh keys: a key seen twice is a copied refs file, whose rows
-            # would count (and read) twice
-            keys = {r.key for r in refs} if keys is None else keys
-            again = next((r.key for r in new if r.key in keys), None)
-            if again is not None:
-                raise CorruptChunkError(f"shm refs file {path} repeats chunk {again} of an earlier commit of partition "
-                                        f"{pid}; the partition cannot be trusted, drop it")
-            keys.update(r.key for r in new)
-            refs += new
-            n += 1
-        self._refs_cache[pid] = (meta.token, refs, n)
+        with self._refs_lock:
+            token, refs, n, keys = self._refs_cache.get(pid, (meta.token, [], 0, set()))
+            if token != meta.token:
+                refs, n, keys = [], 0, set()
+            grown = None  # the cached list stays as callers saw it; a copy grows
+            while True:  # commits are numbered: the next one not there yet ends the list (one failed open)
+                path = self._refs_path(pdir, n)
+                try:
+                    new = self._load_refs(path)
+                except (FileNotFoundError, NotADirectoryError):
+                    break
+                # every put writes chunks under fresh keys: a key seen twice is a copied refs file, whose
+                # rows would count (and read) twice. `keys`: every key of the cached refs (kept, not rebuilt
+                # per commit, so following a partition of many puts stays linear)
+                again = next((r.key for r in new if r.key in keys), None)
+                if again is not None:
+                    self._refs_cache.pop(pid, None)  # `keys` may hold keys of files not in the cache's refs
+                    raise CorruptChunkError(f"shm refs file {path} repeats chunk {again} of an earlier commit of "
+                                            f"partition {pid}; the partition cannot be trusted, drop it")
+                keys.update(r.key for r in new)
+                grown = (grown if grown is not None else list(refs)) + new
+                n += 1
+            if grown is not None:
+                refs = grown
+            self._refs_cache[pid] = (meta.token, refs, n, keys)
         return Snapshot(meta, refs)
 
     @staticmethod
@@ -333,7 +338,10 @@ class ShmStore(ColumnStore):
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-            self._refs_cache[pid] = (meta.token, snap.refs + list(refs), n + 1)  # our own commit: no parse
+            with self._refs_lock:  # our own commit: no parse
+                keys = self._refs_cache[pid][3]
+                keys.update(r.key for r in refs)
+                self._refs_cache[pid] = (meta.token, snap.refs + list(refs), n + 1, keys)
 
     def _list(self) -> list[str]:
         return [n for n in os.listdir(self._dir) if PID.fullmatch(n)]
@@ -354,12 +362,13 @@ class ShmStore(ColumnStore):
                 self._pool.claim(tmp, max(end, 1))
             with self._maps.file(tmp, end, writable=True) as f:
                 for block, off in zip(blocks, offsets):
-                    f.seek(off - head)
-                    chunks.write_block(f, block.batch)
-                    if f.tell() != off + chunks.room(block):
-                        raise RuntimeError(f"shm block {name}@{off}: wrote {f.tell() - off} bytes, expected {block.nbytes}")
-                    f.seek(off)
-                    digest = checksum(f.read_buffer(block.nbytes))  # zero-copy view of what was written
+                    room = head + chunks.room(block)
+                    sink = f.sink(off - head, room)  # a writer that cannot go past the block's room
+                    chunks.write_block(sink, block.batch)
+                    if sink.tell() != room:
+                        raise RuntimeError(f"shm block {name}@{off}: wrote {sink.tell() - head} bytes, expected "
+                                           f"{chunks.room(block)}")
+                    digest = checksum(f.buffer(off, block.nbytes))  # zero-copy view of what was written
                     out.append(ChunkRef.of(block, f"{name}@{off}", digest))
             os.rename(tmp, os.path.join(folder, name))  # only complete files carry a final name
         except BaseException as e:
@@ -403,8 +412,7 @@ class ShmStore(ColumnStore):
                     for i, off, n in parts:  # the cache lends each file to one caller at a time
                         n = min(n, st.st_size - off)
                         if n > 0:
-                            f.seek(off)
-                            buf = f.read_buffer(n)
+                            buf = f.buffer(off, n)
                             out[i] = pa.foreign_buffer(buf.address, buf.size, base=(buf, lease))
             except FileNotFoundError:
                 if not os.path.isdir(folder):
@@ -417,6 +425,11 @@ class ShmStore(ColumnStore):
             os.rename(pdir, trash)
         self._refs_cache.pop(pid, None)
         self._pool.take_back(trash)
+
+    def _forget(self, pid: str) -> None:
+        with self._refs_lock:
+            self._refs_cache.pop(pid, None)
+        self._metas.pop(pid, None)
 
     def _close(self) -> None:
         self._refs_cache.clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import mmap
 import os
 import stat
 import threading
@@ -22,6 +23,64 @@ import pyarrow as pa
 from dataplane_rl.store.shm_files import check_trusted, open_file
 
 
+class ReadMap:
+    """A chunk file mapped read-only (pyarrow's memory map; buffers handed out keep the mapping alive)."""
+
+    writable = False
+
+    def __init__(self, path: str) -> None:
+        self._f = pa.memory_map(path, "r")
+        self.size = self._f.size()
+        self._buf = self._f.read_buffer(self.size)  # one buffer of the whole file; reads are slices of it
+
+    def buffer(self, off: int, n: int) -> pa.Buffer:
+        return self._buf.slice(off, n)
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        self._buf = None
+        self._f.close()
+
+
+class WriteMap:
+    """A chunk file mapped for writing with MAP_POPULATE: every page is mapped by the one mmap call
+    instead of by a fault per 4 KiB page on the first write (measured: a 2.85 MB write into a fresh
+    map of a pooled file 0.85 ms with faults, 0.27 ms populated). Python's mmap, because pyarrow's
+    memory_map cannot pass MAP_POPULATE; it keeps its own copy of the descriptor, so a map costs two."""
+
+    writable = True
+
+    def __init__(self, path: str) -> None:
+        fd = open_file(path, os.O_RDWR)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._view = memoryview(self._mm)
+        self._buf = pa.py_buffer(self._mm)
+
+    def buffer(self, off: int, n: int) -> pa.Buffer:
+        return self._buf.slice(off, n)
+
+    def sink(self, off: int, n: int) -> pa.FixedSizeBufferWriter:
+        """A writer of bytes off..off+n (it refuses to write past them)."""
+        return pa.FixedSizeBufferWriter(pa.py_buffer(self._view[off:off + n]))
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        # the map itself goes when the last buffer made from it does (mmap.close() would refuse while
+        # buffers handed out still point into it)
+        self._buf = self._view = self._mm = None
+        os.close(self._fd)
+
+
 class Maps:
     """Memory maps of chunk files, kept open across puts and gets and keyed by inode.
 
@@ -30,14 +89,14 @@ class Maps:
     (least recently used first)."""
 
     def __init__(self, max_bytes: int, max_files: int = 256) -> None:
-        self._files: OrderedDict[tuple[int, int], pa.MemoryMappedFile] = OrderedDict()
+        self._files: OrderedDict[tuple[int, int], ReadMap | WriteMap] = OrderedDict()
         self._max_bytes, self._max_files = max_bytes, max_files
         self._bytes = 0
         self._lock = threading.Lock()
         self._swept = time.monotonic()
 
     @contextlib.contextmanager
-    def file(self, path: str, size: int, writable: bool, st: os.stat_result | None = None) -> Iterator[pa.MemoryMappedFile]:
+    def file(self, path: str, size: int, writable: bool, st: os.stat_result | None = None) -> Iterator[ReadMap | WriteMap]:
         """The mapped file at `path` (`st`: its stat, if just taken), mapping at least `size` bytes; raises
         FileNotFoundError."""
         st = st or os.lstat(path)
@@ -47,18 +106,18 @@ class Maps:
         with self._lock:
             f = self._files.pop(key, None)
             if f is not None:
-                self._bytes -= f.size()
-        if f is not None and (f.size() < size or (writable and f.mode != "rb+")):
+                self._bytes -= f.size
+        if f is not None and (f.size < size or (writable and not f.writable)):
             f.close()
             f = None
         if f is None:
-            f = pa.memory_map(path, "r+" if writable else "r")
+            f = WriteMap(path) if writable else ReadMap(path)
         try:
             yield f
         finally:
             self._keep(key, f)
 
-    def _keep(self, key: tuple[int, int], f: pa.MemoryMappedFile) -> None:
+    def _keep(self, key: tuple[int, int], f: ReadMap | WriteMap) -> None:
         if self._max_bytes <= 0:
             f.close()  # buffers already handed out keep their mapping
             return
@@ -66,7 +125,7 @@ class Maps:
             if key in self._files:  # another thread mapped it meanwhile
                 self._evict(key)
             self._files[key] = f
-            self._bytes += f.size()
+            self._bytes += f.size
             now = time.monotonic()
             if now - self._swept > 0.5:
                 self._swept = now
@@ -78,7 +137,7 @@ class Maps:
 
     def _evict(self, key: tuple[int, int]) -> None:
         f = self._files.pop(key)
-        self._bytes -= f.size()
+        self._bytes -= f.size
         f.close()
 
     def close(self) -> None:

@@ -331,6 +331,9 @@ class MooncakeStore(ColumnStore):
                                         "restart the store and regenerate the step")
         raise self._error(code, what)
 
+    def _forget(self, pid: str) -> None:
+        self._catalog.parts.pop(pid, None)
+
     def _close(self) -> None:
         self._pool.close()
         self._arenas.close()
