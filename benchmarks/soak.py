@@ -36,9 +36,11 @@ TOLERANCE = {"rss_mb": (0.10, 20.0), "fds": (0.0, 4), "store_mb": (0.10, 2.0), "
 
 
 def label(p: psutil.Process, driver: int) -> str:
-    if p.pid == driver:
-        return "driver"
     cmd = p.cmdline()
+    if p.pid == driver:  # the command: a local run's supervisor, whose child in a session of its own is the driver
+        return "command"
+    if "dataplane_rl.cli.main" in cmd:
+        return "driver"
     head = cmd[0] if cmd else p.name()
     if head.startswith("ray::"):  # Ray sets an actor's title to ray::Class.method while it runs one
         return head.split()[0].split(".")[0]

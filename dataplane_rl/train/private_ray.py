@@ -13,7 +13,7 @@ A run that starts its own Ray (no `cluster.address`) makes it private:
   user, in ~/.ray/auth_token.
 
 The shim must be loaded when the process starts, so `dataplane-rl train` runs itself again once, as a child
-in a session of its own, with this environment (`supervise`); every process Ray starts inherits it. A program that calls `train()` itself gets the same
+in a session of its own, with this environment (train/supervise.py); every process Ray starts inherits it. A program that calls `train()` itself gets the same
 for every process Ray starts, but its own driver listens as Ray does (docs/security.md).
 
 A run that joins `cluster.address` uses the cluster's settings: it warns in one line when it joins without
@@ -23,13 +23,9 @@ token authentication. The security line says what still listens on every interfa
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from typing import Callable
@@ -82,59 +78,16 @@ def private_env(env: dict[str, str]) -> dict[str, str]:
 
 def reexec(cfg: Config, argv: list[str]) -> None:
     """For the CLI: run again, once, as `python -m dataplane_rl.cli.main ARGV` with the private
-    environment, so the driver's own listeners bind 127.0.0.1 too; this process then only supervises it
-    (`supervise`) and exits with its status. Returns only when nothing is to do."""
+    environment, so the driver's own listeners bind 127.0.0.1 too. This process becomes the driver's
+    supervisor (train/supervise.py: the driver in a session of its own, stop signals passed on), a small
+    process of its own rather than this one, which has torch loaded. Returns only when nothing is to do."""
     if REEXEC_ENV in os.environ or cfg.cluster.address:
         return
     env = private_env({**os.environ, REEXEC_ENV: "1"})
     sys.stdout.flush()
     sys.stderr.flush()
-    code = supervise([sys.executable, "-m", "dataplane_rl.cli.main", *argv], env)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # nothing of this process is left to clean up: the driver did its own
-
-
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
-
-
-def supervise(cmd: list[str], env: dict[str, str]) -> int:
-    """Run the driver `cmd` in a session of its own and pass it the stop signals this process gets;
-    return its exit status (128 + N for a signal N, as a shell reports it).
-
-    Why a session of its own: a SIGTERM to the job's whole process group (`timeout`, `kill -- -PGID`,
-    SLURM's scancel, a pod stop) would otherwise reach Ray's gcs_server, raylet and actors together with
-    the driver, and Ray's own driver-side recovery of the objects lost with them can end the driver (exit
-    1, no summary.json) before its handler stops the run. Here the group signal reaches only this
-    process, which sends it to the driver alone: the driver stops the run with Ray still up, then shuts
-    Ray down itself. The driver dies with this process (PR_SET_PDEATHSIG, SIGKILL): a kill -9 of the job
-    still leaves nothing running, as before."""
-    parent = os.getpid()
-
-    def child() -> None:  # in the driver, between fork and exec
-        if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            os._exit(70)
-        if os.getppid() != parent:  # this process died before the prctl: nobody to die with
-            os._exit(137)
-
-    saved = {s: signal.getsignal(s) for s in FORWARDED}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=child)
-
-    def forward(signum, frame) -> None:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signum)
-
-    try:
-        for s in FORWARDED:
-            if saved[s] != signal.SIG_IGN:  # one ignored here (`nohup`, `&`) stays ignored: the driver inherited that
-                signal.signal(s, forward)
-        code = proc.wait()  # PEP 475: a forwarded signal does not interrupt the wait
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    return 128 - code if code < 0 else code
+    os.execve(sys.executable, [sys.executable, "-m", "dataplane_rl.train.supervise", sys.executable, "-m",
+                               "dataplane_rl.cli.main", *argv], env)
 
 
 def make_private() -> Callable[[], None]:

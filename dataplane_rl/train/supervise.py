@@ -1,0 +1,61 @@
+"""`python -m dataplane_rl.train.supervise CMD...`: run CMD (a local run's driver) in a session of its own,
+pass it the stop signals this process gets, and exit with its status (128 + N for a signal N, as a shell
+reports it). `dataplane-rl train` becomes this process once it has checked its config (private_ray.reexec).
+
+Why a session of its own: a SIGTERM to the job's whole process group (`timeout`, `kill -- -PGID`, SLURM's
+scancel, a pod stop) would otherwise reach Ray's gcs_server, raylet and actors together with the driver,
+and Ray's own driver-side recovery of the objects lost with them could end the driver (exit 1, no
+summary.json) before its handler stopped the run. Here the group signal reaches only this process, which
+sends it to the driver alone: the driver stops the run with Ray still up, then shuts Ray down itself.
+
+The driver dies with this process (PR_SET_PDEATHSIG, SIGKILL): a kill -9 of the job still leaves nothing
+running. Only the standard library is imported here: this process lives as long as the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def supervise(cmd: list[str]) -> int:
+    """Run `cmd` in a session of its own until it exits; its exit status, as a shell reports it."""
+    parent = os.getpid()
+
+    def child() -> None:  # in the driver, between fork and exec
+        if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(70)
+        if os.getppid() != parent:  # this process died before the prctl: nobody to die with
+            os._exit(137)
+
+    saved = {s: signal.getsignal(s) for s in FORWARDED}
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=child)
+
+    def forward(signum, frame) -> None:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+    try:
+        for s in FORWARDED:
+            if saved[s] != signal.SIG_IGN:  # one ignored here (`nohup`, `&`) stays ignored: the driver inherited that
+                signal.signal(s, forward)
+        code = proc.wait()  # PEP 475: a forwarded signal does not interrupt the wait
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        print("usage: python -m dataplane_rl.train.supervise CMD [ARG...]", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(supervise(sys.argv[1:]))
