@@ -352,7 +352,8 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
     nbytes = payload_bytes(batch)
     # mooncake holds a put and its warm-up copy: size the segment from the batch (plus slack), and room
     # for the small calls' partition of 200+ puts
-    seg_mb = max(256, int(nbytes * 4 / 2**20) + 64)
+    small_bytes = payload_bytes(make_batch(64, min_len, max_len, seed=1)) * (200 + max(small_repeats, 1))
+    seg_mb = max(256, int(nbytes * 4 / 2**20) + 64, int(small_bytes * 1.5 / 2**20) + 64)
     log(f"[bench] {samples} samples, lengths {min_len}-{max_len}, {nbytes / 1e6:.2f} MB, {readers} readers, "
         f"1 cold + 1 warm-up + {repeats} steady rounds")
     results: dict[str, Any] = {"workload": {"samples": samples, "min_len": min_len, "max_len": max_len,
