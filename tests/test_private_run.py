@@ -73,7 +73,7 @@ def killed_run(tmp_path_factory):
             proc.kill()
         tree.kill_all()  # Ray's own processes may sit in sessions of their own
         if token:
-            shutil.rmtree(os.path.dirname(token), ignore_errors=True)  # a SIGKILL leaves it (docs/security.md)
+            shutil.rmtree(os.path.dirname(token), ignore_errors=True)  # the next train would reap it; none runs here
     out = proc.stdout.read()
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
     return run_dir, env, seen, modes, out, [e for e in owners.scan(str(root))]

@@ -100,3 +100,31 @@ def test_owner_record_follows_keep_and_a_clean_close_removes_the_store(root):
     assert abs(rec["start_time"] - owners.this_owner()["start_time"]) < 0.01 and rec["start_time"] < time.time()
     s.close()
     assert not s.path.exists() and owners.scan() == []
+
+
+def test_a_dead_runs_ray_token_folder_is_reaped_and_no_other(tmp_path, monkeypatch):
+    """A SIGKILLed run leaves its Ray token folder (its exit handler never ran); the next run's start
+    removes it once its owner is dead, and never a live run's folder or one that is not this user's private
+    folder."""
+    from dataplane_rl.train import private_ray
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    made = ("import json; from dataplane_rl.train import private_ray; "
+            "print(json.dumps(private_ray._new_token()))")
+    p = subprocess.run([sys.executable, "-c", made], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert p.returncode == 0, p.stderr
+    dead = json.loads(p.stdout)[private_ray.TOKEN_DIR_ENV]  # its maker exited without removing it
+    live = private_ray._new_token()[private_ray.TOKEN_DIR_ENV]  # this process: alive
+    shared = tmp_path / f"{private_ray.TOKEN_PREFIX}shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    owners.write_owner(str(shared), auto=True, owner={**owners.read_owner(dead)})  # a dead owner, not private
+    for folder in (dead, live):
+        assert os.path.isfile(os.path.join(folder, "auth_token")) and os.stat(folder).st_mode & 0o777 == 0o700
+    assert private_ray.collect_tokens() == [dead]
+    assert not os.path.exists(dead) and os.path.isdir(live) and shared.is_dir()
+    assert private_ray.collect_tokens() == []

@@ -322,13 +322,14 @@ class ShmStore(ColumnStore):
     def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
         pid = meta.pid
         with self._locked(pid) as pdir:
-            snap = self._snapshot(pid)
+            with self._refs_lock:  # the snapshot and its cache entry together (another thread may forget it)
+                snap = self._snapshot(pid)
+                _, _, n, keys = self._refs_cache[pid]  # n: the next number, under the partition lock
             if snap.meta.token != meta.token:
                 raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
             err = self._conflict(snap, refs)
             if err:
                 raise err
-            n = self._refs_cache[pid][2]  # the snapshot just taken, under the lock: the next number
             target, tmp = self._refs_path(pdir, n), os.path.join(pdir, f".refs-{os.urandom(16).hex()}")
             try:
                 with self._os_errors(f"commit a put to partition {pid}"):
@@ -339,7 +340,6 @@ class ShmStore(ColumnStore):
                     os.unlink(tmp)
                 raise
             with self._refs_lock:  # our own commit: no parse
-                keys = self._refs_cache[pid][3]
                 keys.update(r.key for r in refs)
                 self._refs_cache[pid] = (meta.token, snap.refs + list(refs), n + 1, keys)
 

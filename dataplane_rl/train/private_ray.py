@@ -13,8 +13,9 @@ A run that starts its own Ray (no `cluster.address`) makes it private:
   user, in ~/.ray/auth_token.
 
 The shim must be loaded when the process starts, so `dataplane-rl train` runs itself again once, as a child
-in a session of its own, with this environment (train/supervise.py); every process Ray starts inherits it. A program that calls `train()` itself gets the same
-for every process Ray starts, but its own driver listens as Ray does (docs/security.md).
+in a session of its own, with this environment (train/supervise.py); every process Ray starts inherits
+it. A program that calls `train()` itself gets the same for every process Ray starts, but its own driver
+listens as Ray does (docs/security.md).
 
 A run that joins `cluster.address` uses the cluster's settings: it warns in one line when it joins without
 token authentication. The security line says what still listens on every interface.
@@ -26,13 +27,16 @@ import atexit
 import os
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 from typing import Callable
 
 from dataplane_rl.config import Config
 from dataplane_rl.hosts import is_loopback
+from dataplane_rl.store import owners
 from dataplane_rl.store.bind_shim import ADDRESS_ENV, bind_env
+from dataplane_rl.store.shm_files import untrusted
 
 REEXEC_ENV = "DATAPLANE_RL_PRIVATE_RAY"  # set in the re-executed driver: its environment is the run's already
 TOKEN_DIR_ENV = "DATAPLANE_RL_RAY_TOKEN_DIR"  # the token folder this run made, removed at its exit
@@ -52,8 +56,14 @@ def one_machine(cfg: Config) -> bool:
     return not host or is_loopback(host)
 
 
+TOKEN_PREFIX = "dataplane-rl-ray-"
+
+
 def _new_token() -> dict[str, str]:
-    folder = tempfile.mkdtemp(prefix="dataplane-rl-ray-")  # 0700
+    folder = tempfile.mkdtemp(prefix=TOKEN_PREFIX)  # 0700
+    # its owner: this process, which runs (or, from the CLI, becomes the supervisor of) the run; a run
+    # killed with SIGKILL leaves the folder, and the next run's start removes it once its owner is dead
+    owners.write_owner(folder, auto=True)
     path = os.path.join(folder, "auth_token")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -88,6 +98,31 @@ def reexec(cfg: Config, argv: list[str]) -> None:
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "dataplane_rl.train.supervise", sys.executable, "-m",
                                "dataplane_rl.cli.main", *argv], env)
+
+
+def collect_tokens(root: str | None = None) -> list[str]:
+    """Remove the token folders of this user's runs whose owner is dead (a SIGKILLed run's); returns them.
+    A folder that is not this user's private one, or whose owner is alive or on another host, stays."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(TOKEN_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        folder = os.path.join(root, name)
+        try:
+            st = os.lstat(folder)
+        except FileNotFoundError:
+            continue
+        if untrusted(folder, st, folder=True) or stat.S_IMODE(st.st_mode) & 0o077:
+            continue  # not this user's private folder: never touched
+        owner = owners.read_owner(folder)
+        if owner is None or owners.owner_alive(owner) is not False:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def make_private() -> Callable[[], None]:

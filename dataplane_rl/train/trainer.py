@@ -166,6 +166,7 @@ class GRPOTrainer:
 
         cfg = self.cfg
         owners.collect_at_start()  # the stores of runs that were killed (their own --resume included)
+        private_ray.collect_tokens()  # and their Ray token folders
         placement.check_store_reachable(cfg)  # before Ray: a wrong address fails in seconds
         if not ray.is_initialized():
             if not cfg.cluster.address:
