@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from dataplane_rl.errors import SchemaError
 from dataplane_rl.schema import Column, Schema
-from dataplane_rl.store.chunks import PartitionMeta, head_bytes
+from dataplane_rl.store.chunks import PartitionMeta, head_bytes, offsets_view
 
 
 # ---- per-schema caches: decoded and built once per process, keyed by the schema's JSON text -------
@@ -206,8 +206,7 @@ def scan(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | None
             return None
         n = len(arr)
         if has_offsets:
-            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset) \
-                if n else np.zeros(1, dtype=np.int32)  # [B+1], of this slice's rows
+            offsets = offsets_view(arr)  # [B+1], of this slice's rows
             first, last = int(offsets[0]), int(offsets[-1])
             sizes.append(int((last - first) * width) + 4 * n)
         else:

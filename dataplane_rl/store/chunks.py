@@ -150,14 +150,20 @@ class Block:
     sizes: tuple[int, ...]
 
 
+def offsets_view(arr: pa.Array) -> np.ndarray:
+    """The [n+1] int32 offsets of a list or string array's rows, a view of its offsets buffer (no offsets
+    array or scalars made)."""
+    n = len(arr)
+    if not n:
+        return np.zeros(1, dtype=np.int32)
+    return np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
+
+
 def _offsets(arr: pa.Array) -> tuple[np.ndarray | None, float]:
-    """(the [n+1] int32 offsets of a list or string column, read from its buffer, or None for a fixed-width
-    one; the bytes of one value)."""
-    t, n = arr.type, len(arr)
+    """(the offsets of a list or string column, or None for a fixed-width one; the bytes of one value)."""
+    t = arr.type
     if pa.types.is_list(t) or pa.types.is_string(t):
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset) if n else \
-            np.zeros(1, dtype=np.int32)
-        return offsets, (t.value_type.bit_width / 8 if pa.types.is_list(t) else 1)
+        return offsets_view(arr), (t.value_type.bit_width / 8 if pa.types.is_list(t) else 1)
     return None, t.bit_width / 8
 
 
