@@ -154,7 +154,7 @@ def run_backend(url: str, store, samples: int, min_len: int, max_len: int, reade
         p.start()
     try:
         for c in [w_parent, *r_pipes]:
-            if not _recv(c, procs, 120) == "ready":
+            if _recv(c, procs, 120) != "ready":
                 raise RuntimeError("a benchmark worker failed to start")
         rounds, skews = [], []  # (write s, read s); how far apart the readers started
         for k in range(repeats + 2):
@@ -185,7 +185,7 @@ def run_backend(url: str, store, samples: int, min_len: int, max_len: int, reade
             if p.is_alive():
                 p.kill()
     steady = rounds[2:]
-    (cw, cr) = rounds[0]
+    cw, cr = rounds[0]  # the cold round
     return {"write_gbps": _stats([nbytes / w / 1e9 for w, _ in steady]),
             "read_gbps": _stats([nbytes / r / 1e9 for _, r in steady]),
             "e2e_gbps": _stats([nbytes / (w + r) / 1e9 for w, r in steady]),
