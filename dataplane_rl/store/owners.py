@@ -26,7 +26,7 @@ import socket
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from dataplane_rl.errors import CorruptChunkError
 from dataplane_rl.store.shm_files import create_file, framed, read_file, unframe, untrusted
@@ -113,23 +113,29 @@ class StoreFolder:
         return f"pid {o['pid']} on {o['host']}" if o else "-"
 
 
-def scan(root: str | None = None) -> list[StoreFolder]:
-    """This user's store folders directly under `root` (default: where auto-made stores go)."""
-    root = root or auto_root()
-    out = []
+def own_folders(root: str, wanted: Callable[[str, os.stat_result], bool],
+                prefix: str = "") -> Iterator[tuple[str, str, dict | None]]:
+    """(name, path, owner record) of each folder directly under `root` whose name starts with `prefix`, that
+    is this user's own (any other is never listed, never touched) and `wanted(path, its lstat)`."""
     try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return out
+        names = sorted(n for n in os.listdir(root) if n.startswith(prefix))
+    except (FileNotFoundError, NotADirectoryError):
+        return
     for name in names:
         path = os.path.join(root, name)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             continue
-        if untrusted(path, st, folder=True) or not os.path.lexists(os.path.join(path, MARKER)):
-            continue  # not a store, or not this user's own (never listed, never touched)
-        owner = read_owner(path)
+        if untrusted(path, st, folder=True) or not wanted(path, st):
+            continue
+        yield name, path, read_owner(path)
+
+
+def scan(root: str | None = None) -> list[StoreFolder]:
+    """This user's store folders directly under `root` (default: where auto-made stores go)."""
+    out = []
+    for name, path, owner in own_folders(root or auto_root(), lambda p, _: os.path.lexists(os.path.join(p, MARKER))):
         alive = owner_alive(owner) if owner else None
         if owner and owner.get("kept"):
             state = "kept"

@@ -36,7 +36,6 @@ from dataplane_rl.config import Config
 from dataplane_rl.hosts import is_loopback
 from dataplane_rl.store import owners
 from dataplane_rl.store.bind_shim import ADDRESS_ENV, bind_env
-from dataplane_rl.store.shm_files import untrusted
 
 REEXEC_ENV = "DATAPLANE_RL_PRIVATE_RAY"  # set in the re-executed driver: its environment is the run's already
 TOKEN_DIR_ENV = "DATAPLANE_RL_RAY_TOKEN_DIR"  # the token folder this run made, removed at its exit
@@ -103,25 +102,15 @@ def reexec(cfg: Config, argv: list[str]) -> None:
 def collect_tokens(root: str | None = None) -> list[str]:
     """Remove the token folders of this user's runs whose owner is dead (a SIGKILLed run's); returns them.
     A folder that is not this user's private one, or whose owner is alive or on another host, stays."""
-    root = root or tempfile.gettempdir()
+
+    def private(path: str, st: os.stat_result) -> bool:  # 0700, as made: nobody else's token
+        return not stat.S_IMODE(st.st_mode) & 0o077
+
     removed = []
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(TOKEN_PREFIX)]
-    except OSError:
-        return removed
-    for name in names:
-        folder = os.path.join(root, name)
-        try:
-            st = os.lstat(folder)
-        except FileNotFoundError:
-            continue
-        if untrusted(folder, st, folder=True) or stat.S_IMODE(st.st_mode) & 0o077:
-            continue  # not this user's private folder: never touched
-        owner = owners.read_owner(folder)
-        if owner is None or owners.owner_alive(owner) is not False:
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
+    for _, folder, owner in owners.own_folders(root or tempfile.gettempdir(), private, prefix=TOKEN_PREFIX):
+        if owner is not None and owners.owner_alive(owner) is False:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
     return removed
 
 
