@@ -249,19 +249,20 @@ class RunDir:
     def finish(self, status: str, error: str | None = None, extra: dict | None = None) -> dict:
         """Write summary.json and reward.png; returns the summary. A fresh folder of a run that never
         started is removed instead: nothing ran, and runs/latest keeps naming the last run that did."""
-        rewards = [m["train/reward"] for m in self.metrics]
+        metrics = self.metrics  # built once: each access rebuilds every step's row
+        rewards = [m["train/reward"] for m in metrics]
         k = max(1, len(rewards) // 4)
         summary = {
             "status": status,
             "error": error,
             "started": self.started,
-            "steps_completed": len(self.metrics),
+            "steps_completed": len(metrics),
             "first_reward": rewards[0] if rewards else None,
             "last_reward": rewards[-1] if rewards else None,
             "reward_first_quarter": sum(rewards[:k]) / k if rewards else None,
             "reward_last_quarter": sum(rewards[-k:]) / k if rewards else None,
-            "final_metrics": self.metrics[-1] if self.metrics else None,
-            "final_validation_reward": next((m["validation/reward"] for m in reversed([*self.validation, *self.metrics])
+            "final_metrics": metrics[-1] if metrics else None,
+            "final_validation_reward": next((m["validation/reward"] for m in reversed([*self.validation, *metrics])
                                              if "validation/reward" in m), None),
             **(extra or {}),
         }
@@ -270,17 +271,17 @@ class RunDir:
             with contextlib.suppress(OSError):  # runs/ itself, if this attempt made it and nothing else is there
                 self.path.parent.rmdir()
             return summary
-        if self.metrics:
+        if metrics:
             summary["plot"] = str(self.path / "reward.png")
         _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
-        if self.metrics:
-            self.plot()
+        if metrics:
+            self.plot(metrics)
         return summary
 
-    def plot(self) -> None:
+    def plot(self, metrics: list[dict]) -> None:
         import yaml
 
         from dataplane_rl.train.plot import run_title, save_reward_png
 
         config = yaml.safe_load((self.path / "config.yaml").read_text()) or {}
-        save_reward_png(self.metrics, run_title(config, len(self.metrics)), self.path / "reward.png", self.validation)
+        save_reward_png(metrics, run_title(config, len(metrics)), self.path / "reward.png", self.validation)
