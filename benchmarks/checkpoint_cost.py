@@ -46,7 +46,7 @@ def folder_bytes(folder: Path) -> int:
 
 
 def verify_cost(ckpt: Path, repeats: int) -> dict:
-    from dataplane_rl.train.checkpoint_files import damage
+    from dataplane_rl.checkpoint.files import damage
 
     assert damage(ckpt) is None, damage(ckpt)
     return {"bytes": folder_bytes(ckpt), "verify_s": median_s(lambda: damage(ckpt), repeats),
@@ -57,7 +57,7 @@ def default_run(tmp: Path, repeats: int) -> tuple[dict, object]:
     import pyarrow as pa
 
     from dataplane_rl.config import load_config
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     run_dir = tmp / "default"
     train(load_config(None, ["grpo.max_num_steps=2", "grpo.async_grpo.enabled=true", "grpo.val_period=0",
@@ -75,7 +75,7 @@ def default_run(tmp: Path, repeats: int) -> tuple[dict, object]:
 def partition_cost(table, rows: int, tmp: Path, repeats: int) -> dict:
     import pyarrow as pa
 
-    from dataplane_rl.train.checkpoint_files import file_digest
+    from dataplane_rl.checkpoint.files import file_digest
 
     big = pa.concat_tables([table] * (rows // table.num_rows + 1)).slice(0, rows).combine_chunks()
     path = tmp / "tiled.arrow"
@@ -94,8 +94,8 @@ def bench_model_checkpoint(tmp: Path, repeats: int) -> dict:
 
     from dataplane_rl.bench.generate import build_small
     from dataplane_rl.config import load_config
-    from dataplane_rl.train.checkpoint import save_worker
-    from dataplane_rl.train.checkpoint_files import write_manifest
+    from dataplane_rl.train.state import save_worker
+    from dataplane_rl.checkpoint.files import write_manifest
     from dataplane_rl.train.worker import TrainWorker
 
     cfg = load_config(None, [])

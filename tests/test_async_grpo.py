@@ -74,7 +74,7 @@ def test_age_above_0_needs_importance_sampling_correction():
 
 
 def test_fresh_groups_drops_whole_groups_older_than_the_bound():
-    from dataplane_rl.train.rollouts import fresh_groups
+    from dataplane_rl.driver.rollouts import fresh_groups
 
     versions = np.array([3, 3, 2, 3, 1, 1, 3, 3])  # [n]
     groups = np.array([0, 0, 1, 1, 2, 2, 3, 3])    # [n]
@@ -104,7 +104,7 @@ def test_mooncake_backend_gives_the_shm_run(age1, tmp_path):
 
 
 def test_a_bounded_wait_names_the_step_and_the_missing_groups(tmp_path, ray_session):
-    from dataplane_rl.train.loop import RolloutWaitError
+    from dataplane_rl.driver.loop import RolloutWaitError
 
     with pytest.raises(RolloutWaitError, match=r"step 1: partition step-000001 groups 0-7 not complete after 0.001 s "
                                                r"\(grpo.async_grpo.wait_timeout_s\)"):

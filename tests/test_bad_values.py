@@ -91,7 +91,7 @@ def test_schema_validate_refuses_nan_rewards_and_null_token_ids(tmp_path):
 
 def test_non_finite_loss_stops_the_run_naming_step_and_metric(tmp_path, ray_session):
     from dataplane_rl.config import load_config
-    from dataplane_rl.train.loop import NonFiniteError, train
+    from dataplane_rl.driver.loop import NonFiniteError, train
 
     run_dir = tmp_path / "nan"
     cfg = load_config(None, ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=5",

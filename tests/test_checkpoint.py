@@ -34,7 +34,7 @@ KEYS = ("train/loss", "train/pg_loss", "train/kl_penalty", "train/clip_fraction"
 
 
 def straight_run(run_dir: Path, *overrides: str) -> list[dict]:
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     summary = train(load_config(None, [*TINY, f"logger.run_dir={run_dir}", *overrides]))
     assert summary["status"] == "completed"
@@ -121,8 +121,8 @@ def test_kill_9_then_resume_on_two_ranks_with_the_data_plane_on(straight, tmp_pa
 
 def test_kill_9_then_resume_on_one_rank_and_one_rollout_actor(tmp_path, ray_session):
     """Elastic dp 2->1 and rollout actors 2->1 in one resume: DCP reshards the two ranks' shards."""
-    from dataplane_rl.train.loop import train
-    from dataplane_rl.train.resume import resume_config
+    from dataplane_rl.driver.loop import train
+    from dataplane_rl.checkpoint.resume import resume_config
 
     shape = ("policy.dp_size=2", "generation.num_workers=2", "data_plane.enabled=true")
     expected = straight_run(tmp_path / "straight2", *shape)
@@ -146,7 +146,7 @@ def test_kill_9_then_resume_on_one_rank_and_one_rollout_actor(tmp_path, ray_sess
 
 
 def test_resume_refuses_a_number_changing_override(straight, tmp_path):
-    from dataplane_rl.train.resume import resume_config
+    from dataplane_rl.checkpoint.resume import resume_config
 
     run_dir, _ = straight
     for override, key in (("grpo.seed=1", "grpo.seed"), ("policy.train_global_batch_size=16", "policy.train_global_batch_size"),
@@ -157,7 +157,7 @@ def test_resume_refuses_a_number_changing_override(straight, tmp_path):
     assert cfg.grpo.max_num_steps == 6
     p = cli("train", "--resume", str(run_dir), "grpo.seed=7")
     assert p.returncode == 2 and "grpo.seed" in p.stderr, p.stderr[-2000:]
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     with pytest.raises(ConfigError, match="past grpo.max_num_steps=1"):
         train(resume_config(run_dir, ["grpo.max_num_steps=1"]), resume=True)
@@ -190,8 +190,8 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(straight, failing_saver,
 
     import ray
 
-    from dataplane_rl.train.checkpoint import CheckpointManager, step_of
-    from dataplane_rl.train.export import export_run
+    from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
+    from dataplane_rl.checkpoint.export import export_run
 
     run_dir = tmp_path / "crash"
     shutil.copytree(straight[0], run_dir)
@@ -207,8 +207,8 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(straight, failing_saver,
 
 def trainer_logprobs(run_dir: Path, step: int, ids: list[list[int]]) -> np.ndarray:
     """prev_logprobs from a real train worker (FSDP2, world 1) restored from checkpoint `step`."""
-    from dataplane_rl.train.checkpoint import CheckpointManager
-    from dataplane_rl.train.model import resolve_model
+    from dataplane_rl.checkpoint.manager import CheckpointManager
+    from dataplane_rl.model.load import resolve_model
     from dataplane_rl.train.worker import TrainWorker
 
     cfg = load_config(run_dir / "config.yaml")
@@ -261,7 +261,7 @@ def test_export_loads_in_transformers_with_the_trainers_logprobs(straight, tmp_p
 
 def test_an_exported_model_trains_as_policy_model(straight, tmp_path):
     run_dir, _ = straight
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     summary = train(load_config(None, [*TINY, "grpo.max_num_steps=1", "checkpointing.enabled=false",
                                        "grpo.num_prompts_per_step=2", "policy.train_global_batch_size=4",
@@ -282,7 +282,7 @@ def test_bfloat16_is_refused_on_cpu():
 
 def test_reopen_drops_the_steps_after_the_checkpoint(tmp_path):
     """A kill after checkpoint 2 may leave step 3 logged and a half-written step-4 line: both go."""
-    from dataplane_rl.train.run_dir import RunDir
+    from dataplane_rl.run.folder import RunDir
 
     (tmp_path / "train_data").mkdir()
     lines = [json.dumps({"step": i, "train/reward": 0.1 * i}) for i in (1, 2, 3)]
@@ -344,9 +344,9 @@ def test_a_crafted_pickle_in_any_checkpoint_file_never_runs(run_copy, tmp_path):
     import pickle
     import shutil
 
-    from dataplane_rl.train.checkpoint_files import CheckpointError, write_manifest
-    from dataplane_rl.train.loop import train
-    from dataplane_rl.train.resume import resume_config
+    from dataplane_rl.checkpoint.files import CheckpointError, write_manifest
+    from dataplane_rl.driver.loop import train
+    from dataplane_rl.checkpoint.resume import resume_config
 
     marker = tmp_path / "pwned"
     ckpt = run_copy / "checkpoints" / "step_000003"
@@ -376,10 +376,10 @@ def test_a_crafted_pickle_in_any_checkpoint_file_never_runs(run_copy, tmp_path):
 def test_damaged_checkpoint_files_are_refused_by_name(run_copy, tmp_path):
     """Flipped, truncated and deleted files, and a missing manifest: one line naming the file and the step,
     offering the newest checkpoint that verifies; nothing is loaded and the run folder is untouched."""
-    from dataplane_rl.train.checkpoint_files import CheckpointError
-    from dataplane_rl.train.export import export_run
-    from dataplane_rl.train.loop import train
-    from dataplane_rl.train.resume import resume_config
+    from dataplane_rl.checkpoint.files import CheckpointError
+    from dataplane_rl.checkpoint.export import export_run
+    from dataplane_rl.driver.loop import train
+    from dataplane_rl.checkpoint.resume import resume_config
 
     ckpt = run_copy / "checkpoints" / "step_000003"
     shard = max((ckpt / "train").glob("*.distcp"), key=lambda p: p.stat().st_size)
@@ -411,7 +411,7 @@ def test_a_remote_error_is_one_line_and_its_traceback_goes_to_the_run_folder(tmp
     import ray
 
     from dataplane_rl.errors import ConfigError as Err
-    from dataplane_rl.train.run_dir import RunDir
+    from dataplane_rl.run.folder import RunDir
 
     @ray.remote(num_cpus=0)
     def fails():

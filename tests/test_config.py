@@ -149,7 +149,7 @@ def test_math_jsonl_without_a_path_is_refused_naming_the_sample():
 def test_machine_dependent_config_is_refused_before_ray(overrides, match):
     """Once a RayTaskError from inside an actor (remote traceback, ANSI colours); now one ConfigError
     from the driver's preflight, before ray.init (round-3 probe)."""
-    from dataplane_rl.train.trainer import preflight
+    from dataplane_rl.driver.preflight import preflight
 
     with pytest.raises(ConfigError, match=match):
         preflight(load_config(None, overrides))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dataplane_rl.rollout.engine import HFEngine
-from dataplane_rl.train.model import load_model, load_tokenizer, resolve_model
+from dataplane_rl.model.load import load_model, load_tokenizer, resolve_model
 
 
 def test_greedy_is_the_argmax_whatever_the_seed(tmp_path):

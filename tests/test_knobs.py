@@ -105,7 +105,7 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from dataplane_rl.train.model import build_tiny, load_model, load_tokenizer
+    from dataplane_rl.model.load import build_tiny, load_model, load_tokenizer
 
     folder = build_tiny(0)
     return folder, load_tokenizer(folder), load_model(folder, torch.device("cpu"))
@@ -115,7 +115,7 @@ def tiny():
 def test_hf_top_p_samples_the_nucleus_with_full_vocab_logprobs(tiny, temperature, top_k, top_p):
     """HF engine: every sampled token lies in the (top-k) nucleus of the step's distribution, and its
     log-prob is the trainer's token_logprobs (full vocabulary, temperature-scaled)."""
-    from dataplane_rl.train.model import token_logprobs
+    from dataplane_rl.model.logprobs import token_logprobs
 
     _, tok, model = tiny
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id)
@@ -157,7 +157,7 @@ SMALL = ["grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4", "gr
 def test_grpo_run_with_every_knob(tmp_path, ray_session):
     """2 steps, 2 epochs, cosine after 1 warmup step, top_p, a total-length cap, partitions kept on shm."""
     from dataplane_rl.store import open_store
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     run_dir = tmp_path / "knobs"
     cfg = load_config(None, [*SMALL, f"logger.run_dir={run_dir}", "grpo.num_epochs=2", "policy.scheduler.name=cosine",

@@ -16,7 +16,8 @@ from dataplane_rl.config import load_config
 from dataplane_rl.schema import load_schema
 from dataplane_rl.train.batch import build_train_batch, plan_microbatches, slots
 from dataplane_rl.train.counts import local_counts, reduce_metrics
-from dataplane_rl.train.model import build_tiny, load_model, packed_attention, packed_logprobs, token_logprobs
+from dataplane_rl.model.load import build_tiny, load_model
+from dataplane_rl.model.logprobs import packed_attention, packed_logprobs, token_logprobs
 from dataplane_rl.train.packing import balance_by_tokens, dynamic_cuts, pack_rows, round_up
 from dataplane_rl.train.worker import train_microbatches
 
@@ -71,7 +72,9 @@ def test_packed_forward_equals_padded(folder, attention):
     lp.sum().backward()
     plp.sum().backward()
     for a, b in zip(ref.parameters(), packed.parameters()):
-        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+        # float32 sums in another order (sdpa's kernels differ by CPU): the tolerance scales with the tensor's
+        # largest gradient, ~4e-7 of it seen on an AMD EPYC VM where a fixed atol=1e-6 failed
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6 * max(1.0, float(a.grad.abs().max())))
 
 
 def one_step(folder, mode: str, table, budget: int = 64):

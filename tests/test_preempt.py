@@ -20,7 +20,7 @@ import pytest
 from test_shutdown import Tree, wait_for
 from test_train_e2e import SMALL
 
-from dataplane_rl.train.checkpoint import CheckpointManager, step_of
+from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
 
 GRACE_S = 30  # SLURM's default KillWait: after it, the job gets SIGKILL
 RUN = [*SMALL, "grpo.max_num_steps=100", "data_plane.enabled=true", "checkpointing.enabled=true",

@@ -24,7 +24,7 @@ def no_ray(monkeypatch):
 
 
 def train(tmp_path, *overrides):
-    from dataplane_rl.train.loop import train as run
+    from dataplane_rl.driver.loop import train as run
 
     return run(load_config(None, ["grpo.max_num_steps=1", "logger.progress=false",
                                   f"logger.run_dir={tmp_path / 'run'}", *overrides]))

@@ -22,7 +22,7 @@ import pytest
 
 from dataplane_rl.config import load_config
 from dataplane_rl.store import owners
-from dataplane_rl.train import private_ray
+from dataplane_rl.run import private_ray
 from test_shutdown import CHILD, Tree, wait_for
 
 TINY = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
@@ -132,7 +132,7 @@ def test_in_process_privacy_is_undone_after_the_run():
             "DATAPLANE_RL_BIND_ADDRESS", "LD_PRELOAD")
     child = f"""
 import os, stat
-from dataplane_rl.train import private_ray
+from dataplane_rl.run import private_ray
 keys = {keys!r}
 undo = private_ray.make_private()
 token = os.environ["RAY_AUTH_TOKEN_PATH"]

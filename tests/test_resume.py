@@ -47,8 +47,8 @@ def assert_same_rows(got: dict, expected: dict) -> None:
 
 
 def refuse_a_crafted_partition(ckpt: Path, tmp_path: Path) -> None:
-    from dataplane_rl.train.checkpoint import CheckpointManager
-    from dataplane_rl.train.checkpoint_files import CheckpointError, write_manifest
+    from dataplane_rl.checkpoint.manager import CheckpointManager
+    from dataplane_rl.checkpoint.files import CheckpointError, write_manifest
 
     copy = tmp_path / "crafted" / ckpt.name
     shutil.copytree(ckpt, copy)
@@ -62,8 +62,8 @@ def refuse_a_crafted_partition(ckpt: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_async_kill_9_then_resume_continues_the_run(case, tmp_path, ray_session):
-    from dataplane_rl.train.loop import train
-    from dataplane_rl.train.resume import resume_config
+    from dataplane_rl.driver.loop import train
+    from dataplane_rl.checkpoint.resume import resume_config
 
     overrides, on_resume, age = CASES[case]
     expected = straight_run(tmp_path / "straight", *overrides)

@@ -13,7 +13,7 @@ import pytest
 
 from dataplane_rl.config import load_config
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.train.run_dir import RunDir
+from dataplane_rl.run.folder import RunDir
 
 QUICK = ["logger.progress=false", "grpo.max_num_steps=1"]
 
@@ -34,7 +34,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def train(*overrides: str):
-    from dataplane_rl.train.loop import train as run_train
+    from dataplane_rl.driver.loop import train as run_train
 
     return run_train(load_config(None, [*QUICK, *overrides]))
 
@@ -59,7 +59,7 @@ def test_default_run_dir_is_fresh_per_run_and_latest_follows(tmp_path, monkeypat
 def test_second_live_run_is_refused_naming_the_holder(tmp_path):
     folder = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from dataplane_rl.train.run_dir import RunDir; "
+        [sys.executable, "-c", "import sys, time; from dataplane_rl.run.folder import RunDir; "
                                f"r = RunDir({str(folder)!r}); print('locked', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

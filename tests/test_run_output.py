@@ -6,8 +6,8 @@ import io
 
 import pytest
 
-from dataplane_rl.train.loop import StepProgress
-from dataplane_rl.train.plot import reward_figure, run_title, save_reward_png
+from dataplane_rl.driver.loop import StepProgress
+from dataplane_rl.run.plot import reward_figure, run_title, save_reward_png
 
 
 def metrics(n, filtered_offset=0.0):
@@ -86,7 +86,7 @@ def test_entropy_from_the_train_pass_logits():
 
     import torch
 
-    from dataplane_rl.train.model import token_logprobs
+    from dataplane_rl.model.logprobs import token_logprobs
 
     V = 5
     logits = torch.zeros(2, 3, V)  # [B, T, V]: row 0 uniform

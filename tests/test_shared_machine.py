@@ -12,7 +12,7 @@ import pytest
 
 from dataplane_rl.config import load_config
 from dataplane_rl.errors import ConfigError, StoreUnavailableError
-from dataplane_rl.train.placement import check_backend_spans
+from dataplane_rl.driver.placement import check_backend_spans
 
 SMALL = ["grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=1",
          "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4", "generation.max_new_tokens=6",
@@ -31,7 +31,7 @@ def test_glog_pattern_matches_mooncake_lines():
 def test_unreachable_mooncake_master_is_refused_before_ray_starts(tmp_path):
     import ray
 
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     cfg = load_config(None, [*SMALL, f"logger.run_dir={tmp_path / 'r'}", "data_plane.enabled=true",
                              "data_plane.backend=mooncake://127.0.0.1:9"])
@@ -82,7 +82,7 @@ def test_advertised_address_is_loopback_only_for_a_loopback_master(monkeypatch):
 
 
 def test_strict_spread_with_more_actors_than_nodes_is_refused():
-    from dataplane_rl.train.placement import placement_group
+    from dataplane_rl.driver.placement import placement_group
 
     cfg = load_config(None, ["cluster.placement_strategy=STRICT_SPREAD", "generation.num_workers=3"])
     with pytest.raises(ConfigError, match="cluster.placement_strategy=STRICT_SPREAD.*3.*2 node"):

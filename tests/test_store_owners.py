@@ -106,13 +106,13 @@ def test_a_dead_runs_ray_token_folder_is_reaped_and_no_other(tmp_path, monkeypat
     """A SIGKILLed run leaves its Ray token folder (its exit handler never ran); the next run's start
     removes it once its owner is dead, and never a live run's folder or one that is not this user's private
     folder."""
-    from dataplane_rl.train import private_ray
+    from dataplane_rl.run import private_ray
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
-    made = ("import json; from dataplane_rl.train import private_ray; "
+    made = ("import json; from dataplane_rl.run import private_ray; "
             "print(json.dumps(private_ray._new_token()))")
     p = subprocess.run([sys.executable, "-c", made], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, TMPDIR=str(tmp_path)))

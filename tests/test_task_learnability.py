@@ -10,7 +10,7 @@ from dataplane_rl.algorithms.grpo import advantages
 from dataplane_rl.config import load_config
 from dataplane_rl.rollout.worker import RolloutJob, RolloutWorker
 from dataplane_rl.tasks import get_task
-from dataplane_rl.train.model import build_tiny
+from dataplane_rl.model.load import build_tiny
 
 
 def step_one_rewards(task: str) -> tuple[np.ndarray, np.ndarray]:

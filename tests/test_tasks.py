@@ -99,7 +99,7 @@ def test_math_task_reward_on_the_sample_file():
 def test_a_task_without_held_out_prompts_is_refused_before_the_start():
     from dataplane_rl.config import load_config
     from dataplane_rl.tasks import register_task
-    from dataplane_rl.train.loop import GRPOTrainer
+    from dataplane_rl.driver.loop import GRPOTrainer
 
     class NoHeldOut:
         name = "no_held_out"

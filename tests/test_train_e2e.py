@@ -26,7 +26,7 @@ TRAIN_KEYS = ("train/loss", "train/pg_loss", "train/kl_penalty", "train/positive
 
 
 def run(tmp_path: Path, name: str, *overrides: str):
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     run_dir = tmp_path / name
     summary = train(load_config(None, [*SMALL, f"logger.run_dir={run_dir}", *overrides]))
@@ -127,7 +127,7 @@ def test_dynamic_sampling_keeps_whole_informative_groups(tmp_path, ray_session):
 
 
 def test_dynamic_sampling_gives_up_clearly(tmp_path, ray_session):
-    from dataplane_rl.train.loop import DynamicSamplingError
+    from dataplane_rl.driver.loop import DynamicSamplingError
 
     with pytest.raises(DynamicSamplingError, match="max_gen_batches=1"):
         run(tmp_path, "dyn_fail", "grpo.use_dynamic_sampling=true", "grpo.max_gen_batches=1",

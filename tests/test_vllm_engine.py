@@ -37,7 +37,7 @@ def need_vllm() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dataplane_rl.train.model import build_tiny, load_model, load_tokenizer
+    from dataplane_rl.model.load import build_tiny, load_model, load_tokenizer
 
     folder = build_tiny(0, str(tmp_path_factory.mktemp("models")))
     return folder, load_tokenizer(folder), load_model(folder, torch.device("cpu"))
@@ -62,7 +62,7 @@ def prompts_and_seeds(tok, P=6, G=4, step=1):
 
 def recompute(model, prompts, gens, temperature):
     """The trainer's log-probs (token_logprobs, right-padded batch) of each generated token."""
-    from dataplane_rl.train.model import token_logprobs
+    from dataplane_rl.model.logprobs import token_logprobs
 
     seqs = [p + g.tokens for p, g in zip(prompts, gens)]
     T = max(map(len, seqs))
@@ -107,7 +107,7 @@ def test_refit_loads_the_new_policy(engine, tiny):
     """After load_weights (perturbed weights), log-probs match the updated policy, not the old one; the
     same prompts as before the refit also check that no prefix-cache block from the old weights is reused."""
     folder, tok, model = tiny
-    from dataplane_rl.train.model import load_model
+    from dataplane_rl.model.load import load_model
 
     prompts, seeds = prompts_and_seeds(tok)
     engine.generate(prompts, seeds, 8, 1.0, 0)  # fills the prefix cache with the old weights' K/V
@@ -132,7 +132,7 @@ def test_grpo_run_with_vllm_on_the_data_plane(tmp_path, ray_session):
     sampling: every step trains with the VAPO term, and the generation log-probs equal the trainer's
     full-vocabulary ones (raw_logprobs at temperature 1; refit after every step)."""
     need_vllm()
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     run_dir = tmp_path / "vllm"
     summary = train(load_config(None, [*SMALL, "generation.backend=vllm", "data_plane.enabled=true",

@@ -28,7 +28,7 @@ TRANSPORTS = {"off": ["data_plane.enabled=false"], "shm": ["data_plane.enabled=t
 
 def measure(transport: str, steps: int, extra: list[str]) -> dict:
     from dataplane_rl.config import load_config
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(None, [*TRANSPORTS[transport], f"grpo.max_num_steps={steps}", f"logger.run_dir={d}",
@@ -67,7 +67,7 @@ def configs() -> dict[str, list[str]]:
 def measure_async(config: str, mode: str, steps: int, extra: list[str]) -> dict:
     """One run of `mode` on `config`: median samples/s and phase seconds over the steps after the first."""
     from dataplane_rl.config import load_config
-    from dataplane_rl.train.loop import train
+    from dataplane_rl.driver.loop import train
 
     with tempfile.TemporaryDirectory() as d:
         # importance sampling in both modes: the same loss, so only the schedule differs

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# name -> Qwen2 shape; 'tiny' is the training default (dataplane_rl.train.model.TINY)
+# name -> Qwen2 shape; 'tiny' is the training default (dataplane_rl.model.load.TINY)
 SMALL_24M = dict(hidden_size=384, intermediate_size=3200, num_hidden_layers=6, num_attention_heads=6,
                  num_key_value_heads=2, max_position_embeddings=512)
 MODELS = ("tiny", "small-24m")
@@ -35,7 +35,7 @@ BACKENDS = ("hf", "vllm")
 
 def build_small(seed: int, cache_dir: str | None = None) -> Path:
     """Build (once) a ~24.5M-parameter Qwen2 with the tiny model's character tokenizer; return its folder."""
-    from dataplane_rl.train.model import build_tiny, cache_root, load_tokenizer
+    from dataplane_rl.model.load import build_tiny, cache_root, load_tokenizer
 
     folder = cache_root(cache_dir) / f"bench-qwen2-24m-seed{seed}"
     if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
@@ -60,7 +60,7 @@ def build_small(seed: int, cache_dir: str | None = None) -> Path:
 
 
 def model_folder(name: str, seed: int = 0) -> Path:
-    from dataplane_rl.train.model import build_tiny
+    from dataplane_rl.model.load import build_tiny
 
     return build_tiny(seed) if name == "tiny" else build_small(seed)
 
@@ -88,7 +88,7 @@ def serve(model: str, backend: str, prompts: int, max_new_tokens: int) -> None:
 
     from dataplane_rl.config import load_config
     from dataplane_rl.rollout.engine import make_engine
-    from dataplane_rl.train.model import load_tokenizer
+    from dataplane_rl.model.load import load_tokenizer
 
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # vLLM and tqdm print to stdout: keep the protocol line-clean

@@ -85,7 +85,8 @@ def measure(rows: int, repeats: int, micro: int, budget: int, modes: tuple[str, 
     from dataplane_rl.bench.generate import model_folder
     from dataplane_rl.schema import load_schema
     from dataplane_rl.train.batch import build_train_batch
-    from dataplane_rl.train.model import load_model, packed_attention, pick_device
+    from dataplane_rl.model.load import load_model, pick_device
+    from dataplane_rl.model.logprobs import packed_attention
 
     device = pick_device(device)
     torch.manual_seed(seed)

@@ -1,7 +1,7 @@
 """Async GRPO's rounds generated ahead of the trainer, saved with a checkpoint and loaded back on resume.
 
 When a checkpoint of step k is saved, steps k+1..k+1+age have been sent to the rollout actors, each with
-the weights of the version it was sent after (train/rollouts.py). The save WAITS for them rather than
+the weights of the version it was sent after (driver/rollouts.py). The save WAITS for them rather than
 reissuing them on resume: the wait is bounded by the age (at most age+1 batches), the rows are exactly
 those the uninterrupted run trains on, and reissuing would need every older weight version kept. Their
 rollout columns go to partitions/<pid>.arrow (Arrow IPC, covered by the checkpoint's manifest), and the
@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.rollout.worker import RolloutJob
-from dataplane_rl.train.batch import write
-from dataplane_rl.train.checkpoint_files import CheckpointError
-from dataplane_rl.train.rollouts import Pending
+from dataplane_rl.columns.rowsets import write
+from dataplane_rl.checkpoint.files import CheckpointError
+from dataplane_rl.rollout.worker import Pending
 
 
 def _done(receipts: list[dict]) -> list:

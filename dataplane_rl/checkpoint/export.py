@@ -40,11 +40,11 @@ def checkpoint_model_state(path: Path, model_folder: str | Path) -> dict[str, to
     """Full (unsharded) model weights from a checkpoint's train/ shards, read in this process."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dataplane_rl.train.checkpoint import single_process
-    from dataplane_rl.train.checkpoint_files import dcp_load, read_dcp_metadata
+    from dataplane_rl.checkpoint.manager import single_process
+    from dataplane_rl.checkpoint.files import dcp_load, read_dcp_metadata
 
     train = path / "train"
-    saved = read_dcp_metadata(train).state_dict_metadata  # no pickled code runs (train/checkpoint_files.py)
+    saved = read_dcp_metadata(train).state_dict_metadata  # no pickled code runs (checkpoint/files.py)
     with torch.device("meta"):  # shapes only; dcp.load needs real tensors, made below
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_folder), dtype=torch.float32)
     target = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.state_dict().items()
@@ -57,8 +57,8 @@ def checkpoint_model_state(path: Path, model_folder: str | Path) -> dict[str, to
 def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
     """`dataplane-rl export`: the checkpoint of `step` (default the latest) of a run, as a HF folder."""
     from dataplane_rl.config import load_config
-    from dataplane_rl.train.checkpoint import CheckpointManager, step_of
-    from dataplane_rl.train.model import resolve_model
+    from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
+    from dataplane_rl.model.load import resolve_model
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():

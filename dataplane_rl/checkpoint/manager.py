@@ -1,12 +1,13 @@
 """Distributed checkpoints: one manager decides what is saved, as `Stateful` objects (STYLE §13).
 
 A checkpoint is a folder RUN_DIR/checkpoints/step_NNNNNN/ holding
-  train/          torch.distributed.checkpoint: each train rank writes its own model/optimizer shards and RNG;
+  train/          torch.distributed.checkpoint: each train rank writes its own model/optimizer shards and RNG
+                  (what a rank saves: train/state.py);
                   loaded resharded for any policy.dp_size
   driver.json     the driver's state: step, its RNG, every rollout actor's RNG, the async schedule
-  partitions/     async GRPO: the rounds generated ahead of the trainer, as Arrow IPC (train/ahead.py)
+  partitions/     async GRPO: the rounds generated ahead of the trainer, as Arrow IPC (checkpoint/ahead.py)
   config.yaml     the run's resolved config
-  manifest.json   every other file with its size and xxh3, written last (train/checkpoint_files.py)
+  manifest.json   every other file with its size and xxh3, written last (checkpoint/files.py)
 It is written under a hidden temporary name and renamed when complete, so a crash during a save leaves
 the previous checkpoint the latest one; a leftover temporary folder is removed by the next save. Resume and
 export verify the manifest before they load anything, and load no pickled code.
@@ -16,81 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import shutil
 import warnings
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
 
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.train.checkpoint_files import (CheckpointError, damage, dcp_load, read_dcp_metadata, read_json,
-                                                 write_manifest)
+from dataplane_rl.checkpoint.files import CheckpointError, damage, dcp_load, read_dcp_metadata, read_json, write_manifest
+from dataplane_rl.rng import RNGState
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 DRIVER = "driver.json"
-
-
-class PolicyState(Stateful):
-    """The sharded model and its optimizer, as DTensor shards (each rank saves and loads its own)."""
-
-    def __init__(self, model, optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-class RNGState(Stateful):
-    """This process's torch, numpy and Python RNG states, as plain lists: JSON for the driver and the
-    rollout actors, weights_only-loadable items in DCP for the train ranks."""
-
-    def state_dict(self) -> dict:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        version, internal, gauss_next = random.getstate()
-        return {"torch": torch.get_rng_state().tolist(),
-                "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
-                "python": [version, list(internal), gauss_next]}
-
-    def load_state_dict(self, state: dict) -> None:
-        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-        version, internal, gauss_next = state["python"]
-        random.setstate((version, tuple(internal), gauss_next))
-
-
-def worker_states(worker, saved: set[str] | None = None) -> dict[str, Stateful]:
-    """What a train rank saves. RNG keys carry the rank: DCP writes a non-sharded value once per key.
-    saved: the checkpoint's top-level keys, on load; a rank the saving run did not have keeps its seeded
-    RNG (training draws no random numbers: the RNG is saved for a future dropout, not for today's numbers)."""
-    states: dict[str, Stateful] = {"policy": PolicyState(worker.model, worker.opt)}
-    rng = f"rng_rank{worker.rank}"
-    if saved is None or rng in saved:
-        states[rng] = RNGState()
-    if getattr(worker, "scheduler", None) is not None:  # a torch LRScheduler is already Stateful
-        states["scheduler"] = worker.scheduler
-    return states
-
-
-def save_worker(worker, path: str) -> None:
-    dcp.save(worker_states(worker), checkpoint_id=path)  # collective: every rank writes its shards
-
-
-def load_worker(worker, path: str) -> None:
-    """Collective: DCP reshards the saved DTensors for this run's ranks, whatever their number was."""
-    saved = {k.split(".", 1)[0] for k in read_dcp_metadata(Path(path)).state_dict_metadata}
-    dcp_load(worker_states(worker, saved), Path(path))
 
 
 def check_plain_items(path: Path) -> None:
@@ -160,7 +99,7 @@ class CheckpointManager:
         """Everything a resume reads, read here before Ray starts, with no code run: returns driver.json."""
         driver = read_json(path / DRIVER)
         check_plain_items(path / "train")
-        from dataplane_rl.train.ahead import check_partitions
+        from dataplane_rl.checkpoint.ahead import check_partitions
 
         check_partitions(path, driver.get("ahead", []))
         return driver
@@ -170,7 +109,7 @@ class CheckpointManager:
 
         import ray
 
-        from dataplane_rl.train.ahead import save_ahead
+        from dataplane_rl.checkpoint.ahead import save_ahead
 
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".step_*.tmp"):  # what a crashed save left behind
@@ -197,7 +136,7 @@ class CheckpointManager:
         is seeded per sample, so no number depends on it."""
         import ray
 
-        from dataplane_rl.train.ahead import restore_ahead
+        from dataplane_rl.checkpoint.ahead import restore_ahead
 
         driver = driver if driver is not None else self.check(path)
         ray.get([w.load_checkpoint.remote(str(path / "train")) for w in trainer.workers])

@@ -26,7 +26,7 @@ def run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar, for one small file
-    from dataplane_rl.train.export import export_run
+    from dataplane_rl.checkpoint.export import export_run
 
     path, step = export_run(args.run_dir, out, args.step)
     print(json.dumps({"out": str(path), "step": step}), file=sys.stderr)

@@ -8,6 +8,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from dataplane_rl.units import human_bytes
 
 SHOW_DEFAULT_ROWS = "0-9"
 
@@ -71,14 +72,6 @@ def _open(arg: str, **options):
     url = store_url(arg)
     # looking must not create: a mistyped shm:// folder is an error, not a new empty store
     return open_store(url, create=False, **options) if url.startswith("shm://") else open_store(url, **options)
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
 
 
 def parse_rows(text: str, num_rows: int | None = None) -> list[int]:

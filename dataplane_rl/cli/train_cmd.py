@@ -23,20 +23,20 @@ def run(args) -> int:
     if args.resume and args.config:
         raise ConfigError("--resume uses the run's own config.yaml; drop --config and pass changes as key=value")
     if args.resume:
-        from dataplane_rl.train.resume import resume_config
+        from dataplane_rl.checkpoint.resume import resume_config
 
         cfg = resume_config(args.resume, args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)  # fails here, before anything starts, on a bad key
     if args.from_command_line:
-        from dataplane_rl.train.private_ray import reexec
+        from dataplane_rl.run.private_ray import reexec
 
         reexec(cfg, sys.argv[1:])  # once, with the environment of a private local Ray (returns on a cluster)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress bar: ours
-    from dataplane_rl.train.loop import train
-    from dataplane_rl.train.reaper import owns_descendants
+    from dataplane_rl.driver.loop import train
+    from dataplane_rl.run.reaper import owns_descendants
 
     with owns_descendants():  # this process is the run: nothing it started outlives it
         summary = train(cfg, resume=bool(args.resume))
@@ -45,7 +45,7 @@ def run(args) -> int:
                                                   "reward_last_quarter", "final_validation_reward", "run_dir",
                                                   "plot")}))
     code = 128 + summary["signal"] if summary["status"] == "interrupted" else 0  # the shell's code for a signal
-    from dataplane_rl.train.preempt import LOST
+    from dataplane_rl.run.preempt import LOST
 
     if LOST.is_set():  # Ray's core worker, its raylet gone, crashes (SIGSEGV) in its destructors at exit
         sys.stdout.flush()

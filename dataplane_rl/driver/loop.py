@@ -1,7 +1,7 @@
 """The GRPO run (DESIGN §2): the run folder, checkpoints, signals and the step loop around GRPOTrainer.
 
-One loop for every mode: the data plane on or off (train/transport.py), sync or async GRPO
-(train/rollouts.py); the step's phases are GRPOTrainer's (train/trainer.py).
+One loop for every mode: the data plane on or off (driver/transport.py), sync or async GRPO
+(driver/rollouts.py); the step's phases are GRPOTrainer's (driver/trainer.py).
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import sys
 
 from dataplane_rl.config import Config, dump_config
 from dataplane_rl.errors import ConfigError, DataPlaneError
-from dataplane_rl.train import validation
-from dataplane_rl.train.checkpoint import CheckpointManager, step_of
-from dataplane_rl.train.export import export_hf
-from dataplane_rl.train.loggers import MetricLoggers
-from dataplane_rl.train.preempt import LOST, RayLost, StopSignals
-from dataplane_rl.train.rollouts import RolloutActorError, RolloutWaitError
-from dataplane_rl.train.run_dir import RunDir
-from dataplane_rl.train.trainer import DynamicSamplingError, GRPOTrainer, open_run_store, preflight
+from dataplane_rl.driver import validation
+from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
+from dataplane_rl.checkpoint.export import export_hf
+from dataplane_rl.run.loggers import MetricLoggers
+from dataplane_rl.run.preempt import LOST, RayLost, StopSignals
+from dataplane_rl.driver.rollouts import RolloutActorError, RolloutWaitError
+from dataplane_rl.run.folder import RunDir
+from dataplane_rl.driver.trainer import DynamicSamplingError, GRPOTrainer
+from dataplane_rl.driver.preflight import open_run_store, preflight
 
 __all__ = ["DynamicSamplingError", "GRPOTrainer", "NonFiniteError", "RolloutActorError", "RolloutWaitError", "StepProgress", "check_finite",
            "open_run_store", "preflight", "train"]
@@ -126,7 +127,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
                                               if trainer.store_url else ""), file=sys.stderr, flush=True)
             # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
-            # checkpoint (train/ahead.py), so this sends none of them again
+            # checkpoint (checkpoint/ahead.py), so this sends none of them again
             trainer.rollouts.send_ahead(trainer.version)
             # after the start: a run refused before it touches nothing in the folder
             loggers = MetricLoggers(cfg.logger, run.path, cfg.model_dump(mode="json", by_alias=True))

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from dataplane_rl.errors import DataPlaneError, StoreTimeoutError, format_rows
-from dataplane_rl.rollout.worker import RolloutJob
+from dataplane_rl.rollout.worker import Pending, RolloutJob
 
 
 class RolloutWaitError(DataPlaneError, TimeoutError):
@@ -40,17 +39,6 @@ def rollout_actors_alive(what: str):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RolloutActorError(f"{what}: a rollout actor died ({first}); the run stops here, its folder keeps "
                                 "the steps completed; see the actor's log under /tmp/ray/session_latest/logs") from None
-
-
-@dataclass
-class Pending:
-    """One generation round in flight: partition `pid`, its jobs and their Ray futures."""
-
-    pid: str
-    step: int
-    G: int
-    jobs: list[RolloutJob]
-    futures: list
 
 
 class Rollouts:

@@ -1,8 +1,8 @@
 """The GRPO driver (DESIGN §2): actors, the step store, and one training step as named phases.
 
 Sync and async GRPO run the same phases; they differ only in where `collect_groups` finds a step's rollout
-partition (generated on demand, or sent ahead: train/rollouts.py) and in whether `refit` waits for the
-rollout actors. The data plane on/off switch is train/transport.py.
+partition (generated on demand, or sent ahead: driver/rollouts.py) and in whether `refit` waits for the
+rollout actors. The data plane on/off switch is driver/transport.py.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from dataplane_rl.config import Config
 from dataplane_rl.errors import DataPlaneError
 from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
-from dataplane_rl.store import MemoryStore, open_store, owners, to_numpy
-from dataplane_rl.tasks import get_task
-from dataplane_rl.train import private_ray, validation
-from dataplane_rl.train.batch import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
-from dataplane_rl.train.model import resolve_model
+from dataplane_rl.store import owners, to_numpy
+from dataplane_rl.run import private_ray
+from dataplane_rl.driver import validation
+from dataplane_rl.columns.rowsets import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.packing import balance_by_tokens, refuse_over_budget
-from dataplane_rl.train.reaper import deferred_sigint
-from dataplane_rl.train.rollouts import Rollouts, fresh_groups, rollout_actors_alive
-from dataplane_rl.train.transport import DriverTransport
+from dataplane_rl.run.reaper import deferred_sigint
+from dataplane_rl.driver.rollouts import Rollouts, fresh_groups, rollout_actors_alive
+from dataplane_rl.driver.transport import DriverTransport
 from dataplane_rl.train.worker import TrainWorker
+from dataplane_rl.driver.preflight import open_run_store, preflight, torch_threads
 
 
 class DynamicSamplingError(DataPlaneError):
@@ -68,73 +68,6 @@ class Groups:
     zero_advantage_groups: int = 0  # of those, the groups whose rewards are all equal
 
 
-def open_run_store(cfg: Config):
-    """The step store: the configured backend when the data plane is on, else the driver's own memory."""
-    if not cfg.data_plane.enabled:
-        return MemoryStore("driver")
-    url = cfg.data_plane.backend
-    if url.startswith("mooncake://"):
-        return open_store(url, config=cfg.data_plane.mooncake)
-    return open_store(url)
-
-
-def preflight(cfg: Config):
-    """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
-    an actor's traceback: the task and its file, the model folder, the engine. Returns (task, model folder)."""
-    task = get_task(cfg.task.name, cfg.task.path)
-    folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
-    check_device(cfg)
-    check_prompt_lengths(cfg, task, folder)
-    if cfg.generation.backend == "vllm":
-        from dataplane_rl.rollout.vllm_engine import require_vllm
-
-        require_vllm()
-    return task, str(folder)
-
-
-def check_device(cfg: Config) -> None:
-    """policy.device and policy.precision against this machine's torch, when the run is all on it (a
-    joined cluster's workers may have GPUs the driver lacks). Else the train actors fail on start-up."""
-    if cfg.cluster.address:
-        return
-    from dataplane_rl.errors import ConfigError
-    from dataplane_rl.train.model import pick_device
-
-    device = pick_device(cfg.policy.device)  # device=cuda without one: the ConfigError the actors would raise
-    if cfg.policy.precision == "bfloat16" and device.type != "cuda":
-        raise ConfigError(f"policy.precision=bfloat16 needs CUDA (an FSDP mixed-precision policy), and the run is on "
-                          f"{device.type} (policy.device={cfg.policy.device}); use policy.precision=float32")
-
-
-def check_prompt_lengths(cfg: Config, task, folder: str) -> None:
-    """Every prompt of the task's pools leaves room for a response within policy.max_total_sequence_length
-    (else the rollout actor fails mid-run on the first long prompt it draws). Tasks without pools are
-    checked as their prompts come."""
-    max_total = cfg.policy.max_total_sequence_length
-    pools = [getattr(task, name, None) for name in ("train_pool", "val_pool")]
-    if max_total is None or not any(pools):
-        return
-    from dataplane_rl.rollout.worker import encode_prompt, response_rooms
-    from dataplane_rl.train.model import load_tokenizer
-
-    tok = load_tokenizer(folder)
-    for prompt in (p for pool in pools if pool for p in pool):
-        ids = encode_prompt(tok, prompt)
-        if len(ids) >= max_total:
-            response_rooms([ids], cfg.generation.max_new_tokens, max_total)  # its ConfigError, naming the limit
-
-
-def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:
-    """torch threads per rollout actor and per train rank. Sync phases take turns, so each group gets every
-    core; async GRPO with an age above 0 generates while it trains, so the groups split the cores: on CPU,
-    4 busy torch threads on 2 cores made both phases 2-3x slower than alone (bench e2e --async)."""
-    N, D = cfg.generation.num_workers, cfg.policy.dp_size
-    a = cfg.grpo.async_grpo
-    if a.enabled and a.max_trajectory_age_steps > 0:
-        cpus = max(1, cpus // 2)
-    return max(1, cpus // N), max(1, cpus // D)
-
-
 class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -162,7 +95,7 @@ class GRPOTrainer:
     def start(self) -> None:
         import ray
 
-        from dataplane_rl.train import placement
+        from dataplane_rl.driver import placement
 
         cfg = self.cfg
         owners.collect_at_start()  # the stores of runs that were killed (their own --resume included)

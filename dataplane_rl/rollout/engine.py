@@ -101,7 +101,7 @@ def make_engine(cfg, model_folder, tokenizer) -> GenerationEngine:
 
         return VLLMEngine(model_folder, gen, tokenizer.eos_token_id, seed=cfg.grpo.seed)
     if gen.backend == "hf":
-        from dataplane_rl.train.model import load_model, pick_device
+        from dataplane_rl.model.load import load_model, pick_device
 
         model = load_model(model_folder, pick_device(cfg.policy.device))
         return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id)

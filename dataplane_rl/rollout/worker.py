@@ -26,6 +26,17 @@ class RolloutJob:
     validation: bool = False   # held-out prompts: 1 sample each at generation.val_temperature
 
 
+@dataclass
+class Pending:
+    """One generation round in flight: partition `pid`, its jobs and their Ray futures."""
+
+    pid: str
+    step: int
+    G: int
+    jobs: list[RolloutJob]
+    futures: list
+
+
 def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, version: int) -> pa.Table:
     """The rollout writer's columns for a job, in row order (prompt-major, then sample)."""
     ids, mask, glp, lengths, rewards, groups, trunc, ptext, rtext = [], [], [], [], [], [], [], [], []
@@ -99,14 +110,14 @@ class RolloutWorker:
         from dataplane_rl.config import Config
         from dataplane_rl.rollout.engine import make_engine
         from dataplane_rl.tasks import get_task
-        from dataplane_rl.train.model import load_tokenizer
+        from dataplane_rl.model.load import load_tokenizer
 
         torch.set_num_threads(threads)
         self.cfg = Config.model_validate(cfg)
         self.tokenizer = load_tokenizer(model_folder)
         self.engine = make_engine(self.cfg, model_folder, self.tokenizer)
         self.task = get_task(self.cfg.task.name, self.cfg.task.path)
-        from dataplane_rl.train.transport import ActorIO
+        from dataplane_rl.columns.actor_io import ActorIO
 
         self.io = ActorIO(store_url)
         self.version = 0  # generation_policy_version of what this engine generates: the last refit's step
@@ -123,12 +134,12 @@ class RolloutWorker:
         return time.perf_counter() - t0
 
     def rng_state(self) -> dict:
-        from dataplane_rl.train.checkpoint import RNGState
+        from dataplane_rl.rng import RNGState
 
         return RNGState().state_dict()
 
     def set_rng_state(self, state: dict) -> None:
-        from dataplane_rl.train.checkpoint import RNGState
+        from dataplane_rl.rng import RNGState
 
         RNGState().load_state_dict(state)
 

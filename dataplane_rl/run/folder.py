@@ -281,7 +281,7 @@ class RunDir:
     def plot(self, metrics: list[dict]) -> None:
         import yaml
 
-        from dataplane_rl.train.plot import run_title, save_reward_png
+        from dataplane_rl.run.plot import run_title, save_reward_png
 
         config = yaml.safe_load((self.path / "config.yaml").read_text()) or {}
         save_reward_png(metrics, run_title(config, len(metrics)), self.path / "reward.png", self.validation)

@@ -13,7 +13,7 @@ A run that starts its own Ray (no `cluster.address`) makes it private:
   user, in ~/.ray/auth_token.
 
 The shim must be loaded when the process starts, so `dataplane-rl train` runs itself again once, as a child
-in a session of its own, with this environment (train/supervise.py); every process Ray starts inherits
+in a session of its own, with this environment (run/supervise.py); every process Ray starts inherits
 it. A program that calls `train()` itself gets the same for every process Ray starts, but its own driver
 listens as Ray does (docs/security.md).
 
@@ -88,14 +88,14 @@ def private_env(env: dict[str, str]) -> dict[str, str]:
 def reexec(cfg: Config, argv: list[str]) -> None:
     """For the CLI: run again, once, as `python -m dataplane_rl.cli.main ARGV` with the private
     environment, so the driver's own listeners bind 127.0.0.1 too. This process becomes the driver's
-    supervisor (train/supervise.py: the driver in a session of its own, stop signals passed on), a small
+    supervisor (run/supervise.py: the driver in a session of its own, stop signals passed on), a small
     process of its own rather than this one, which has torch loaded. Returns only when nothing is to do."""
     if REEXEC_ENV in os.environ or cfg.cluster.address:
         return
     env = private_env({**os.environ, REEXEC_ENV: "1"})
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "dataplane_rl.train.supervise", sys.executable, "-m",
+    os.execve(sys.executable, [sys.executable, "-m", "dataplane_rl.run.supervise", sys.executable, "-m",
                                "dataplane_rl.cli.main", *argv], env)
 
 

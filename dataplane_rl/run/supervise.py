@@ -1,4 +1,4 @@
-"""`python -m dataplane_rl.train.supervise CMD...`: run CMD (a local run's driver) in a session of its own,
+"""`python -m dataplane_rl.run.supervise CMD...`: run CMD (a local run's driver) in a session of its own,
 pass it the stop signals this process gets, and exit with its status (128 + N for a signal N, as a shell
 reports it). `dataplane-rl train` becomes this process once it has checked its config (private_ray.reexec).
 
@@ -56,6 +56,6 @@ def supervise(cmd: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        print("usage: python -m dataplane_rl.train.supervise CMD [ARG...]", file=sys.stderr)
+        print("usage: python -m dataplane_rl.run.supervise CMD [ARG...]", file=sys.stderr)
         sys.exit(2)
     sys.exit(supervise(sys.argv[1:]))

@@ -172,7 +172,7 @@ def collect_at_start() -> None:
     """`train`'s start: collect, and say so in one line when anything went."""
     import sys
 
-    from dataplane_rl.cli.store_cmd import human_bytes
+    from dataplane_rl.units import human_bytes
 
     removed = collect()
     if removed:

@@ -1,1 +1,1 @@
-"""Training: the data-parallel group, global loss counts and the microbatch loop."""
+"""The train worker: one torch.distributed rank, its batch and microbatches, packing, global counts, FSDP2 and state."""

@@ -1,90 +1,18 @@
-"""Row sets, column movement and THE train-batch builder (one place, driven by the schema).
+"""THE train-batch builder (one place, driven by the schema) and the microbatches cut from its rows.
 
-A row set is a list of (partition, rows) segments: rows are identities, so a batch is named by the rows
-it holds, never by position in some array. `fetch`/`write` move a row set's columns through any store;
-the driver's in-memory store (data plane off) and the real stores (data plane on) use the same code.
+The rows arrive as a row set's columns (columns/rowsets.py); padding is made here, per microbatch, never in
+the data (DESIGN §11).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from dataplane_rl.schema import Schema
-from dataplane_rl.store import ColumnStore, pad_tokens, to_numpy
-
-RowSet = list[tuple[str, np.ndarray]]  # [(partition id, rows)]
-
-
-def rowset_size(rs: RowSet) -> int:
-    return sum(len(r) for _, r in rs)
-
-
-def fetch(store: ColumnStore, rs: RowSet, fields: Sequence[str]) -> pa.Table:
-    """The fields of a row set, in row-set order (zero-copy chunks where the store allows)."""
-    tables = [store.get(pid, fields, rows) for pid, rows in rs if len(rows)]
-    if len(tables) == 1:
-        return tables[0]
-    return pa.concat_tables(tables) if tables else pa.table({})
-
-
-def write(store: ColumnStore, rs: RowSet, table: pa.Table) -> int:
-    """Put a table whose rows follow the row set; returns bytes written."""
-    start = 0
-    for pid, rows in rs:
-        part = table.slice(start, len(rows))
-        store.put(pid, {name: part.column(name) for name in part.column_names}, rows)
-        start += len(rows)
-    if start != table.num_rows:
-        raise ValueError(f"write: table has {table.num_rows} rows, the row set {start}")
-    return table.nbytes
-
-
-def shard_balanced(lengths: np.ndarray, num_shards: int) -> list[np.ndarray]:
-    """Split positions 0..n-1 into `num_shards` equal-count shards with balanced token totals.
-
-    Greedy longest-first onto the lightest shard that still has room; deterministic. Each shard's
-    positions are returned sorted, so shards read contiguous runs where they can.
-    """
-    n = lengths.size
-    if n % num_shards:
-        raise ValueError(f"{n} rows do not split evenly over {num_shards} ranks")
-    cap = n // num_shards
-    load = np.zeros(num_shards, dtype=np.int64)
-    members: list[list[int]] = [[] for _ in range(num_shards)]
-    for i in np.argsort(-lengths, kind="stable"):
-        open_ = [s for s in range(num_shards) if len(members[s]) < cap]
-        s = min(open_, key=lambda k: (load[k], k))
-        members[s].append(int(i))
-        load[s] += int(lengths[i])
-    return [np.array(sorted(m), dtype=np.int64) for m in members]
-
-
-def merge(parts: list[RowSet]) -> RowSet:
-    """The row sets one after another, adjacent segments of one partition joined."""
-    out: RowSet = []
-    for rs in parts:
-        for pid, rows in rs:
-            if out and out[-1][0] == pid:
-                out[-1] = (pid, np.concatenate([out[-1][1], rows]))
-            else:
-                out.append((pid, rows))
-    return out
-
-
-def select(rs: RowSet, positions: np.ndarray) -> RowSet:
-    """The sub-row-set at flat positions (sorted), keeping segment boundaries."""
-    out: RowSet = []
-    start = 0
-    for pid, rows in rs:
-        mine = positions[(positions >= start) & (positions < start + len(rows))] - start
-        if mine.size:
-            out.append((pid, rows[mine]))
-        start += len(rows)
-    return out
+from dataplane_rl.store import pad_tokens, to_numpy
 
 
 def build_train_batch(table: pa.Table, schema: Schema, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -137,7 +65,7 @@ def plan_microbatches(batch: dict[str, torch.Tensor], policy, pass_: str = "trai
     `dynamic_batching`: length-sorted rows cut by `*_mb_tokens`, padded to `sequence_length_round`.
     `sequence_packing`: rows packed into `*_mb_tokens`; each microbatch keeps its rows' padded tensors for
     the loss plus `packed_input_ids` [1, L] and `cu_seqlens` [n+1], which the forward uses instead
-    (train/model.py `microbatch_logprobs`). The loss sees [b, t] tensors in every mode. `row_index` [b]
+    (model/logprobs.py `microbatch_logprobs`). The loss sees [b, t] tensors in every mode. `row_index` [b]
     says which rows of `batch` a microbatch holds (packing and dynamic batching reorder them).
     """
     from dataplane_rl.train.packing import dynamic_cuts, pack_rows, round_up
@@ -167,10 +95,3 @@ def plan_microbatches(batch: dict[str, torch.Tensor], policy, pass_: str = "trai
 def slots(mb: dict[str, torch.Tensor]) -> int:
     """Token slots the forward pass of a microbatch computes (valid + padding)."""
     return int(mb["packed_input_ids"].shape[1]) if "packed_input_ids" in mb else int(mb["input_ids"].numel())
-
-
-def unpack(flat: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[L] values of a packed microbatch -> [b, t] right-padded like its rows' tensors (zeros in padding)."""
-    valid = mb["attention_mask"].bool()  # [b, t]
-    out = flat.new_zeros(valid.shape)  # [b, t]
-    return out.masked_scatter(valid, flat)  # row-major, the packing order

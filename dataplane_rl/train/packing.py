@@ -1,7 +1,7 @@
 """Token-budget microbatches: which rows go together (DESIGN §11). Pure index arithmetic, no tensors of data.
 
 - `pack_rows`: sequence packing. Rows go into bins of at most `budget` tokens; a bin becomes one sequence whose
-  positions restart at 0 per row and whose attention never crosses rows (train/model.py `packed_logprobs`).
+  positions restart at 0 per row and whose attention never crosses rows (model/logprobs.py `packed_logprobs`).
 - `dynamic_cuts`: dynamic batching. Length-sorted rows are cut into padded microbatches whose padded size
   (rows x longest length rounded up) stays within `budget`.
 - `balance_by_tokens`: rows to data-parallel ranks by tokens, not by row counts.

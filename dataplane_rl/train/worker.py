@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from dataplane_rl.store import list_array
-from dataplane_rl.train.batch import RowSet, build_train_batch, plan_microbatches, slots
+from dataplane_rl.columns.rowsets import RowSet
+from dataplane_rl.train.batch import build_train_batch, plan_microbatches, slots
 from dataplane_rl.train.fsdp import to_float
-from dataplane_rl.train.transport import ActorIO
+from dataplane_rl.columns.actor_io import ActorIO
 
 
 def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -35,7 +36,7 @@ def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: flo
     """Forward and backward of one optimizer step's microbatches (gradients accumulate in `model`).
     Returns each microbatch's metrics (shares of the global values) and [valid, all] token slots computed."""
     from dataplane_rl.algorithms.loss import batch_masks
-    from dataplane_rl.train.model import microbatch_logprobs
+    from dataplane_rl.model.logprobs import microbatch_logprobs
 
     per_mb = []
     used = torch.zeros(2, dtype=torch.float64)  # [valid token slots, all token slots]
@@ -60,7 +61,7 @@ class TrainWorker:
         from dataplane_rl.algorithms.loss import ClippedPGLoss
         from dataplane_rl.config import Config
         from dataplane_rl.schema import load_schema
-        from dataplane_rl.train.model import load_model, pick_device
+        from dataplane_rl.model.load import load_model, pick_device
 
         torch.set_num_threads(threads)
         self.cfg = Config.model_validate(cfg)
@@ -74,7 +75,7 @@ class TrainWorker:
         if self.cfg.loss_fn.reference_policy_kl_penalty > 0:
             self.ref = load_model(model_folder, self.device).eval().requires_grad_(False)
         if self.cfg.policy.sequence_packing.enabled:
-            from dataplane_rl.train.model import packed_attention
+            from dataplane_rl.model.logprobs import packed_attention
 
             for m in (self.model, self.ref):
                 if m is not None:
@@ -123,7 +124,7 @@ class TrainWorker:
         """prev_logprobs (the policy's current weights, before this step: in async mode newer than the rows'
         generation_policy_version, whose generation_logprobs stay the behaviour policy's) and
         reference_policy_logprobs for the shard."""
-        from dataplane_rl.train.model import microbatch_logprobs
+        from dataplane_rl.model.logprobs import microbatch_logprobs
 
         seed_fields = self.schema.field_set("LOGPROB_SEED_FIELDS")
         table = self.io.fetch(rs, seed_fields, table)
@@ -237,12 +238,12 @@ class TrainWorker:
         return full_state_dict(self.model)
 
     def save_checkpoint(self, path: str) -> None:
-        from dataplane_rl.train.checkpoint import save_worker
+        from dataplane_rl.train.state import save_worker
 
         save_worker(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        from dataplane_rl.train.checkpoint import load_worker
+        from dataplane_rl.train.state import load_worker
 
         load_worker(self, path)
 

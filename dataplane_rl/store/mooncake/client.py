@@ -253,7 +253,7 @@ def connect_client(master_address: str, local_buffer_size: int, protocol: str = 
             "and `python -m dataplane_rl.store.mooncake.holder`, as in the cluster recipe), or let the run start "
             "its own with data_plane.backend=mooncake://") from None
     host = advertise_host(master_address, local_hostname)
-    if ADDRESS_ENV in os.environ:  # the bind shim is preloaded here (train/private_ray.py): listen where peers dial
+    if ADDRESS_ENV in os.environ:  # the bind shim is preloaded here (run/private_ray.py): listen where peers dial
         os.environ[ADDRESS_ENV] = host
     for k, v in {**CLIENT_ENV_DEFAULTS, "MC_TCP_BIND_ADDRESS": host}.items():
         os.environ.setdefault(k, v)

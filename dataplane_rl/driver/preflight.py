@@ -1,0 +1,75 @@
+"""The checks a run makes before Ray starts (one ConfigError naming the key), the run's store and its threads."""
+
+from __future__ import annotations
+
+from dataplane_rl.config import Config
+from dataplane_rl.model.load import resolve_model
+from dataplane_rl.store import MemoryStore, open_store
+from dataplane_rl.tasks import get_task
+
+
+def open_run_store(cfg: Config):
+    """The step store: the configured backend when the data plane is on, else the driver's own memory."""
+    if not cfg.data_plane.enabled:
+        return MemoryStore("driver")
+    url = cfg.data_plane.backend
+    if url.startswith("mooncake://"):
+        return open_store(url, config=cfg.data_plane.mooncake)
+    return open_store(url)
+
+
+def preflight(cfg: Config):
+    """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
+    an actor's traceback: the task and its file, the model folder, the engine. Returns (task, model folder)."""
+    task = get_task(cfg.task.name, cfg.task.path)
+    folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
+    check_device(cfg)
+    check_prompt_lengths(cfg, task, folder)
+    if cfg.generation.backend == "vllm":
+        from dataplane_rl.rollout.vllm_engine import require_vllm
+
+        require_vllm()
+    return task, str(folder)
+
+
+def check_device(cfg: Config) -> None:
+    """policy.device and policy.precision against this machine's torch, when the run is all on it (a
+    joined cluster's workers may have GPUs the driver lacks). Else the train actors fail on start-up."""
+    if cfg.cluster.address:
+        return
+    from dataplane_rl.errors import ConfigError
+    from dataplane_rl.model.load import pick_device
+
+    device = pick_device(cfg.policy.device)  # device=cuda without one: the ConfigError the actors would raise
+    if cfg.policy.precision == "bfloat16" and device.type != "cuda":
+        raise ConfigError(f"policy.precision=bfloat16 needs CUDA (an FSDP mixed-precision policy), and the run is on "
+                          f"{device.type} (policy.device={cfg.policy.device}); use policy.precision=float32")
+
+
+def check_prompt_lengths(cfg: Config, task, folder: str) -> None:
+    """Every prompt of the task's pools leaves room for a response within policy.max_total_sequence_length
+    (else the rollout actor fails mid-run on the first long prompt it draws). Tasks without pools are
+    checked as their prompts come."""
+    max_total = cfg.policy.max_total_sequence_length
+    pools = [getattr(task, name, None) for name in ("train_pool", "val_pool")]
+    if max_total is None or not any(pools):
+        return
+    from dataplane_rl.model.load import load_tokenizer
+    from dataplane_rl.rollout.worker import encode_prompt, response_rooms
+
+    tok = load_tokenizer(folder)
+    for prompt in (p for pool in pools if pool for p in pool):
+        ids = encode_prompt(tok, prompt)
+        if len(ids) >= max_total:
+            response_rooms([ids], cfg.generation.max_new_tokens, max_total)  # its ConfigError, naming the limit
+
+
+def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:
+    """torch threads per rollout actor and per train rank. Sync phases take turns, so each group gets every
+    core; async GRPO with an age above 0 generates while it trains, so the groups split the cores: on CPU,
+    4 busy torch threads on 2 cores made both phases 2-3x slower than alone (bench e2e --async)."""
+    N, D = cfg.generation.num_workers, cfg.policy.dp_size
+    a = cfg.grpo.async_grpo
+    if a.enabled and a.max_trajectory_age_steps > 0:
+        cpus = max(1, cpus // 2)
+    return max(1, cpus // N), max(1, cpus // D)

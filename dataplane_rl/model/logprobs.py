@@ -1,0 +1,126 @@
+"""The policy's per-token log-probs: padded rows, packed rows (attention kept within each row) and microbatches."""
+
+from __future__ import annotations
+
+import torch
+
+
+def unpack(flat: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[L] values of a packed microbatch -> [b, t] right-padded like its rows' tensors (zeros in padding)."""
+    valid = mb["attention_mask"].bool()  # [b, t]
+    out = flat.new_zeros(valid.shape)  # [b, t]
+    return out.masked_scatter(valid, flat)  # row-major, the packing order
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False):
+    """Log-prob of each token given the tokens before it, aligned with positions; position 0 is 0.
+
+    input_ids, attention_mask: [B, T], right-padded. with_entropy: also return, detached, the entropy of
+    the temperature-scaled distribution each token was drawn from, aligned the same way.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
+    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    out = torch.zeros_like(input_ids, dtype=picked.dtype)  # [B, T]
+    out[:, 1:] = picked
+    if not with_entropy:
+        return out * attention_mask
+    with torch.no_grad():
+        ent = torch.zeros_like(out)  # [B, T]
+        for i in range(len(logp)):  # a row at a time: the temporary is [T-1, V], not another [B, T-1, V]
+            ent[i, 1:] = -(logp[i].exp() * logp[i]).sum(-1)  # [T-1]
+    return out * attention_mask, ent * attention_mask
+
+
+# -- packed sequences ------------------------------------------------------------------------------------
+def _segment_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Causal attention within each packed row: one SDPA call per row (cu_seq_lens_q), so the cost is
+    sum(n_i^2), not the L^2 of a block-diagonal mask over the whole pack. Unpacked calls fall back to sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    # query [1, H, L, d]; key, value [1, Hkv, L, d]
+    gqa = query.shape[1] != key.shape[1]
+    bounds = cu.tolist()
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=gqa)
+        for s, e in zip(bounds[:-1], bounds[1:])]  # each [1, H, n_i, d]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None  # [1, L, H, d]
+
+
+def _segment_mask(*args, **kwargs):
+    # a packed forward passes no 2-D mask: the rows are cut by cu_seq_lens, so no [L, L] mask is built
+    from transformers.masking_utils import sdpa_mask
+
+    return None if kwargs.get("attention_mask") is None else sdpa_mask(*args, **kwargs)
+
+
+def packed_attention(model, device: torch.device, choice: str = "auto") -> str:
+    """Set the attention a packed forward uses and return its name. auto: flash_attention_2 on CUDA when the
+    flash-attn wheel is installed (transformers' variable-length path, cut by cu_seq_lens), else `segments`.
+
+    CPU choice, measured on the ~24.5M bench model (notes/packing.md): `segments` (one causal SDPA per row)
+    beats `sdpa` (transformers builds a block-diagonal [L, L] mask from the restarting position ids and
+    attends over the whole pack) because its attention costs sum(n_i^2) instead of L^2; both are exact.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    if choice == "auto":
+        choice = "segments"
+        if device.type == "cuda":
+            import importlib.util
+
+            if importlib.util.find_spec("flash_attn") is not None:
+                choice = "flash_attention_2"
+    if choice == "segments":
+        AttentionInterface.register("segments", _segment_attention)
+        AttentionMaskInterface.register("segments", _segment_mask)
+    model.set_attn_implementation(choice)
+    return choice
+
+
+def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
+                    with_entropy: bool = False):
+    """Per-token log-probs (and detached entropies) of one packed sequence, aligned like `token_logprobs`.
+
+    input_ids: [1, L], the rows one after another; cu_seqlens: [n+1] row boundaries. Positions restart at 0
+    per row and attention stays inside each row, so every row's numbers equal its unpadded forward's. Entry
+    cu_seqlens[i] (a row's first token) is 0: the logit before it belongs to the previous row.
+    """
+    L = input_ids.shape[1]
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [n]
+    starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)  # [L]
+    position_ids = (torch.arange(L, device=input_ids.device) - starts)[None]  # [1, L]
+    cu = cu_seqlens.to(torch.int32)
+    longest = int(lengths.max())
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu,
+                   cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest).logits  # [1, L, V]
+    logp = torch.log_softmax(logits[0, :-1].float() / temperature, dim=-1)  # [L-1, V]
+    picked = logp.gather(-1, input_ids[0, 1:, None]).squeeze(-1)  # [L-1]
+    first = position_ids[0] == 0  # [L]
+    out = torch.where(first, 0.0, torch.cat([picked.new_zeros(1), picked]))  # [L]
+    if not with_entropy:
+        return out
+    with torch.no_grad():
+        ent = torch.zeros_like(out)  # [L]
+        for s in range(0, L - 1, 1024):  # chunks: the temporary is [1024, V], not another [L, V]
+            chunk = logp[s:s + 1024]  # [c, V]
+            ent[s + 1:s + 1 + len(chunk)] = -(chunk.exp() * chunk).sum(-1)  # [c]
+        ent = torch.where(first, 0.0, ent)  # [L]
+    return out, ent
+
+
+def microbatch_logprobs(model, mb: dict, temperature: float = 1.0, with_entropy: bool = False):
+    """`token_logprobs` of a microbatch from train/batch.py `plan_microbatches`: [b, t] in every mode; a
+    packed microbatch runs one packed forward and is unpacked to its rows."""
+    from dataplane_rl.model.logprobs import unpack
+
+    if "packed_input_ids" not in mb:
+        return token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, with_entropy)
+    got = packed_logprobs(model, mb["packed_input_ids"], mb["cu_seqlens"], temperature, with_entropy)
+    if not with_entropy:
+        return unpack(got, mb)
+    return unpack(got[0], mb), unpack(got[1], mb)

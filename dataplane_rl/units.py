@@ -1,0 +1,11 @@
+"""Human-readable sizes, shared by the store's listings and the CLI."""
+
+from __future__ import annotations
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
