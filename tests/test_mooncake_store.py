@@ -194,8 +194,9 @@ store.close()
 LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1")
 
 
-def run_library_user(env: dict) -> tuple[dict[int, list[str]], str]:
-    """Run LIBRARY_USER with `env`; ({pid: its listening 'IP:PORT's} for it and its cluster, its stderr)."""
+def run_library_user(env: dict) -> tuple[list[str], dict[int, list[str]], str]:
+    """Run LIBRARY_USER with `env`: the 'IP:PORT's it listens on, {pid: the same} of its cluster's
+    processes, and its stderr."""
     import queue
     import threading
     import time
@@ -223,7 +224,7 @@ def run_library_user(env: dict) -> tuple[dict[int, list[str]], str]:
                            if c.status == psutil.CONN_LISTEN] for pid in [proc.pid, *report["pids"]]}
         _, err = proc.communicate("\n", timeout=60)
         assert proc.returncode == 0, err[-3000:]
-        return listening, err
+        return listening.pop(proc.pid), listening, err
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -237,11 +238,10 @@ def test_a_library_users_local_store_listens_only_on_loopback():
 
     assert shim_path() is not None, "no C compiler built the bind shim here; the no-compiler case is the next test"
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DATAPLANE_RL_BIND_ADDRESS")}
-    listening, err = run_library_user(env)
-    mine = listening.pop(next(iter(listening)))
+    mine, cluster, err = run_library_user(env)
     assert len(mine) >= 4, f"two clients should listen on 2 ports each, the process listens on {mine}"
-    for pid, socks in {"the library user": mine, **listening}.items():
-        assert all(s.rpartition(":")[0] in LOOPBACK for s in socks), f"{pid} listens on {socks}"
+    for who, socks in {"the library user": mine, **{f"cluster pid {p}": s for p, s in cluster.items()}}.items():
+        assert socks and all(s.rpartition(":")[0] in LOOPBACK for s in socks), f"{who} listens on {socks}"
     assert "ListenWarning" not in err, err
 
 
@@ -251,8 +251,7 @@ def test_without_a_compiler_a_library_user_is_warned_once(tmp_path):
     (tmp_path / "bin").mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DATAPLANE_RL_BIND_ADDRESS", "CC")}
     env.update(PATH=str(tmp_path / "bin"), XDG_CACHE_HOME=str(tmp_path / "cache"))
-    listening, err = run_library_user(env)
-    mine = listening.pop(next(iter(listening)))
+    mine, _, err = run_library_user(env)
     assert err.count("ListenWarning") == 1, err
     assert ("the local Mooncake store's listeners (this process's client and the store's holders) accept "
             "connections on every interface") in err and "install cc" in err and "docs/security.md" in err, err

@@ -39,6 +39,7 @@ class ListenWarning(RuntimeWarning):
 _lock = threading.Lock()
 _patched: dict[str, int] = {}  # library path -> slots pointed at the shim
 _warned = False
+_shim: ctypes.CDLL | None = None  # the shim, once loaded here
 
 
 def warn_once(what: str, reason: str, fix: str) -> None:
@@ -60,20 +61,25 @@ def warn_no_shim() -> None:
               "but lo")
 
 
-def bind_here(address: str, warn: bool = True) -> bool:
+def bind_here(address: str | None) -> bool:
     """From now on, wildcard binds of the Mooncake libraries loaded in this process bind `address` (an
-    IPv4 literal; anything else leaves binds alone). Call it after `import mooncake.store` and before
-    setup(). False when it cannot, with one ListenWarning if `warn`."""
+    IPv4 literal); None: they bind as Mooncake does again (a client of a store on another host, whose
+    advertised address may be one this host cannot bind, say behind NAT). Call it after
+    `import mooncake.store` and before setup(). False, with one ListenWarning, when it cannot."""
+    global _shim
+    if address is None:
+        if _shim is not None:
+            _shim.dataplane_rl_bind_to(b"")
+        return True
     path = shim_path()
     if path is None:
-        if warn:
-            warn_no_shim()
+        warn_no_shim()
         return False
-    shim = ctypes.CDLL(path)  # RTLD_LOCAL: its bind() serves only the slots pointed at it
-    shim.dataplane_rl_bind_to(address.encode())
+    _shim = _shim or ctypes.CDLL(path)  # RTLD_LOCAL: its bind() serves only the slots pointed at it
+    _shim.dataplane_rl_bind_to(address.encode())
     try:
         with _lock:
-            count = sum(_patch(lib, base, ctypes.cast(shim.bind, ctypes.c_void_p).value)
+            count = sum(_patch(lib, base, ctypes.cast(_shim.bind, ctypes.c_void_p).value)
                         for lib, base in _mooncake_libraries())
     except (OSError, ValueError, struct.error) as e:
         reason = f"{type(e).__name__}: {e}"
@@ -81,10 +87,9 @@ def bind_here(address: str, warn: bool = True) -> bool:
         if count:
             return True
         reason = "no bind() slot found in Mooncake's loaded libraries"
-    if warn:
-        warn_once("this process's Mooncake client listeners", f"its bind() calls could not be redirected "
-                  f"({reason})", f"start Python with the shim preloaded, as `dataplane-rl train` does: "
-                  f"LD_PRELOAD={path} {ADDRESS_ENV}={address} python ...")
+    warn_once("this process's Mooncake client listeners", f"its bind() calls could not be redirected ({reason})",
+              f"start Python with the shim preloaded, as `dataplane-rl train` does: LD_PRELOAD={path} "
+              f"{ADDRESS_ENV}={address} python ...")
     return False
 
 

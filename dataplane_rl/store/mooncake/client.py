@@ -259,8 +259,8 @@ def connect_client(master_address: str, local_buffer_size: int, protocol: str = 
     for k, v in {**CLIENT_ENV_DEFAULTS, "MC_TCP_BIND_ADDRESS": host}.items():
         os.environ.setdefault(k, v)
     quiet_glog()
-    # without the shim preloaded (a library user's Python), its listeners would bind every interface
-    bind_here(host, warn=is_loopback(host))
+    # a one-machine store's client listens on loopback only, preloaded with the shim or not (bind_patch.py)
+    bind_here(host if is_loopback(host) else None)
     client = store_mod.MooncakeDistributedStore()
     rc = client.setup(host, metadata_server, 0, int(local_buffer_size), protocol, device_name,
                       master_address)
