@@ -173,6 +173,108 @@ def test_stale_refs_of_an_earlier_partition_are_ignored(session_store):
     assert store.get("p", "total_reward").column(0).to_pylist() == [0.0, 0.5, 1.0, 1.5]
 
 
+# ---- listeners of a library user's process ------------------------------------------------------
+# A program that opens the store itself (no preload, unlike `dataplane-rl train`): two clients in one
+# process, data through them, then it waits while the test lists what it listens on.
+LIBRARY_USER = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from store_workers import grpo_columns
+from dataplane_rl.store import open_store
+store = open_store("mooncake://")
+other = open_store(store.url)
+store.create_partition("p", "grpo", 4)
+store.put("p", grpo_columns(range(4), ["total_reward"]), range(4))
+got = other.get("p", ["total_reward"], [3]).column(0).to_pylist()
+print(json.dumps({"pids": store.cluster.pids(), "got": got}), flush=True)
+sys.stdin.readline()
+other.close()
+store.close()
+"""
+LOOPBACK = ("127.0.0.1", "::ffff:127.0.0.1")
+
+
+def run_library_user(env: dict) -> tuple[list[str], dict[int, list[str]], str]:
+    """Run LIBRARY_USER with `env`: the 'IP:PORT's it listens on, {pid: the same} of its cluster's
+    processes, and its stderr."""
+    import queue
+    import threading
+    import time
+
+    import psutil
+
+    require_mooncake()
+    # -W always: Python's own once-per-place filter must not be what keeps the warning to one
+    proc = subprocess.Popen([sys.executable, "-W", "always", "-c", LIBRARY_USER, os.path.dirname(__file__)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"the library user exited with {proc.returncode}: {proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the library user did not open its store within 120 s"
+            try:
+                report = json.loads(lines.get(timeout=0.5))
+                break
+            except queue.Empty:
+                continue
+        assert report["got"] == [1.5]  # the clients move data
+        listening = {pid: [f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process(pid).net_connections("tcp")
+                           if c.status == psutil.CONN_LISTEN] for pid in [proc.pid, *report["pids"]]}
+        _, err = proc.communicate("\n", timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        return listening.pop(proc.pid), listening, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_library_users_local_store_listens_only_on_loopback():
+    """open_store("mooncake://") from plain Python: its own clients (each a handshake and a data listener)
+    and the cluster's processes bind 127.0.0.1, without a preload, and nothing warns."""
+    from dataplane_rl.store.bind_shim import shim_path
+
+    assert shim_path() is not None, "no C compiler built the bind shim here; the no-compiler case is the next test"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DATAPLANE_RL_BIND_ADDRESS")}
+    mine, cluster, err = run_library_user(env)
+    assert len(mine) >= 4, f"two clients should listen on 2 ports each, the process listens on {mine}"
+    for who, socks in {"the library user": mine, **{f"cluster pid {p}": s for p, s in cluster.items()}}.items():
+        assert socks and all(s.rpartition(":")[0] in LOOPBACK for s in socks), f"{who} listens on {socks}"
+    assert "ListenWarning" not in err, err
+
+
+def test_without_a_compiler_a_library_user_is_warned_once(tmp_path):
+    """No C compiler (PATH without one, an empty cache): nothing can narrow Mooncake's listeners, and
+    the program is told once, with the exposure and the fix, however many clients it opens."""
+    (tmp_path / "bin").mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DATAPLANE_RL_BIND_ADDRESS", "CC")}
+    env.update(PATH=str(tmp_path / "bin"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    mine, _, err = run_library_user(env)
+    assert err.count("ListenWarning") == 1, err
+    assert ("the local Mooncake store's listeners (this process's client and the store's holders) accept "
+            "connections on every interface") in err and "install cc" in err and "docs/security.md" in err, err
+    # what the warning says is so: the clients and the holders listen on the wildcard address
+    assert any(s.rpartition(":")[0] in ("0.0.0.0", "::") for s in mine), mine
+
+
+def test_an_unpatchable_mooncake_names_the_preload(monkeypatch):
+    """Where Mooncake's bind() cannot be redirected (a layout this code does not know: simulated), the
+    warning gives the preload `dataplane-rl train` uses, with the shim's path."""
+    require_mooncake()
+    from dataplane_rl.store import bind_patch
+    from dataplane_rl.store.bind_shim import shim_path
+
+    path = shim_path()
+    assert path is not None
+    monkeypatch.setattr(bind_patch, "_mooncake_libraries", lambda: [])
+    monkeypatch.setattr(bind_patch, "_warned", False)
+    with pytest.warns(bind_patch.ListenWarning, match=rf"this process's Mooncake client listeners accept connections on "
+                      rf"every interface .*no bind\(\) slot found.*LD_PRELOAD={path} DATAPLANE_RL_BIND_ADDRESS=127\.0\.0\.1"):
+        assert not bind_patch.bind_here("127.0.0.1")
+
+
 # ---- urls and the CLI ----------------------------------------------------------------------------
 def test_url_forms_and_errors(session_store, monkeypatch):
     host, port = session_store.url.removeprefix("mooncake://").rsplit(":", 1)

@@ -6,6 +6,7 @@ Ray token warning, is checked on the one-host run of tests/test_multihost.py (GL
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -87,3 +88,26 @@ def test_strict_spread_with_more_actors_than_nodes_is_refused():
     cfg = load_config(None, ["cluster.placement_strategy=STRICT_SPREAD", "generation.num_workers=3"])
     with pytest.raises(ConfigError, match="cluster.placement_strategy=STRICT_SPREAD.*3.*2 node"):
         placement_group("rollout", 3, 0, cfg, TWO_NODES)
+
+
+def test_a_sealed_bind_slot_is_written_and_sealed_again():
+    """bind_patch writes a pointer into a library's relocation slot; where the loader sealed the slot's
+    page read-only (full RELRO), the page is opened for the write and sealed again."""
+    import ctypes
+    import mmap
+
+    from dataplane_rl.store.bind_patch import _protection, _write_pointer
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert page not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    try:
+        assert _protection(page + 64) == mmap.PROT_READ
+        _write_pointer(page + 64, 0x1234_5678_9ABC)
+        assert ctypes.c_void_p.from_address(page + 64).value == 0x1234_5678_9ABC
+        assert _protection(page + 64) == mmap.PROT_READ  # sealed again
+    finally:
+        libc.munmap(page, mmap.PAGESIZE)

@@ -7,7 +7,8 @@ advertised address. So a one-machine store that says 127.0.0.1 would accept conn
 interface. MooncakeCluster starts its holders with this shim preloaded and DATAPLANE_RL_BIND_ADDRESS set:
 their wildcard binds become binds to that address. It is compiled once per source version with the
 system C compiler into the user's cache; without a compiler `shim_path()` returns None and the holders
-listen as Mooncake does. A library cannot do this for us: the bind calls are inside Mooncake's C++.
+listen as Mooncake does. A library cannot do this for us: the bind calls are inside Mooncake's C++. A
+process that is already running (a library user's) gets the same bind() without a preload: bind_patch.py.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def shim_path() -> str | None:
     if not target.is_file():
         cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
         if cc is None:
-            log.warning("no C compiler: Mooncake holders of a local store will listen on all interfaces")
+            # said once where it matters: the `train` security line, or a local store's ListenWarning
+            log.debug("no C compiler: the bind shim cannot be built")
             _built[digest] = None
             return None
         cache.mkdir(parents=True, exist_ok=True)

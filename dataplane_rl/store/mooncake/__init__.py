@@ -5,6 +5,7 @@
     buffers.py  registered memory: the write arena and the read landing buffers
     client.py   error codes, addresses, the admin endpoint, connect_client
     cluster.py  MooncakeCluster: a master and holder processes started here
+    processes.py  the cluster's child processes: death with the parent, stopping, log tails
     holder.py   the holder process (python -m dataplane_rl.store.mooncake.holder)
 
 MooncakeStore is imported on first use, so a holder process (which imports only holder.py) starts fast.

@@ -33,8 +33,9 @@ import urllib.request
 from typing import Any
 
 from dataplane_rl.errors import StoreUnavailableError
-from dataplane_rl.hosts import advertise_host, quiet_glog
+from dataplane_rl.hosts import advertise_host, is_loopback, quiet_glog
 from dataplane_rl.resources import pip_install_extra
+from dataplane_rl.store.bind_patch import bind_here
 from dataplane_rl.store.bind_shim import ADDRESS_ENV
 
 INSTALL_HINT = (f"install the `mooncake` extra: {pip_install_extra('mooncake')} "
@@ -258,6 +259,8 @@ def connect_client(master_address: str, local_buffer_size: int, protocol: str = 
     for k, v in {**CLIENT_ENV_DEFAULTS, "MC_TCP_BIND_ADDRESS": host}.items():
         os.environ.setdefault(k, v)
     quiet_glog()
+    # a one-machine store's client listens on loopback only, preloaded with the shim or not (bind_patch.py)
+    bind_here(host if is_loopback(host) else None)
     client = store_mod.MooncakeDistributedStore()
     rc = client.setup(host, metadata_server, 0, int(local_buffer_size), protocol, device_name,
                       master_address)

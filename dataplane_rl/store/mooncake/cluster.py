@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -23,11 +22,12 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Sequence
 
 from dataplane_rl.errors import StoreUnavailableError
-from dataplane_rl.store.bind_shim import bind_env
+from dataplane_rl.hosts import is_loopback
+from dataplane_rl.store.bind_patch import warn_no_shim
+from dataplane_rl.store.bind_shim import bind_env, shim_path
 from dataplane_rl.store.mooncake.client import (
     CLIENT_ENV_DEFAULTS,
     INSTALL_HINT,
@@ -40,60 +40,7 @@ from dataplane_rl.store.mooncake.client import (
     list_segments,
     port_open,
 )
-
-
-def _tail(path: str | None, lines: int = 12) -> str:
-    """The last `lines` lines of a log, preceded by its last error lines (glog E/F) if those scrolled off."""
-    if not path or not os.path.exists(path):
-        return "(no log)"
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            text = f.read().decode("utf-8", "replace")
-    except OSError as e:
-        return f"(log unreadable: {e})"
-    all_lines = [ln for ln in text.splitlines() if ln.strip()]
-    out = all_lines[-lines:]
-    errors = [ln for ln in all_lines[:-lines] if ln[:1] in "EF" and ln[1:2].isdigit()][-5:]
-    if errors:
-        out = errors + ["..."] + out
-    return "\n".join("    " + ln for ln in out) if out else "(empty log)"
-
-
-# ---- processes ---------------------------------------------------------------------------------
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-@dataclass
-class HolderInfo:
-    index: int
-    pid: int
-    segment_name: str  # what the master calls the segment; usable as ReplicateConfig.preferred_segment
-    segment_size: int
-    log_path: str
-
-
-def _stop_process(proc: subprocess.Popen, timeout: float, sig: int = signal.SIGTERM) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        proc.send_signal(sig)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        try:
-            proc.kill()
-        except ProcessLookupError:
-            pass
-        proc.wait(5)
-
+from dataplane_rl.store.mooncake.processes import HolderInfo, die_with_parent, log_tail, stop_all, stop_process
 
 _LIVE: "weakref.WeakSet[MooncakeCluster]" = weakref.WeakSet()
 
@@ -199,6 +146,8 @@ class MooncakeCluster:
             raise StoreUnavailableError("this MooncakeCluster was closed; make a new one")
         binary = find_master_binary(self._master_binary)
         import_mooncake_store()  # holders need it; fail here with the install hint, not in a child
+        if is_loopback(self.host) and shim_path() is None:
+            warn_no_shim()  # nothing narrows the holders' listeners (bind_env below)
         if self.log_dir is None:
             self.log_dir = tempfile.mkdtemp(prefix="mooncake-cluster-")
         os.makedirs(self.log_dir, exist_ok=True)
@@ -224,7 +173,7 @@ class MooncakeCluster:
                 try:
                     self.master = subprocess.Popen([binary, *self.master_flags()], stdin=subprocess.DEVNULL,
                                                    stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                                   preexec_fn=_die_with_parent, start_new_session=True)
+                                                   preexec_fn=die_with_parent, start_new_session=True)
                 except OSError as e:
                     raise StoreUnavailableError(f"cannot run {binary}: {e}; {INSTALL_HINT}") from e
             try:
@@ -232,9 +181,9 @@ class MooncakeCluster:
                 return
             except StoreUnavailableError as e:
                 last_error = e
-                _stop_process(self.master, 2.0)
+                stop_process(self.master, 2.0)
                 self.master = None
-                text = _tail(log_path, 200)
+                text = log_tail(log_path, 200)
                 if "error while loading shared libraries" in text:
                     raise StoreUnavailableError(f"{binary} cannot load its libraries; {INSTALL_HINT}\n{text}") from e
                 if "in use" not in text.lower() and "bind" not in text.lower():
@@ -248,13 +197,13 @@ class MooncakeCluster:
             if self.master.poll() is not None:
                 raise StoreUnavailableError(
                     f"mooncake_master exited with code {self.master.returncode} during start-up "
-                    f"(flags: {' '.join(self.master_flags())}); last lines of its log:\n{_tail(log_path)}")
+                    f"(flags: {' '.join(self.master_flags())}); last lines of its log:\n{log_tail(log_path)}")
             if port_open(f"{self.host}:{self.rpc_port}", 0.2) and port_open(f"{self.host}:{self.rpc_port + 1}", 0.2):
                 return
             time.sleep(0.05)
         raise StoreUnavailableError(
             f"mooncake_master did not open {self.host}:{self.rpc_port} (RPC) and :{self.rpc_port + 1} (admin) "
-            f"within {self.start_timeout}s; last lines of its log:\n{_tail(log_path)}")
+            f"within {self.start_timeout}s; last lines of its log:\n{log_tail(log_path)}")
 
     def _holder_cmd(self, index: int, ready_file: str) -> list[str]:
         return [self.python, "-m", "dataplane_rl.store.mooncake.holder",
@@ -276,7 +225,7 @@ class MooncakeCluster:
             # the shim makes the holder's listeners bind self.host instead of every interface (bind_shim.py)
             proc = subprocess.Popen(self._holder_cmd(index, ready), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=bind_env(self.host, self.env),
-                                    preexec_fn=_die_with_parent,
+                                    preexec_fn=die_with_parent,
                                     start_new_session=True)
         self._holder_procs.append(proc)
         return index, proc, ready, log_path
@@ -290,7 +239,7 @@ class MooncakeCluster:
                 if proc.poll() is not None:
                     raise StoreUnavailableError(
                         f"Mooncake holder {index} (pid {proc.pid}) exited with code {proc.returncode} during "
-                        f"start-up; last lines of its log:\n{_tail(log_path)}")
+                        f"start-up; last lines of its log:\n{log_tail(log_path)}")
                 if os.path.exists(ready):
                     with open(ready) as f:
                         info = json.load(f)
@@ -299,12 +248,12 @@ class MooncakeCluster:
                     waiting.remove(item)
             if self.master.poll() is not None:
                 raise StoreUnavailableError(f"mooncake_master exited with code {self.master.returncode} while "
-                                            f"holders started; last lines of its log:\n{_tail(self.master_log)}")
+                                            f"holders started; last lines of its log:\n{log_tail(self.master_log)}")
             if waiting and time.monotonic() > deadline:
                 index, proc, _, log_path = waiting[0]
                 raise StoreUnavailableError(
                     f"Mooncake holder {index} (pid {proc.pid}) did not mount its segment within "
-                    f"{self.start_timeout}s; last lines of its log:\n{_tail(log_path)}")
+                    f"{self.start_timeout}s; last lines of its log:\n{log_tail(log_path)}")
             if waiting:
                 time.sleep(0.05)
         self.holders.sort(key=lambda h: h.index)
@@ -349,12 +298,12 @@ class MooncakeCluster:
         out = []
         if self.master is not None and self.master.poll() is not None:
             out.append(f"mooncake_master (pid {self.master.pid}) exited with code {self.master.returncode}; "
-                       f"last lines of its log:\n{_tail(self.master_log)}")
+                       f"last lines of its log:\n{log_tail(self.master_log)}")
         for h, proc in zip(self.holders, self._holder_procs):
             if proc.poll() is not None:
                 out.append(f"Mooncake holder {h.index} (pid {h.pid}, segment {h.segment_name}) exited with code "
                            f"{proc.returncode}; its {h.segment_size} bytes of store memory and every object in "
-                           f"them are lost; last lines of its log:\n{_tail(h.log_path)}")
+                           f"them are lost; last lines of its log:\n{log_tail(h.log_path)}")
         return out
 
     def alive(self) -> bool:
@@ -398,14 +347,9 @@ class MooncakeCluster:
         # holders unmount on SIGTERM (~1 s); with the master gone that would only wait for a timeout
         master_up = self.master is not None and self.master.poll() is None
         sig = signal.SIGTERM if master_up else signal.SIGKILL
-        threads = [threading.Thread(target=_stop_process, args=(p, self.stop_timeout, sig), daemon=True)
-                   for p in self._holder_procs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(self.stop_timeout + 10)
+        stop_all(self._holder_procs, self.stop_timeout, sig)
         if self.master is not None:
-            _stop_process(self.master, self.stop_timeout)
+            stop_process(self.master, self.stop_timeout)
         _LIVE.discard(self)
         if self._own_log_dir and self.log_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
