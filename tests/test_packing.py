@@ -18,7 +18,7 @@ from dataplane_rl.train.batch import build_train_batch, plan_microbatches, slots
 from dataplane_rl.train.counts import local_counts, reduce_metrics
 from dataplane_rl.model.load import build_tiny, load_model
 from dataplane_rl.model.logprobs import packed_attention, packed_logprobs, token_logprobs
-from dataplane_rl.train.packing import balance_by_tokens, dynamic_cuts, pack_rows, round_up
+from dataplane_rl.train.packing import balance_by_tokens, dynamic_cuts, pack_rows, padded_width, round_up
 from dataplane_rl.train.worker import train_microbatches
 
 LENGTHS = np.array([5, 31, 9, 17, 3, 26, 12, 40, 7, 22])
@@ -47,6 +47,51 @@ def test_dynamic_cuts_and_rank_balance():
     shards = balance_by_tokens(LENGTHS, 3)
     loads = sorted(int(LENGTHS[s].sum()) for s in shards)
     assert loads == [57, 57, 58] and sorted(np.concatenate(shards).tolist()) == list(range(len(LENGTHS)))
+
+
+def _plain_slots(lengths: np.ndarray, k: int) -> int:
+    """Token slots of plain microbatches: k rows each in the given order, each padded to its longest row."""
+    return sum(len(lengths[s:s + k]) * int(lengths[s:s + k].max()) for s in range(0, len(lengths), k))
+
+
+def test_dynamic_batching_pads_no_more_than_padded_microbatches_on_short_rows():
+    """Issue 28: the default config's rows (a 4-token prompt, responses of 1-8 tokens) are far shorter than the
+    default round of 64. Dynamic batching padded all 32 rows up to 64 in one pass (82% padding against 4%)."""
+    rng = np.random.default_rng(0)
+    lengths = 4 + rng.integers(1, 9, 32)  # [32]
+    table = synthetic_table(lengths, 50, seed=1, prompt=4)
+    batch = build_train_batch(table, load_schema("grpo"))
+    padded = plan_microbatches(batch, policy_for("padded", 8, 4096), "train")
+    dynamic = plan_microbatches(batch, policy_for("dynamic", 8, 4096), "train")  # the default round of 64
+    assert sum(slots(mb) for mb in dynamic) <= sum(slots(mb) for mb in padded) == _plain_slots(lengths, 8)
+    assert len(dynamic) <= len(padded) == 4
+    assert all(mb["input_ids"].shape[1] == int(mb["attention_mask"].sum(-1).max()) for mb in dynamic)  # no round
+    assert sorted(torch.cat([mb["row_index"] for mb in dynamic]).tolist()) == list(range(32))
+
+
+def test_dynamic_cuts_never_compute_more_than_plain_microbatches():
+    """Over random batches (short, long-tailed, few distinct lengths), with no round in effect (1, or larger than
+    every row) and a budget that plain microbatches fit: no more slots than plain microbatches of the same rows
+    in the batch's order, sorted either way or with the short one first, and no more passes."""
+    rng = np.random.default_rng(1)
+    for trial in range(3000):
+        n, k = int(rng.integers(1, 40)), int(rng.integers(1, 12))
+        kind = trial % 3
+        lengths = (rng.integers(1, 30, n) if kind == 0 else rng.choice([5, 9, 20], n) if kind == 1
+                   else np.clip(np.round(rng.lognormal(3, 1, n)), 1, 300)).astype(np.int64)  # [n]
+        widest = int(lengths.max())
+        rnd = 1 if trial % 2 else widest + int(rng.integers(1, 50))
+        budget = k * widest + int(rng.integers(0, 4 * widest))
+        cuts = dynamic_cuts(lengths, budget, rnd, k)
+        assert sorted(np.concatenate(cuts).tolist()) == list(range(n))
+        sizes = [len(c) * padded_width(int(lengths[c].max()), rnd, widest) for c in cuts]
+        assert max(sizes) <= budget and len(cuts) <= -(-n // k)
+        desc = np.sort(lengths)[::-1]
+        for order in (lengths, desc, desc[::-1], np.roll(desc, -(n % k))):
+            assert sum(sizes) <= _plain_slots(order, k), (lengths.tolist(), k, budget, rnd)
+    # a budget tighter than k rows of the longest: cuts still fit it
+    cuts = dynamic_cuts(LENGTHS, 48, 1, 4)
+    assert all(len(c) * int(LENGTHS[c].max()) <= 48 for c in cuts)
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +123,17 @@ def test_packed_forward_equals_padded(folder, attention):
 
 
 def one_step(folder, mode: str, table, budget: int = 64):
-    """Metrics and gradients of one optimizer step over the table's rows, microbatched as `mode` says."""
+    """Metrics and gradients of one optimizer step over the table's rows, microbatched as `mode` says
+    (dynamic8: dynamic batching with a round of 8, which pads some microbatches past their longest row)."""
     torch.manual_seed(0)
     model = load_model(folder, torch.device("cpu"))
     if mode == "packed":
         packed_attention(model, torch.device("cpu"))
     batch = build_train_batch(table, load_schema("grpo"))
-    mbs = plan_microbatches(batch, policy_for(mode, 3, budget), "train")
+    policy = policy_for(mode.removesuffix("8"), 3, budget)
+    if mode == "dynamic8":
+        policy.dynamic_batching.sequence_length_round = 8
+    mbs = plan_microbatches(batch, policy, "train")
     per_mb, used = train_microbatches(model, ClippedPGLoss(LOSS), mbs, local_counts(batch), 0.7)
     return reduce_metrics(per_mb), [p.grad for p in model.parameters()], mbs, used
 
@@ -93,7 +142,7 @@ def test_one_step_is_the_same_padded_dynamic_and_packed(folder):
     table = synthetic_table(LENGTHS, 50, seed=3, prompt=4)
     base, grads, _, used = one_step(folder, "padded", table)
     assert float(used[0]) == LENGTHS.sum() and 0.3 < 1 - float(used[0] / used[1])  # padding is really there
-    for mode in ("dynamic", "packed"):
+    for mode in ("dynamic", "dynamic8", "packed"):
         m, g, mbs, used = one_step(folder, mode, table)
         for k, v in base.items():
             assert math.isclose(m[k], v, rel_tol=1e-5, abs_tol=1e-8), f"{mode} {k}: {m[k]} vs {v}"
@@ -102,8 +151,12 @@ def test_one_step_is_the_same_padded_dynamic_and_packed(folder):
         assert sorted(torch.cat([mb["row_index"] for mb in mbs]).tolist()) == list(range(len(LENGTHS)))
         if mode == "packed":
             assert all(slots(mb) <= 64 for mb in mbs) and float(used[0]) == float(used[1])  # no padding at all
-        else:
-            assert all(mb["input_ids"].shape[1] % 64 == 0 for mb in mbs)  # the round (64: bench's default)
+        else:  # the round (64, or 8), never past the longest row (40): 64 pads nothing, 8 pads [22, 17] to 24
+            rnd = 8 if mode == "dynamic8" else 64
+            widths = [mb["input_ids"].shape[1] for mb in mbs]
+            assert widths == [padded_width(int(mb["attention_mask"].sum(-1).max()), rnd, 40) for mb in mbs]
+            assert (mode == "dynamic8") == any(w % 8 == 0 and w > mb["attention_mask"].sum(-1).max()
+                                               for w, mb in zip(widths, mbs))
 
 
 def test_refusals_name_the_keys():
@@ -117,9 +170,10 @@ def test_refusals_name_the_keys():
     with pytest.raises(ConfigError, match=r"partition step-000001b row 7 has 90 tokens, more than "
                                           r"policy\.sequence_packing\.train_mb_tokens=89"):
         refuse_over_budget(lengths, rs, policy_for("packed", 1, 89))
-    # dynamic batching pads 90 up to 128 (round 64): a budget of 100 cannot hold it
-    with pytest.raises(ConfigError, match=r"90 tokens \(padded to a multiple of 64\), more than policy\.dynamic_batching"):
-        refuse_over_budget(lengths, rs, policy_for("dynamic", 1, 100))
+    # dynamic batching never pads the longest row past itself (a round of 64 would make 90 into 128)
+    refuse_over_budget(lengths, rs, policy_for("dynamic", 1, 90))
+    with pytest.raises(ConfigError, match=r"row 7 has 90 tokens, more than policy\.dynamic_batching\.train_mb_tokens=89"):
+        refuse_over_budget(lengths, rs, policy_for("dynamic", 1, 89))
 
     with pytest.raises((ConfigError, ValueError), match=r"policy\.sequence_packing\.enabled.*policy\.dynamic_batching\.enabled"):
         load_config(None, ["policy.sequence_packing.enabled=true", "policy.dynamic_batching.enabled=true"])

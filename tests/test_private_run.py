@@ -4,7 +4,9 @@ One real `dataplane-rl train` (data plane on shm, a checkpoint per step) is watc
 of every process it started binds loopback (docs/security.md names no exception for a local run), and its
 Ray token is a private file of its own. It is then SIGKILLed with its whole process group after step 1's
 checkpoint: its store stays behind, orphaned, and `train --resume` of that run reaps it, saying so in
-one line. Stores go to a private temporary root (DATAPLANE_RL_SHM_ROOT): no other store is looked at."""
+one line. Before it, on the same root, a one-step run kept its store (data_plane.keep_partitions=true): that
+store outlives the killed run, the resume's collection and `store gc` (issue 28). Stores go to a private
+temporary root (DATAPLANE_RL_SHM_ROOT): no other store is looked at."""
 
 from __future__ import annotations
 
@@ -40,14 +42,29 @@ def listeners(tree: Tree) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory):
-    """(run folder, env, listeners seen, token file mode, the orphaned store) of a run SIGKILLed after step 1."""
+def kept_run(tmp_path_factory):
+    """(env, run folder, its kept store) of a one-step run with data_plane.keep_partitions=true, ended normally."""
     tmp = tmp_path_factory.mktemp("private")
-    root, run_dir = tmp / "shm", tmp / "run"
+    root, run_dir = tmp / "shm", tmp / "kept"
     root.mkdir(mode=0o700)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{owners.ROOT_ENV: str(root)})
     for key in ("RAY_AUTH_MODE", private_ray.REEXEC_ENV, private_ray.NODE_IP_ENV, "RAY_ADDRESS"):
         env.pop(key, None)  # the run must make its own choices
+    p = subprocess.run([sys.executable, "-c", CHILD, "train", *TINY, "grpo.max_num_steps=1", "checkpointing.enabled=false",
+                        "data_plane.keep_partitions=true", f"logger.run_dir={run_dir}"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (kept,) = owners.scan(str(root))
+    assert kept.state == "kept" and json.loads((run_dir / "summary.json").read_text())["kept_store_url"].endswith(kept.path)
+    return env, run_dir, kept.path
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory, kept_run):
+    """(run folder, env, listeners seen, token file mode, the orphaned store) of a run SIGKILLed after step 1,
+    on the root where `kept_run` kept its store."""
+    env, kept_dir, kept = kept_run
+    run_dir, root = kept_dir.parent / "run", env[owners.ROOT_ENV]
     proc = subprocess.Popen([sys.executable, "-c", CHILD, "train", *TINY, f"logger.run_dir={run_dir}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -76,7 +93,7 @@ def killed_run(tmp_path_factory):
             shutil.rmtree(os.path.dirname(token), ignore_errors=True)  # the next train would reap it; none runs here
     out = proc.stdout.read()
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
-    return run_dir, env, seen, modes, out, [e for e in owners.scan(str(root))]
+    return run_dir, env, seen, modes, out, [e for e in owners.scan(root) if e.path != kept]
 
 
 def _running(p: psutil.Process) -> bool:
@@ -108,7 +125,25 @@ def test_resume_of_a_sigkilled_run_reaps_its_store(killed_run):
     assert line.startswith("store gc: removed 1 orphaned store(s) of dead runs, ") and orphan.path in line, p.stderr
     assert not os.path.exists(orphan.path)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
-    assert owners.scan(env[owners.ROOT_ENV]) == []  # the resumed run's own store went with it
+    # the resumed run's own store went with it; the kept one stays (test below)
+    assert [e.state for e in owners.scan(env[owners.ROOT_ENV])] == ["kept"]
+
+
+def test_a_kept_store_outlives_a_killed_run_and_every_collection(killed_run, kept_run):
+    """Issue 28: a kept run, then a run SIGKILLed with its process group, then `store gc` (and, when the resume
+    test ran first, that run's --resume, whose start collected the killed run's store): the kept store and
+    every partition in it stay; only the killed run's store goes."""
+    _, _, _, _, _, orphans = killed_run
+    env, kept_dir, kept = kept_run
+    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "store", "gc"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 0 and kept not in p.stdout, p.stdout + p.stderr
+    assert [(e.path, e.state) for e in owners.scan(env[owners.ROOT_ENV])] == [(kept, "kept")]
+    assert not any(os.path.exists(e.path) for e in orphans)
+    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "store", "ls", str(kept_dir)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "1 partition(s)" in p.stdout and "step-000001  schema grpo  4 rows" in p.stdout, \
+        p.stdout + p.stderr
 
 
 def test_warning_when_ray_runs_without_token_auth(monkeypatch):

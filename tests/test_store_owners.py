@@ -128,3 +128,24 @@ def test_a_dead_runs_ray_token_folder_is_reaped_and_no_other(tmp_path, monkeypat
     assert private_ray.collect_tokens() == [dead]
     assert not os.path.exists(dead) and os.path.isdir(live) and shared.is_dir()
     assert private_ray.collect_tokens() == []
+
+
+def test_a_kept_store_survives_gc_whatever_its_owner_record_says(root):
+    """Issue 28: a kept store is data. keep() marks it in DIR/.kept as well as in the owner record, so a record
+    rewritten afterwards as an unkept auto store of a dead owner (or damaged) cannot make gc remove it."""
+    kept = open_store("shm://")
+    kept.create_partition("p", "grpo", 1)
+    kept.put("p", grpo_columns([0], ["total_reward"]), [0])
+    kept.keep()
+    path, url = str(kept.path), kept.url
+    kept.close()
+    me = owners.this_owner()
+    owners.write_owner(path, auto=True, owner=dict(me, start_time=me["start_time"] - 1000))  # a dead owner's
+    assert [(e.path, e.state) for e in owners.scan()] == [(path, "kept")]
+    assert cli("gc").strip() == "removed 0 orphaned store(s), 0 bytes (0 B)"
+    with open(os.path.join(path, owners.OWNER_FILE), "wb") as f:
+        f.write(b"damaged")
+    assert owners.collect() == [] and owners.scan()[0].state == "kept"
+    again = open_store(url, create=False)
+    assert again.get("p", ["total_reward"]).num_rows == 1  # nothing of it went
+    again.close()

@@ -64,10 +64,10 @@ class SequencePackingConfig(_Section):
 class DynamicBatchingConfig(_Section):
     """`policy.dynamic_batching.*`: microbatches cut by a token budget over length-sorted rows; same numbers."""
 
-    enabled: bool = Field(False, description="Cut length-sorted rows into microbatches of at most *_mb_tokens padded tokens; exclusive with policy.sequence_packing.enabled.")
+    enabled: bool = Field(False, description="Cut length-sorted rows into microbatches of policy.train_micro_batch_size rows (more when they pad to the same width) and at most *_mb_tokens padded tokens; exclusive with policy.sequence_packing.enabled.")
     train_mb_tokens: int = Field(4096, ge=2, description="Most padded tokens (rows x rounded longest row) per train microbatch; a longer row is refused before training.")
     logprob_mb_tokens: int = Field(4096, ge=2, description="Most padded tokens per log-prob microbatch.")
-    sequence_length_round: int = Field(64, ge=1, description="A microbatch is padded up to a multiple of this.")
+    sequence_length_round: int = Field(64, ge=1, description="A microbatch is padded up to a multiple of this, but never past the batch's longest row.")
 
 
 class PolicyConfig(_Section):

@@ -7,6 +7,10 @@ line: the host, the PID and the process start time, so a PID the kernel reused f
 taken for the owner. `collect()` (`dataplane-rl store gc`, and every `train` start) removes each auto-made
 store of this user whose owner is dead and that was not kept (`keep()`, data_plane.keep_partitions).
 
+A kept store is data the user asked for: `keep()` marks it twice, in the owner record and in DIR/.kept, a
+file made once and never rewritten, so no later write or damage of the record can make it collectable; and
+`collect()` decides again from the folder it renamed away before deleting anything (issue 28).
+
 State of a store folder under the root:
     live      its owner runs (same host, PID and start time)
     kept      keep() was called: it outlives its run on purpose; never collected
@@ -32,6 +36,7 @@ from dataplane_rl.errors import CorruptChunkError
 from dataplane_rl.store.shm_files import create_file, framed, read_file, unframe, untrusted
 
 OWNER_FILE = ".owner"
+KEPT_FILE = ".kept"
 MARKER = ".dataplane-rl"
 AUTO_PREFIX = "dataplane-rl-"
 AUTO_NAME = re.compile(AUTO_PREFIX + r"[0-9a-f]{12}")
@@ -70,6 +75,13 @@ def write_owner(folder: str, auto: bool, kept: bool = False, owner: dict | None 
     tmp = os.path.join(folder, f".owner-{uuid.uuid4().hex}")
     create_file(tmp, framed(json.dumps(record)))
     os.rename(tmp, os.path.join(folder, OWNER_FILE))
+
+
+def mark_kept(folder: str) -> None:
+    """The folder outlives its owner on purpose: DIR/.kept, then the record (both say it; either suffices)."""
+    with contextlib.suppress(FileExistsError):
+        create_file(os.path.join(folder, KEPT_FILE))
+    write_owner(folder, auto=True, kept=True)
 
 
 def read_owner(folder: str) -> dict | None:
@@ -136,17 +148,20 @@ def scan(root: str | None = None) -> list[StoreFolder]:
     """This user's store folders directly under `root` (default: where auto-made stores go)."""
     out = []
     for name, path, owner in own_folders(root or auto_root(), lambda p, _: os.path.lexists(os.path.join(p, MARKER))):
-        alive = owner_alive(owner) if owner else None
-        if owner and owner.get("kept"):
-            state = "kept"
-        elif alive:
-            state = "live"
-        elif alive is None:
-            state = "unknown"
-        else:
-            state = "orphaned" if owner.get("auto") and AUTO_NAME.fullmatch(name) else "named"
-        out.append(StoreFolder(path, state, owner, folder_bytes(path)))
+        out.append(StoreFolder(path, _state(name, path, owner), owner, folder_bytes(path)))
     return out
+
+
+def _state(name: str, path: str, owner: dict | None) -> str:
+    """live | kept | orphaned | named | unknown of the store folder `path` (its name under the root: `name`)."""
+    if os.path.lexists(os.path.join(path, KEPT_FILE)) or owner and owner.get("kept"):
+        return "kept"
+    alive = owner_alive(owner) if owner else None
+    if alive:
+        return "live"
+    if alive is None:
+        return "unknown"
+    return "orphaned" if owner.get("auto") and AUTO_NAME.fullmatch(name) else "named"
 
 
 def collect(root: str | None = None, say: Callable[[str], None] | None = None) -> list[StoreFolder]:
@@ -161,6 +176,12 @@ def collect(root: str | None = None, say: Callable[[str], None] | None = None) -
             os.rename(entry.path, trash)
         except OSError:
             continue  # another collector got it first
+        # decided again from the folder as it is now: a keep() or a record written since the scan is seen here,
+        # and such a folder goes back untouched
+        if _state(os.path.basename(entry.path), trash, read_owner(trash)) != "orphaned":
+            with contextlib.suppress(OSError):
+                os.rename(trash, entry.path)
+            continue
         shutil.rmtree(trash, ignore_errors=True)
         removed.append(entry)
         if say:

@@ -5,6 +5,7 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
 
     DIR/.dataplane-rl                  marker: this folder is a store
     DIR/.owner                         the process that made it, and whether it is kept (owners.py)
+    DIR/.kept                          made once by keep(): the folder outlives its run (owners.py)
     DIR/.pool/<bytes>-<hex>            chunk files of dropped partitions, kept for reuse
     DIR/<pid>/meta.json                the PartitionMeta: a JSON line (pid, num_rows), then the schema
     DIR/<pid>/lock                     flock'd exclusively by commit and drop
@@ -136,7 +137,7 @@ class ShmStore(ColumnStore):
         if self._cleanup is not None:
             self._cleanup.detach()
             self._cleanup = None
-            owners.write_owner(self._dir, auto=True, kept=True)  # `store gc` must leave it
+            owners.mark_kept(self._dir)  # `store gc` must leave it
 
     def _open_dir(self, create: bool) -> None:
         marker = os.path.join(self._dir, _MARKER)

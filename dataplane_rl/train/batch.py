@@ -62,13 +62,14 @@ def plan_microbatches(batch: dict[str, torch.Tensor], policy, pass_: str = "trai
     """The microbatches of a rank's batch, as `policy` (a PolicyConfig) asks, for the train or logprob pass.
 
     Padded (the default): `train_micro_batch_size` rows each, right-padded to their longest row.
-    `dynamic_batching`: length-sorted rows cut by `*_mb_tokens`, padded to `sequence_length_round`.
+    `dynamic_batching`: length-sorted rows cut by `*_mb_tokens`, padded to `sequence_length_round` (never past
+    the batch's longest row), never more token slots than padded microbatches (train/packing.py `dynamic_cuts`).
     `sequence_packing`: rows packed into `*_mb_tokens`; each microbatch keeps its rows' padded tensors for
     the loss plus `packed_input_ids` [1, L] and `cu_seqlens` [n+1], which the forward uses instead
     (model/logprobs.py `microbatch_logprobs`). The loss sees [b, t] tensors in every mode. `row_index` [b]
     says which rows of `batch` a microbatch holds (packing and dynamic batching reorder them).
     """
-    from dataplane_rl.train.packing import dynamic_cuts, pack_rows, round_up
+    from dataplane_rl.train.packing import dynamic_cuts, pack_rows, padded_width
 
     sp, db = policy.sequence_packing, policy.dynamic_batching
     any_ = next(iter(batch.values()))
@@ -78,8 +79,9 @@ def plan_microbatches(batch: dict[str, torch.Tensor], policy, pass_: str = "trai
     lengths = batch["attention_mask"].sum(-1).cpu().numpy()  # [B]
     if db.enabled:
         budget = db.train_mb_tokens if pass_ == "train" else db.logprob_mb_tokens
-        return [_rows(batch, torch.as_tensor(c), round_up(int(lengths[c].max()), db.sequence_length_round))
-                for c in dynamic_cuts(lengths, budget, db.sequence_length_round)]
+        cuts = dynamic_cuts(lengths, budget, db.sequence_length_round, policy.train_micro_batch_size)
+        return [_rows(batch, torch.as_tensor(c), padded_width(int(lengths[c].max()), db.sequence_length_round,
+                                                              int(lengths.max()))) for c in cuts]
     budget = sp.train_mb_tokens if pass_ == "train" else sp.logprob_mb_tokens
     out = []
     for b in pack_rows(lengths, budget, sp.algorithm):

@@ -3,7 +3,7 @@
 - `pack_rows`: sequence packing. Rows go into bins of at most `budget` tokens; a bin becomes one sequence whose
   positions restart at 0 per row and whose attention never crosses rows (model/logprobs.py `packed_logprobs`).
 - `dynamic_cuts`: dynamic batching. Length-sorted rows are cut into padded microbatches whose padded size
-  (rows x longest length rounded up) stays within `budget`.
+  (rows x `padded_width`) stays within `budget`, never computing more slots than plain microbatches.
 - `balance_by_tokens`: rows to data-parallel ranks by tokens, not by row counts.
 The microbatch tensors themselves are built by train/batch.py `plan_microbatches`, the one builder.
 """
@@ -52,39 +52,80 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def dynamic_cuts(lengths: np.ndarray, budget: int, round_to: int) -> list[np.ndarray]:
+def padded_width(longest: int, round_to: int, widest: int) -> int:
+    """The padded length of a dynamic microbatch whose longest row is `longest`: rounded up to `round_to`, unless
+    that is wider than `widest` (the batch's longest row, past which no plain microbatch pads); then `longest`.
+    A round larger than the rows would otherwise pad every row up to it (issue 28: 0.60 padding against 0.48)."""
+    rounded = round_up(longest, round_to)
+    return rounded if rounded <= widest else longest
+
+
+def dynamic_cuts(lengths: np.ndarray, budget: int, round_to: int, rows: int | None = None) -> list[np.ndarray]:
     """Positions 0..n-1, sorted by length (longest first), cut into microbatches whose padded size
-    rows * round_up(longest, round_to) is <= budget (a single row always fits: its length was checked)."""
+    rows * padded_width(longest) is <= budget (a single row always fits: its length was checked).
+
+    `rows` is plain microbatches' row count (policy.train_micro_batch_size; None: as many as the budget holds).
+    Cuts of `rows` sorted rows, the one short cut (n % rows) where it costs least, then neighbours padded to
+    the same width merged while they fit the budget: with no round in effect, that never computes more token
+    slots, nor runs more passes, than plain microbatches of `rows` rows of the same batch in any order, when
+    those fit the budget (tests/test_packing.py checks it over random batches). Filling every microbatch up to
+    the budget instead pads a batch of short rows to its longest row in one pass (issue 28)."""
     lengths = np.asarray(lengths, dtype=np.int64)
+    n = lengths.size
     order = np.argsort(-lengths, kind="stable")
+    widest = int(lengths.max()) if n else 0
+    width = np.array([padded_width(int(x), round_to, widest) for x in lengths[order]], dtype=np.int64)  # [n]
+    k = n if rows is None else max(1, min(rows, n))
+    if k * widest <= budget:
+        sizes = _sizes_short_cut_cheapest(width, k)
+    else:  # the budget binds: as many rows as it holds, at most k
+        sizes = []
+        while sum(sizes) < n:
+            at, m = sum(sizes), 1
+            while m < k and at + m < n and (m + 1) * width[at] <= budget:
+                m += 1
+            sizes.append(m)
     cuts: list[list[int]] = []
-    width = 0
-    for i in order:
-        w = round_up(int(lengths[i]), round_to)
-        if cuts and (len(cuts[-1]) + 1) * max(width, w) <= budget:
-            cuts[-1].append(int(i))
-            width = max(width, w)
+    at = 0
+    for m in sizes:
+        if cuts and width[at] == cuts[-1][1] and (len(cuts[-1][0]) + m) * width[at] <= budget:
+            cuts[-1][0].extend(order[at:at + m].tolist())  # the same width: fewer passes for no slot more
         else:
-            cuts.append([int(i)])
-            width = w
-    return [np.array(c, dtype=np.int64) for c in cuts]
+            cuts.append((order[at:at + m].tolist(), int(width[at])))
+        at += m
+    return [np.array(c, dtype=np.int64) for c, _ in cuts]
+
+
+def _sizes_short_cut_cheapest(width: np.ndarray, k: int) -> list[int]:
+    """Cut sizes over rows sorted longest first (`width` [n] their padded widths, non-increasing): k each, and
+    the n % k rows short cut at the place that computes the fewest slots (not always last: after 8 rows of
+    31..8, one row of 5 costs 8 x 31 + 5; the row of 31 alone first costs 31 + 8 x 27)."""
+    n = width.size
+    full, short = divmod(n, k)
+    if not short:
+        return [k] * full
+    a = width[0:full * k:k]  # [full]: first widths of the full cuts before the short one
+    b = width[short::k][:full]  # [full]: first widths of the full cuts after it
+    before = np.concatenate([[0], np.cumsum(a)])  # [full + 1]
+    after = np.concatenate([np.cumsum(b[::-1])[::-1], [0]])  # [full + 1]
+    cost = k * before + short * width[np.arange(full + 1) * k] + k * after  # [full + 1]: short cut at place p
+    p = int(np.argmin(cost))
+    return [k] * p + [short] + [k] * (full - p)
 
 
 def refuse_over_budget(lengths: np.ndarray, rs, policy) -> None:
     """Before training: a ConfigError naming the partition, row, length and key of a row that cannot fit the
-    token budget of `policy` (a PolicyConfig; dynamic batching pads a row up to its round, which must fit too)."""
+    token budget of `policy` (a PolicyConfig; dynamic batching never pads the longest row: `padded_width`)."""
     from dataplane_rl.errors import ConfigError
 
     if not lengths.size:
         return
-    rnd = policy.dynamic_batching.sequence_length_round if policy.dynamic_batching.enabled else 1
     at = int(np.argmax(lengths))
     for key, budget in policy.token_budgets().items():
-        if round_up(int(lengths[at]), rnd) > budget:
+        if int(lengths[at]) > budget:
             starts = np.cumsum([0] + [len(rows) for _, rows in rs])
             pid, row = next((pid, rows[at - s]) for (pid, rows), s in zip(rs, starts) if s <= at < s + len(rows))
-            padded = f" (padded to a multiple of {rnd})" if rnd > 1 else ""
-            raise ConfigError(f"partition {pid} row {int(row)} has {int(lengths[at])} tokens{padded}, more than "
+            raise ConfigError(f"partition {pid} row {int(row)} has {int(lengths[at])} tokens, more than "
                               f"{key}={budget}; raise {key} or set policy.max_total_sequence_length <= {budget}")
 
 
