@@ -1,4 +1,4 @@
-"""The pool of an shm store: chunk files of dropped partitions, kept in DIR/.pool for later puts.
+"""The pool of an shm store: segment files of dropped partitions, kept in DIR/.pool for later puts.
 
 Why: a fresh tmpfs page costs an allocation (measured ~1.1 GB/s writing new /dev/shm files vs ~8.6 GB/s
 into pages already faulted in), and RL steps write the same shapes every step. A dropped partition's
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import shutil
 import time
@@ -29,7 +30,8 @@ class Pool:
         return sum(cap for _, cap in self.files())
 
     def claim(self, target: str, size: int) -> None:
-        """Put a file of at least `size` bytes at `target`: a pooled one if any fits, else a new one."""
+        """Put a file of at least `size` bytes at `target`: the smallest pooled one that fits, else a new one.
+        A pooled file is never truncated: its pages are the point of pooling it."""
         for cand, cap in self._candidates(size):
             with contextlib.suppress(ValueError):  # another thread of this process took it first
                 self._seen[1].remove((cand, cap))
@@ -37,12 +39,42 @@ class Pool:
                 os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
             except FileNotFoundError:
                 continue
-            if cap > 2 * size + (1 << 20):  # give back pages we would waste
-                os.truncate(target, size)
-            elif cap < size:
-                self._reserve(target, size, new=False)
             return
         self._reserve(target, size, new=True)
+
+    def has(self, size: int) -> bool:
+        """Is a pooled file of at least `size` bytes there (as a recent listing saw it)?"""
+        return bool(self._candidates(size))
+
+    def clear(self) -> None:
+        """Delete every pooled file (to make room for a segment of another size)."""
+        for cand, _ in self.files():
+            with contextlib.suppress(OSError):
+                os.unlink(cand)
+        self._seen = (0.0, [])
+
+    def add_new(self, size: int) -> bool:
+        """Pool a new file of `size` bytes whose pages are allocated and zeroed now (a writable
+        MAP_POPULATE map faults every page in once; posix_fallocate alone leaves tmpfs pages to be
+        cleared at first touch). False if the filesystem has no room for it."""
+        path = os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}")
+        tmp = os.path.join(self._dir, f".new-{uuid.uuid4().hex}")  # not a pool name until it is whole
+        try:
+            self._reserve(tmp, size, new=True)
+            fd = open_file(tmp, os.O_RDWR)
+            try:
+                mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if e.errno == errno.ENOSPC:
+                return False
+            raise
+        self._seen = (0.0, [])
+        return True
 
     def _reserve(self, path: str, size: int, new: bool) -> None:
         """Make `path` at least `size` bytes with every page allocated now: a mapped page the filesystem
@@ -63,14 +95,12 @@ class Pool:
             os.close(fd)
 
     def _candidates(self, size: int) -> list[tuple[str, int]]:
-        """Pooled files to try, best first: the smallest that fits, then the largest that does not."""
+        """Pooled files to try, best first: the smallest that fits."""
         seen_at, pool = self._seen
         if time.monotonic() - seen_at > 0.05:  # one listing serves all chunks of a put
             pool = self.files()
             self._seen = (time.monotonic(), pool)
-        fits = sorted((c for c in pool if c[1] >= size), key=lambda c: c[1])
-        short = sorted((c for c in pool if c[1] < size), key=lambda c: -c[1])
-        return (fits + short)[:4]
+        return sorted((c for c in pool if c[1] >= size), key=lambda c: c[1])[:4]
 
     def files(self) -> list[tuple[str, int]]:
         """(path, capacity) of each pooled file."""
