@@ -1,0 +1,122 @@
+"""The shm arena: puts placed in a writer's open segment, segments reused after a drop, the arena's bound."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from store_workers import grpo_columns
+from test_store_contract import assert_rows
+
+from dataplane_rl.errors import ConfigError, StoreFullError
+from dataplane_rl.store import open_store
+
+FIELDS = ["input_lengths", "input_ids", "total_reward"]
+
+
+def inodes(store, pid: str) -> set[int]:
+    return {e.inode() for e in os.scandir(store.path / pid / "chunks")}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(f"shm://{tmp_path}/s?prefault_mb=4")
+    yield s
+    s.close()
+
+
+def test_puts_of_one_writer_share_one_segment(store):
+    store.create_partition("a", "grpo", 64)
+    for lo in range(0, 64, 8):
+        store.put("a", grpo_columns(range(lo, lo + 8), FIELDS, seed=lo), range(lo, lo + 8))
+    assert len(inodes(store, "a")) == 1
+    offsets = sorted(int(r.key.rpartition("@")[2]) for r in store._snapshot("a").refs)
+    assert len(set(offsets)) == 8 and all(o % 64 == 0 for o in offsets)
+    for lo in range(0, 64, 8):
+        assert_rows(store, "a", range(lo, lo + 8), FIELDS, seed=lo)
+    other = open_store(store.url)  # a process that never wrote reads the same cells
+    assert other.get("a", ["total_reward"], [63, 0]).num_rows == 2
+    other.close()
+
+
+def test_a_dropped_partition_gives_its_segment_to_the_next_one(store):
+    store.create_partition("a", "grpo", 16)
+    store.put("a", grpo_columns(range(16), FIELDS, seed=1), range(16))
+    first = inodes(store, "a")
+    store.drop_partition("a")
+    store.create_partition("b", "grpo", 16)
+    store.put("b", grpo_columns(range(16), FIELDS, seed=2), range(16))
+    assert inodes(store, "b") == first  # the same file, its pages already there: not unlinked and made again
+    assert_rows(store, "b", range(16), FIELDS, seed=2)
+
+
+def test_a_new_store_has_ready_pages_and_its_first_put_takes_them(tmp_path):
+    s = open_store(f"shm://{tmp_path}/s?prefault_mb=2")
+    try:
+        pooled = {e.inode() for e in os.scandir(tmp_path / "s" / ".pool")}
+        assert s.pool_bytes() == 2 << 20 and len(pooled) == 1
+        s.create_partition("a", "grpo", 4)
+        s.put("a", grpo_columns(range(4), FIELDS), range(4))
+        assert inodes(s, "a") == pooled and s.pool_bytes() == 0
+    finally:
+        s.close()
+    none = open_store(f"shm://{tmp_path}/t?prefault_mb=0")
+    assert none.pool_bytes() == 0
+    none.close()
+
+
+def test_a_failed_put_gives_its_range_back(store):
+    store.create_partition("a", "grpo", 8)
+    store.put("a", grpo_columns(range(4), FIELDS), range(4))
+    used = store._arena._open["a"].used
+    with pytest.raises(Exception):
+        store.put("a", grpo_columns([0], ["total_reward"]), [0])  # a second write of a cell: refused early
+    from dataplane_rl.store import chunks
+
+    real = chunks.write_block
+
+    def fail(*a, **k):
+        raise RuntimeError("injected")
+
+    chunks.write_block = fail
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            store.put("a", grpo_columns(range(4, 8), FIELDS), range(4, 8))
+    finally:
+        chunks.write_block = real
+    assert store._arena._open["a"].used == used
+    store.put("a", grpo_columns(range(4, 8), FIELDS, seed=5), range(4, 8))
+    assert_rows(store, "a", range(4, 8), FIELDS, seed=5)
+
+
+def test_a_full_arena_is_an_error_naming_the_knob_never_an_eviction(tmp_path):
+    s = open_store(f"shm://{tmp_path}/s?arena_mb=2&prefault_mb=0")
+    try:
+        s.create_partition("a", "grpo", 4)
+        s.put("a", grpo_columns(range(4), FIELDS, seed=1), range(4))  # one 1 MiB segment
+        s.create_partition("b", "grpo", 4)
+        s.put("b", grpo_columns(range(4), FIELDS, seed=2), range(4))  # a second: the arena holds 2 MiB
+        s.create_partition("c", "grpo", 4)
+        with pytest.raises(StoreFullError, match=r"arena is full.*data_plane\.shm\.arena_mb"):
+            s.put("c", grpo_columns(range(4), FIELDS), range(4))
+        assert sum(s.status("c").rows_written.values()) == 0
+        assert_rows(s, "a", range(4), FIELDS, seed=1)  # nothing was evicted to make room
+        assert_rows(s, "b", range(4), FIELDS, seed=2)
+        s.drop_partition("a")
+        s.put("c", grpo_columns(range(4), FIELDS, seed=3), range(4))  # a drop makes room
+        assert_rows(s, "c", range(4), FIELDS, seed=3)
+    finally:
+        s.close()
+
+
+def test_arena_options_travel_in_the_url_and_bad_ones_are_refused(tmp_path):
+    s = open_store(f"shm://{tmp_path}/s?arena_mb=64&prefault_mb=1")
+    assert s.url == f"shm://{tmp_path}/s?arena_mb=64&prefault_mb=1"
+    other = open_store(s.url)
+    assert other._arena.limit_bytes == 64 << 20
+    other.close()
+    s.close()
+    with pytest.raises(ConfigError, match="arena_mb=N"):
+        open_store(f"shm://{tmp_path}/x?arena=1")
+    with pytest.raises(ConfigError, match="arena_mb=-1 must be a non-negative integer"):
+        open_store(f"shm://{tmp_path}/y", arena_mb=-1)
