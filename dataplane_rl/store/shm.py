@@ -51,17 +51,16 @@ import pyarrow as pa
 from dataplane_rl.errors import (
     ConfigError,
     CorruptChunkError,
-    PartitionExistsError,
-    PartitionNotFoundError,
     StoreFullError,
     StoreUnavailableError,
 )
 from dataplane_rl.store import chunks, owners
 from dataplane_rl.store.arrow import block_head
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
-from dataplane_rl.store.shm_files import (CHUNK_KEY, DIR_MODE, check_trusted, create_file, framed, open_file, read_file,
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, checksum, layout, split_key
+from dataplane_rl.store.shm_files import (DIR_MODE, check_trusted, create_file, framed, open_file, read_file,
                                           unframe)
+from dataplane_rl.store.shm_catalog import ShmCatalog
 from dataplane_rl.store.shm_arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, Arena
 from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
@@ -69,6 +68,7 @@ from dataplane_rl.store.shm_pool import Pool
 _MARKER = owners.MARKER
 _FORMAT = b"dataplane-rl shm store v3\n"  # v3: one record batch of all a put's columns per row block
 _POOL = ".pool"
+_STATS = ".stats"  # each process's counters (stats.py), for `store ls`
 DEFAULT_POOL_BYTES = 1 << 30
 MiB = 1 << 20
 # URL options: name -> (default, what it is, in the error for a bad one)
@@ -78,21 +78,7 @@ OPTIONS = {"pool_bytes": (DEFAULT_POOL_BYTES, "bytes of dropped segments kept fo
                            "data_plane.shm.prefault_mb")}
 
 
-def _meta_text(meta: PartitionMeta) -> str:
-    """meta.json's body: a line of JSON (pid, num_rows), then the schema JSON verbatim, so a reader
-    parses only the small line and decodes the schema once per process (schema_of caches by its text)."""
-    return json.dumps({"pid": meta.pid, "num_rows": meta.num_rows}) + "\n" + meta.schema_json
-
-
-def _parse_meta(text: str, token: str) -> PartitionMeta:
-    head, _, schema_json = text.partition("\n")
-    d = json.loads(head)
-    if not schema_json.startswith("{"):
-        raise ValueError("no schema after the first line")
-    return PartitionMeta(d["pid"], schema_json, int(d["num_rows"]), token)
-
-
-class ShmStore(ColumnStore):
+class ShmStore(ShmCatalog, ColumnStore):
     scheme = "shm"
     # Smaller row blocks than the default: a shard reader checksums only the blocks holding its rows, and
     # a block costs little here (all blocks of a put share one file).
@@ -124,6 +110,7 @@ class ShmStore(ColumnStore):
         if made:  # pages the first round writes into; pooled, so bounded by pool_bytes
             self._arena.prefault(min(prefault_mb * MiB, pool_bytes))
         self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
+        self._stats_name = f"{os.getpid()}-{os.urandom(6).hex()}.json"
         # An auto folder lives as long as the store that made it, even if close() is never called.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True) if self._auto else None
 
@@ -251,121 +238,6 @@ class ShmStore(ColumnStore):
             raise self._not_found(pid) from None
         return lease
 
-    # -- catalog hooks ---------------------------------------------------------------------------
-    def _create(self, meta: PartitionMeta) -> None:
-        tmp = os.path.join(self._dir, f".create-{uuid.uuid4().hex}")
-        try:
-            with self._os_errors(f"create partition {meta.pid}"):
-                for sub in ("", "refs", "chunks"):
-                    os.mkdir(os.path.join(tmp, sub), DIR_MODE)
-                for name, data in (("lock", b""), ("readers", b""), ("meta.json", framed(_meta_text(meta)))):
-                    create_file(os.path.join(tmp, name), data)
-                try:
-                    os.rename(tmp, os.path.join(self._dir, meta.pid))  # atomic; refuses an existing (non-empty) one
-                    ino = os.stat(os.path.join(self._dir, meta.pid)).st_ino
-                    self._metas[meta.pid] = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, str(ino))
-                except OSError as e:
-                    if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                        raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it "
-                                                   "first or use a new id") from None
-                    raise
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    def _snapshot(self, pid: str) -> Snapshot:
-        """The meta (cached: it never changes; a partition dropped and made again is a new folder, a new
-        inode, and the inode is the token) and the refs files, each parsed once: a stat and a listdir."""
-        pdir = self._pdir(pid)
-        try:
-            st = os.lstat(pdir)
-            ino = st.st_ino
-            cached = self._metas.get(pid)
-            if cached is not None and cached.token == str(ino):
-                meta = cached
-            else:  # first sight of this partition here: it and its folders must be the store's own
-                for folder in (pdir, os.path.join(pdir, "refs"), os.path.join(pdir, "chunks")):
-                    check_trusted(folder)
-                path = os.path.join(pdir, "meta.json")
-                text = unframe(read_file(path), path)
-                try:
-                    meta = _parse_meta(text, str(ino))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CorruptChunkError(f"shm metadata {path} does not describe a partition ({e!r})") from None
-                self._metas[pid] = meta
-        except (FileNotFoundError, NotADirectoryError):
-            raise self._not_found(pid) from None
-        with self._refs_lock:
-            token, refs, n, keys = self._refs_cache.get(pid, (meta.token, [], 0, set()))
-            if token != meta.token:
-                refs, n, keys = [], 0, set()
-            grown = None  # the cached list stays as callers saw it; a copy grows
-            while True:  # commits are numbered: the next one not there yet ends the list (one failed open)
-                path = self._refs_path(pdir, n)
-                try:
-                    new = self._load_refs(path)
-                except (FileNotFoundError, NotADirectoryError):
-                    break
-                # every put writes chunks under fresh keys: a key seen twice is a copied refs file, whose
-                # rows would count (and read) twice. `keys`: every key of the cached refs (kept, not rebuilt
-                # per commit, so following a partition of many puts stays linear)
-                again = next((r.key for r in new if r.key in keys), None)
-                if again is not None:
-                    self._refs_cache.pop(pid, None)  # `keys` may hold keys of files not in the cache's refs
-                    raise CorruptChunkError(f"shm refs file {path} repeats chunk {again} of an earlier commit of "
-                                            f"partition {pid}; the partition cannot be trusted, drop it")
-                keys.update(r.key for r in new)
-                grown = (grown if grown is not None else list(refs)) + new
-                n += 1
-            if grown is not None:
-                refs = grown
-            self._refs_cache[pid] = (meta.token, refs, n, keys)
-        return Snapshot(meta, refs)
-
-    @staticmethod
-    def _refs_path(pdir: str, n: int) -> str:
-        return os.path.join(pdir, "refs", f"{n:010d}.json")
-
-    @staticmethod
-    def _load_refs(path: str) -> list[ChunkRef]:
-        text = unframe(read_file(path), path)
-        try:
-            refs = chunks.refs_from_json(text)
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptChunkError(f"shm refs file {path} does not hold chunk refs ({e!r})") from None
-        for ref in refs:  # checksummed already; still, never join an unchecked name to a path
-            if not CHUNK_KEY.fullmatch(ref.key) or ref.nbytes < 0:
-                raise CorruptChunkError(f"shm refs file {path} names chunk key {ref.key!r}, not one this store "
-                                        "writes; the partition cannot be trusted, drop it")
-        return refs
-
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
-        pid = meta.pid
-        with self._locked(pid) as pdir:
-            with self._refs_lock:  # the snapshot and its cache entry together (another thread may forget it)
-                snap = self._snapshot(pid)
-                _, _, n, keys = self._refs_cache[pid]  # n: the next number, under the partition lock
-            if snap.meta.token != meta.token:
-                raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
-            err = self._conflict(snap, refs)
-            if err:
-                raise err
-            target, tmp = self._refs_path(pdir, n), os.path.join(pdir, f".refs-{os.urandom(16).hex()}")
-            try:
-                with self._os_errors(f"commit a put to partition {pid}"):
-                    create_file(tmp, framed(chunks.refs_to_json(refs)))
-                    os.rename(tmp, target)  # atomic; only the lock holder writes number n
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            with self._refs_lock:  # our own commit: no parse
-                keys.update(r.key for r in refs)
-                self._refs_cache[pid] = (meta.token, snap.refs + list(refs), n + 1, keys)
-
-    def _list(self) -> list[str]:
-        return [n for n in os.listdir(self._dir) if PID.fullmatch(n)]
-
     # -- chunk hooks -----------------------------------------------------------------------------
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
         """Serialize every block of the put in place into the next free range of this process's open
@@ -480,3 +352,38 @@ class ShmStore(ColumnStore):
     def pool_bytes(self) -> int:
         """Bytes of dropped chunk files held for reuse (counted in /dev/shm usage)."""
         return self._pool.bytes()
+
+    def _gauges(self) -> dict[str, float]:
+        allocated = self._arena.bytes_used() - (pooled := self._pool.bytes())
+        cap = self._arena.limit_bytes
+        p = "dataplane_store_arena_"
+        return {p + "capacity_bytes": cap, p + "allocated_bytes": allocated, p + "pooled_bytes": pooled,
+                p + "free_bytes": max(0, cap - allocated)}
+
+    def _share_counters(self, metrics: dict[str, float], final: bool) -> None:
+        """DIR/.stats/<pid>-<hex>.json: this process's counters, rewritten (by rename) at most every second
+        and at close, so `store ls` in another process adds up every process of the store."""
+        if not any(metrics.values()):
+            return
+        folder = os.path.join(self._dir, _STATS)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, DIR_MODE)
+        check_trusted(folder)
+        tmp = os.path.join(folder, f".{self._stats_name}-{os.urandom(4).hex()}")
+        create_file(tmp, framed(json.dumps(metrics)))
+        os.rename(tmp, os.path.join(folder, self._stats_name))
+
+    def _other_counters(self) -> dict[str, float]:
+        from dataplane_rl.store.stats import add
+
+        total: dict[str, float] = {}
+        folder = os.path.join(self._dir, _STATS)
+        with contextlib.suppress(FileNotFoundError):
+            check_trusted(folder)
+            for name in os.listdir(folder):
+                if name.startswith(".") or name == self._stats_name:
+                    continue
+                path = os.path.join(folder, name)
+                with contextlib.suppress(OSError, ValueError, CorruptChunkError):  # a damaged file counts nothing
+                    add(total, json.loads(unframe(read_file(path), path)))
+        return total
