@@ -259,6 +259,7 @@ class ShmStore(ShmCatalog, ColumnStore):
         path, out = os.path.join(folder, name), []
         try:
             with self._maps.file(path, base + end, writable=True) as f:
+                f.prepare(base, end)
                 for block, off in zip(blocks, offsets):
                     room = head + chunks.room(block)
                     sink = f.sink(base + off - head, room)  # a writer that cannot go past the block's room

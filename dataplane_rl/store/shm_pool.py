@@ -15,7 +15,6 @@ import fcntl
 import mmap
 import os
 import shutil
-import time
 import uuid
 
 from dataplane_rl.store.shm_files import open_file
@@ -24,7 +23,6 @@ from dataplane_rl.store.shm_files import open_file
 class Pool:
     def __init__(self, folder: str, limit: int) -> None:
         self._dir, self._limit = folder, limit
-        self._seen: tuple[float, list[tuple[str, int]]] = (0.0, [])  # a recent listing, shared by close claims
 
     def bytes(self) -> int:
         return sum(cap for _, cap in self.files())
@@ -32,9 +30,7 @@ class Pool:
     def claim(self, target: str, size: int) -> None:
         """Put a file of at least `size` bytes at `target`: the smallest pooled one that fits, else a new one.
         A pooled file is never truncated: its pages are the point of pooling it."""
-        for cand, cap in self._candidates(size):
-            with contextlib.suppress(ValueError):  # another thread of this process took it first
-                self._seen[1].remove((cand, cap))
+        for cand, _ in self._candidates(size):
             try:
                 os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
             except FileNotFoundError:
@@ -43,7 +39,7 @@ class Pool:
         self._reserve(target, size, new=True)
 
     def has(self, size: int) -> bool:
-        """Is a pooled file of at least `size` bytes there (as a recent listing saw it)?"""
+        """Is a pooled file of at least `size` bytes there?"""
         return bool(self._candidates(size))
 
     def clear(self) -> None:
@@ -51,7 +47,6 @@ class Pool:
         for cand, _ in self.files():
             with contextlib.suppress(OSError):
                 os.unlink(cand)
-        self._seen = (0.0, [])
 
     def add_new(self, size: int) -> bool:
         """Pool a new file of `size` bytes whose pages are allocated and zeroed now (a writable
@@ -73,7 +68,6 @@ class Pool:
             if e.errno == errno.ENOSPC:
                 return False
             raise
-        self._seen = (0.0, [])
         return True
 
     def _reserve(self, path: str, size: int, new: bool) -> None:
@@ -89,17 +83,14 @@ class Pool:
                 for cand, _ in self.files():  # the pool is only a cache: space for a put comes first
                     with contextlib.suppress(OSError):
                         os.unlink(cand)
-                self._seen = (0.0, [])
                 os.posix_fallocate(fd, 0, size)
         finally:
             os.close(fd)
 
     def _candidates(self, size: int) -> list[tuple[str, int]]:
-        """Pooled files to try, best first: the smallest that fits."""
-        seen_at, pool = self._seen
-        if time.monotonic() - seen_at > 0.05:  # one listing serves all chunks of a put
-            pool = self.files()
-            self._seen = (time.monotonic(), pool)
+        """Pooled files to try, best first: the smallest that fits. Listed each time: a segment is claimed
+        once per several puts, and another process's drop may have pooled one since."""
+        pool = self.files()
         return sorted((c for c in pool if c[1] >= size), key=lambda c: c[1])[:4]
 
     def files(self) -> list[tuple[str, int]]:
@@ -125,8 +116,6 @@ class Pool:
                     continue
                 path = os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}")
                 os.rename(entry.path, path)
-                # the next claim finds it without listing the pool again (a stale entry only fails a rename)
-                self._seen[1].append((path, size))
                 room -= size
         except OSError:
             pass  # still mapped somewhere (BlockingIOError): deleted below, freed when the last mapping goes
