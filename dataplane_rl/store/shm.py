@@ -24,7 +24,7 @@ partition, kept mapped (one copy, no claim, map or rename per put: shm_arena.py)
 checksum, so a shard reader checksums only the blocks it reads. It becomes visible when its refs file is
 renamed to the next number under the partition lock, after re-checking that no cell is already committed;
 a writer that dies before that leaves only unreferenced bytes, freed with the partition. While it writes,
-a put holds the partition's `readers` lease, so a drop never pools a segment that a put still writes. Refs files are numbered, so a
+a put holds a shared flock on its segment, so a drop never pools a segment that a put still writes. Refs files are numbered, so a
 reader finds new commits by opening the next number (one failed open when nothing changed), never by
 listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
 under the lock, so no new reader finds it, while open mappings stay readable. The file pool is in
@@ -76,6 +76,16 @@ OPTIONS = {"pool_bytes": (DEFAULT_POOL_BYTES, "bytes of dropped segments kept fo
            "arena_mb": (DEFAULT_ARENA // MiB, "MiB the store's segments may hold in all, data_plane.shm.arena_mb"),
            "prefault_mb": (DEFAULT_PREFAULT // MiB, "MiB of pages made ready when the store is made, "
                            "data_plane.shm.prefault_mb")}
+
+
+@contextlib.contextmanager
+def _writing(fd: int) -> Iterator[None]:
+    """A shared flock on a segment file while a put writes into it (shm_pool.take_back)."""
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 class ShmStore(ShmCatalog, ColumnStore):
@@ -247,18 +257,19 @@ class ShmStore(ShmCatalog, ColumnStore):
         offsets, end = layout(blocks, head)
         pdir = self._pdir(pid)
         folder = os.path.join(pdir, "chunks")
-        lease = self._lease(pid)  # held while writing: a drop meanwhile deletes this put's segment, never pools it
         gone = "was dropped while this put was writing (nothing was written)"
         try:
-            if str(os.lstat(pdir).st_ino) != meta.token:
-                raise FileNotFoundError(pdir)
             with self._os_errors(f"write a put of partition {pid}", max(end, 1)):
                 name, base, _ = self._arena.place(pid, meta.token, folder, end)
         except FileNotFoundError:
             raise self._not_found(pid, gone) from None
         path, out = os.path.join(folder, name), []
         try:
-            with self._maps.file(path, base + end, writable=True) as f:
+            with self._maps.file(path, base + end, writable=True) as f, _writing(f.fileno()):
+                # under the segment's shared lock, which a drop must win to pool the segment: a partition
+                # still here now cannot pool this segment (to another writer) before the write ends
+                if str(os.lstat(pdir).st_ino) != meta.token:
+                    raise FileNotFoundError(pdir)
                 f.prepare(base, end)
                 for block, off in zip(blocks, offsets):
                     room = head + chunks.room(block)
@@ -274,7 +285,6 @@ class ShmStore(ShmCatalog, ColumnStore):
             if isinstance(e, FileNotFoundError):
                 raise self._not_found(pid, gone) from None
             raise
-        del lease
         return out
 
     def _give_back(self, pid: str, name: str, base: int, end: int) -> None:

@@ -20,6 +20,19 @@ import uuid
 from dataplane_rl.store.shm_files import open_file
 
 
+def _idle(path: str) -> bool:
+    """No put is writing into this segment (shm.py holds a shared flock on it while it writes), and none
+    can start: a put checks, under that lock, that its partition is still there."""
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
 class Pool:
     def __init__(self, folder: str, limit: int) -> None:
         self._dir, self._limit = folder, limit
@@ -112,10 +125,9 @@ class Pool:
             room = self._limit - self.bytes()
             for entry in os.scandir(os.path.join(trash, "chunks")):
                 size = entry.stat().st_size
-                if entry.name.startswith(".") or not 0 < size <= room:
+                if entry.name.startswith(".") or not 0 < size <= room or not _idle(entry.path):
                     continue
-                path = os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}")
-                os.rename(entry.path, path)
+                os.rename(entry.path, os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}"))
                 room -= size
         except OSError:
             pass  # still mapped somewhere (BlockingIOError): deleted below, freed when the last mapping goes
