@@ -120,3 +120,31 @@ def test_arena_options_travel_in_the_url_and_bad_ones_are_refused(tmp_path):
         open_store(f"shm://{tmp_path}/x?arena=1")
     with pytest.raises(ConfigError, match="arena_mb=-1 must be a non-negative integer"):
         open_store(f"shm://{tmp_path}/y", arena_mb=-1)
+
+
+def test_a_drop_while_a_put_writes_never_pools_that_segment(store):
+    from dataplane_rl.errors import PartitionNotFoundError
+    from dataplane_rl.store import chunks
+
+    store.create_partition("a", "grpo", 8)
+    store.put("a", grpo_columns(range(4), FIELDS), range(4))
+    segment = inodes(store, "a")
+    real, dropped = chunks.write_block, []
+
+    def drop_meanwhile(*a, **k):  # the partition is dropped while this put's bytes are being written
+        if not dropped:
+            dropped.append(1)
+            store.drop_partition("a")
+        return real(*a, **k)
+
+    chunks.write_block = drop_meanwhile
+    try:
+        with pytest.raises(PartitionNotFoundError, match="partition a"):
+            store.put("a", grpo_columns(range(4, 8), FIELDS), range(4, 8))
+    finally:
+        chunks.write_block = real
+    pooled = {e.inode() for e in os.scandir(store.path / ".pool")}
+    assert dropped and not segment & pooled  # deleted, not handed to the next put while written
+    store.create_partition("b", "grpo", 4)
+    store.put("b", grpo_columns(range(4), FIELDS, seed=9), range(4))
+    assert_rows(store, "b", range(4), FIELDS, seed=9)
