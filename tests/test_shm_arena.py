@@ -148,3 +148,13 @@ def test_a_drop_while_a_put_writes_never_pools_that_segment(store):
     store.create_partition("b", "grpo", 4)
     store.put("b", grpo_columns(range(4), FIELDS, seed=9), range(4))
     assert_rows(store, "b", range(4), FIELDS, seed=9)
+
+
+def test_segment_sizes_double_per_partition_and_fit_a_large_put():
+    from dataplane_rl.store.shm_arena import MiB, segment_size
+
+    assert segment_size(1000, 0, 64 * MiB) == MiB  # a small first put: the smallest segment
+    assert segment_size(1000, MiB, 64 * MiB) == 2 * MiB  # the partition's next one doubles
+    assert segment_size(1000, 64 * MiB, 64 * MiB) == 64 * MiB  # ... up to the largest
+    assert segment_size(5 * MiB + 1, 0, 64 * MiB) == 8 * MiB  # a power of two that fits
+    assert segment_size(100 * MiB + 1, 0, 64 * MiB) == 101 * MiB  # above the largest: its own size, whole MiB

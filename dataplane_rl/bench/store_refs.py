@@ -34,7 +34,6 @@ def fresh_page_ceiling(batch: dict[str, pa.Array], repeats: int, folder: str = "
                     np.copyto(dst[at:at + s.size], s)
                     parts.append(dst[at:at + s.size])
                     at += s.size
-                t1 = time.perf_counter()
                 touch(parts)
                 t2 = time.perf_counter()
                 del dst, parts

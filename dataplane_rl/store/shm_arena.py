@@ -34,8 +34,10 @@ DEFAULT_PREFAULT = 64 * MiB
 
 def segment_size(need: int, previous: int, largest: int) -> int:
     """A new segment for a put of `need` bytes: twice the partition's previous one (so a partition of many
-    small puts claims few segments), at least MIN_SEGMENT, at most `largest` unless one put needs more;
-    a power of two, so segments of a steady run come back to the pool in few sizes."""
+    small puts claims few segments), at least MIN_SEGMENT, at most `largest`; a power of two, so segments
+    of a steady run come back to the pool in few sizes. A put larger than `largest` gets a segment its size."""
+    if need > largest:  # a put of its own: sized to it (whole MiB), a power of two would waste up to half
+        return -(-need // MiB) * MiB
     want = max(need, MIN_SEGMENT, min(2 * previous, largest))
     return 1 << (want - 1).bit_length()
 

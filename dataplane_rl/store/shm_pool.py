@@ -2,8 +2,8 @@
 
 Why: a fresh tmpfs page costs an allocation (measured ~1.1 GB/s writing new /dev/shm files vs ~8.6 GB/s
 into pages already faulted in), and RL steps write the same shapes every step. A dropped partition's
-files are pooled only when no process still maps it (its `readers` lock), so reuse never changes bytes
-under a live zero-copy array. Pooled files are named `<bytes>-<hex>`; a claim renames one into place,
+segments are pooled only when no process still maps it (its `readers` lock), so reuse never changes bytes
+under a live zero-copy array, and only those no put is writing (the segment's own lock). Pooled files are named `<bytes>-<hex>`; a claim renames one into place,
 which is atomic: of two writers wanting one file, one gets it.
 """
 
@@ -49,7 +49,7 @@ class Pool:
             except FileNotFoundError:
                 continue
             return
-        self._reserve(target, size, new=True)
+        self._reserve(target, size)
 
     def has(self, size: int) -> bool:
         """Is a pooled file of at least `size` bytes there?"""
@@ -68,7 +68,7 @@ class Pool:
         path = os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}")
         tmp = os.path.join(self._dir, f".new-{uuid.uuid4().hex}")  # not a pool name until it is whole
         try:
-            self._reserve(tmp, size, new=True)
+            self._reserve(tmp, size)
             fd = open_file(tmp, os.O_RDWR)
             try:
                 mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()
@@ -83,10 +83,10 @@ class Pool:
             raise
         return True
 
-    def _reserve(self, path: str, size: int, new: bool) -> None:
+    def _reserve(self, path: str, size: int) -> None:
         """Make `path` at least `size` bytes with every page allocated now: a mapped page the filesystem
         cannot back later would SIGBUS the writer. When space is short, pooled files go first."""
-        fd = open_file(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if new else 0))
+        fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
