@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 from store_workers import grpo_columns
 from test_store_contract import assert_rows
@@ -89,22 +90,50 @@ def test_a_failed_put_gives_its_range_back(store):
     assert_rows(store, "a", range(4, 8), FIELDS, seed=5)
 
 
+def big(seed: int) -> dict:
+    """4 rows of 20000 tokens: 320 kB of input_ids, a 512 KiB segment."""
+    return {"input_lengths": np.full(4, 20000, np.int32), "input_ids": [np.arange(20000, dtype=np.int32) + seed] * 4}
+
+
 def test_a_full_arena_is_an_error_naming_the_knob_never_an_eviction(tmp_path):
-    s = open_store(f"shm://{tmp_path}/s?arena_mb=2&prefault_mb=0")
+    s = open_store(f"shm://{tmp_path}/s?arena_mb=1&prefault_mb=0")
     try:
-        s.create_partition("a", "grpo", 4)
-        s.put("a", grpo_columns(range(4), FIELDS, seed=1), range(4))  # one 1 MiB segment
-        s.create_partition("b", "grpo", 4)
-        s.put("b", grpo_columns(range(4), FIELDS, seed=2), range(4))  # a second: the arena holds 2 MiB
-        s.create_partition("c", "grpo", 4)
+        for pid in "abc":
+            s.create_partition(pid, "grpo", 4)
+        s.put("a", big(1), range(4))
+        s.put("b", big(2), range(4))  # a second 512 KiB segment: the arena holds its 1 MiB
         with pytest.raises(StoreFullError, match=r"arena is full.*data_plane\.shm\.arena_mb"):
-            s.put("c", grpo_columns(range(4), FIELDS), range(4))
+            s.put("c", big(3), range(4))
         assert sum(s.status("c").rows_written.values()) == 0
-        assert_rows(s, "a", range(4), FIELDS, seed=1)  # nothing was evicted to make room
-        assert_rows(s, "b", range(4), FIELDS, seed=2)
+        for pid, seed in (("a", 1), ("b", 2)):  # nothing was evicted to make room
+            assert s.get(pid, ["input_ids"], [3]).column(0).to_pylist() == [list(range(seed, 20000 + seed))]
         s.drop_partition("a")
-        s.put("c", grpo_columns(range(4), FIELDS, seed=3), range(4))  # a drop makes room
-        assert_rows(s, "c", range(4), FIELDS, seed=3)
+        s.put("c", big(3), range(4))  # a drop makes room
+        assert s.get("c", ["input_ids"], [0]).column(0).to_pylist() == [list(range(3, 20003))]
+    finally:
+        s.close()
+
+
+def test_a_put_takes_a_pooled_segment_of_at_most_4x_or_8_mib(tmp_path):
+    s = open_store(f"shm://{tmp_path}/s?prefault_mb=0")
+    try:
+        s.create_partition("a", "grpo", 8)
+        s.put("a", big(1), range(4))  # 512 KiB
+        s.drop_partition("a")
+        s._arena.prefault(16 << 20)  # and two 8 MiB segments
+        s.create_partition("b", "grpo", 8)
+        s.put("b", grpo_columns(range(8), FIELDS), range(8))  # ~1 kB: a 64 KiB segment
+        took = {e.stat().st_size for e in os.scandir(s.path / "b" / "chunks")}
+        assert took == {512 << 10}  # the 512 KiB one (at most 8 MiB is fine), not a new one
+        s.create_partition("c", "grpo", 4)
+        s.put("c", big(2), range(4))  # 512 KiB asked: an 8 MiB pooled one is within 8 MiB
+        assert {e.stat().st_size for e in os.scandir(s.path / "c" / "chunks")} == {8 << 20}
+        assert s._pool.add_new(32 << 20)
+        for pid, want in (("d", 8 << 20), ("e", 64 << 10)):  # the last 8 MiB one; then never the 32 MiB one
+            s.create_partition(pid, "grpo", 8)
+            s.put(pid, grpo_columns(range(8), FIELDS), range(8))
+            assert {e.stat().st_size for e in os.scandir(s.path / pid / "chunks")} == {want}
+        assert s.pool_bytes() == 32 << 20
     finally:
         s.close()
 
@@ -153,8 +182,8 @@ def test_a_drop_while_a_put_writes_never_pools_that_segment(store):
 def test_segment_sizes_double_per_partition_and_fit_a_large_put():
     from dataplane_rl.store.shm_arena import MiB, segment_size
 
-    assert segment_size(1000, 0, 64 * MiB) == MiB  # a small first put: the smallest segment
-    assert segment_size(1000, MiB, 64 * MiB) == 2 * MiB  # the partition's next one doubles
+    assert segment_size(1000, 0, 64 * MiB) == 64 << 10  # a small first put: the smallest segment
+    assert segment_size(1000, 64 << 10, 64 * MiB) == 128 << 10  # the partition's next one doubles
     assert segment_size(1000, 64 * MiB, 64 * MiB) == 64 * MiB  # ... up to the largest
     assert segment_size(5 * MiB + 1, 0, 64 * MiB) == 8 * MiB  # a power of two that fits
     assert segment_size(100 * MiB + 1, 0, 64 * MiB) == 101 * MiB  # above the largest: its own size, whole MiB

@@ -26,7 +26,8 @@ from dataplane_rl.errors import StoreFullError
 from dataplane_rl.store.chunks import align
 
 MiB = 1 << 20
-MIN_SEGMENT = 1 * MiB  # smallest segment: many small partitions must not each hold a large one
+MIN_SEGMENT = 64 << 10  # smallest segment: a kept run's many small partitions must not each hold a large one
+PREFAULT_SEGMENT = 8 * MiB  # pre-touched segments come in this size; a put may take one up to this much larger
 DEFAULT_SEGMENT = 64 * MiB  # a partition's segments double up to this size
 DEFAULT_ARENA = 16 << 30  # arena_mb default: far above a step's columns, well below a node's RAM
 DEFAULT_PREFAULT = 64 * MiB
@@ -82,7 +83,8 @@ class Arena:
     def claim(self, target: str, size: int) -> None:
         """A segment of at least `size` bytes at `target`: a pooled one if any fits, else a new one if the
         arena's bound allows it (pooled files of other sizes go first: the pool is only a cache)."""
-        if not self._pool.has(size):  # a new file: counted against the bound first
+        most = max(4 * size, PREFAULT_SEGMENT)  # a pooled segment far larger than asked would strand its pages
+        if not self._pool.has(size, most):  # a new file: counted against the bound first
             used = self.bytes_used()
             if used + size > self.limit_bytes:
                 self._pool.clear()
@@ -92,7 +94,7 @@ class Arena:
                     f"shm store {self._dir}: the arena is full ({used} of {self.limit_bytes} bytes in partitions and "
                     f"pooled segments, {size} more asked); nothing of this put was kept. Drop partitions, or raise "
                     "data_plane.shm.arena_mb (the shm:// URL's ?arena_mb=N)")
-        self._pool.claim(target, size)
+        self._pool.claim(target, size, most)
 
     def done(self, pid: str, name: str, off: int, need: int, ok: bool) -> bool:
         """A put placed at `off` of segment `name` committed (`ok`) or failed. A failed put gives its range
@@ -133,12 +135,12 @@ class Arena:
         return total
 
     def prefault(self, nbytes: int) -> None:
-        """Fill the pool with `nbytes` of allocated pages, in segments of the largest size, at store creation:
+        """Fill the pool with `nbytes` of allocated pages, in PREFAULT_SEGMENT pieces, at store creation:
         the first round of a run then writes into allocated pages, not fresh ones. Best effort: a filesystem
         too small for it keeps what fitted."""
         left = min(nbytes, self.limit_bytes)
         while left >= MIN_SEGMENT:
-            size = min(self.segment_bytes, 1 << (left.bit_length() - 1))
+            size = min(PREFAULT_SEGMENT, 1 << (left.bit_length() - 1))
             if not self._pool.add_new(size):
                 return
             left -= size

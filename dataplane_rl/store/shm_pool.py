@@ -40,10 +40,10 @@ class Pool:
     def bytes(self) -> int:
         return sum(cap for _, cap in self.files())
 
-    def claim(self, target: str, size: int) -> None:
-        """Put a file of at least `size` bytes at `target`: the smallest pooled one that fits, else a new one.
-        A pooled file is never truncated: its pages are the point of pooling it."""
-        for cand, _ in self._candidates(size):
+    def claim(self, target: str, size: int, most: int | None = None) -> None:
+        """Put a file of at least `size` bytes at `target`: the smallest pooled one that fits (of at most `most`
+        bytes), else a new one. A pooled file is never truncated: its pages are the point of pooling it."""
+        for cand, _ in self._candidates(size, most):
             try:
                 os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
             except FileNotFoundError:
@@ -51,9 +51,9 @@ class Pool:
             return
         self._reserve(target, size)
 
-    def has(self, size: int) -> bool:
-        """Is a pooled file of at least `size` bytes there?"""
-        return bool(self._candidates(size))
+    def has(self, size: int, most: int | None = None) -> bool:
+        """Is a pooled file of `size` to `most` bytes there?"""
+        return bool(self._candidates(size, most))
 
     def clear(self) -> None:
         """Delete every pooled file (to make room for a segment of another size)."""
@@ -100,11 +100,12 @@ class Pool:
         finally:
             os.close(fd)
 
-    def _candidates(self, size: int) -> list[tuple[str, int]]:
+    def _candidates(self, size: int, most: int | None = None) -> list[tuple[str, int]]:
         """Pooled files to try, best first: the smallest that fits. Listed each time: a segment is claimed
         once per several puts, and another process's drop may have pooled one since."""
         pool = self.files()
-        return sorted((c for c in pool if c[1] >= size), key=lambda c: c[1])[:4]
+        top = most if most is not None else float("inf")
+        return sorted((c for c in pool if size <= c[1] <= top), key=lambda c: c[1])[:4]
 
     def files(self) -> list[tuple[str, int]]:
         """(path, capacity) of each pooled file."""
