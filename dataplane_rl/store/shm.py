@@ -58,10 +58,9 @@ from dataplane_rl.store import chunks, owners
 from dataplane_rl.store.arrow import block_head
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, checksum, layout, split_key
-from dataplane_rl.store.shm_files import (DIR_MODE, check_trusted, create_file, framed, open_file, read_file,
-                                          unframe)
+from dataplane_rl.store.shm_arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, MiB, Arena
 from dataplane_rl.store.shm_catalog import ShmCatalog
-from dataplane_rl.store.shm_arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, Arena
+from dataplane_rl.store.shm_files import DIR_MODE, check_trusted, create_file, framed, open_file, read_file, unframe
 from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
 
@@ -70,7 +69,6 @@ _FORMAT = b"dataplane-rl shm store v3\n"  # v3: one record batch of all a put's 
 _POOL = ".pool"
 _STATS = ".stats"  # each process's counters (stats.py), for `store ls`
 DEFAULT_POOL_BYTES = 1 << 30
-MiB = 1 << 20
 # URL options: name -> (default, what it is, in the error for a bad one)
 OPTIONS = {"pool_bytes": (DEFAULT_POOL_BYTES, "bytes of dropped segments kept for reuse"),
            "arena_mb": (DEFAULT_ARENA // MiB, "MiB the store's segments may hold in all, data_plane.shm.arena_mb"),
