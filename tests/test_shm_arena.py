@@ -9,7 +9,7 @@ import pytest
 from store_workers import grpo_columns
 from test_store_contract import assert_rows
 
-from dataplane_rl.errors import ConfigError, StoreFullError
+from dataplane_rl.errors import ConfigError, DuplicateWriteError, StoreFullError
 from dataplane_rl.store import open_store
 
 FIELDS = ["input_lengths", "input_ids", "total_reward"]
@@ -70,7 +70,7 @@ def test_a_failed_put_gives_its_range_back(store):
     store.create_partition("a", "grpo", 8)
     store.put("a", grpo_columns(range(4), FIELDS), range(4))
     used = store._arena._open["a"].used
-    with pytest.raises(Exception):
+    with pytest.raises(DuplicateWriteError):
         store.put("a", grpo_columns([0], ["total_reward"]), [0])  # a second write of a cell: refused early
     from dataplane_rl.store import chunks
 

@@ -8,7 +8,11 @@ import sys
 import pytest
 from store_workers import grpo_columns
 
-from dataplane_rl.errors import DuplicateWriteError, MissingColumnError, PartitionNotFoundError
+from dataplane_rl.errors import (
+    DuplicateWriteError,
+    MissingColumnError,
+    PartitionNotFoundError,
+)
 from dataplane_rl.store import open_store
 
 P = "dataplane_store_"

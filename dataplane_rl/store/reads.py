@@ -9,7 +9,13 @@ import pyarrow as pa
 
 from dataplane_rl.errors import CorruptChunkError, MissingColumnError, format_rows
 from dataplane_rl.store.arrow import block_schema, schema_of
-from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot, checksum, decode_block
+from dataplane_rl.store.chunks import (
+    ChunkRef,
+    PartitionMeta,
+    Snapshot,
+    checksum,
+    decode_block,
+)
 from dataplane_rl.store.rows import distinct, gather, runs_of
 
 

@@ -12,7 +12,15 @@ import uuid
 from dataplane_rl.errors import CorruptChunkError, PartitionExistsError
 from dataplane_rl.store import chunks
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot
-from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, check_trusted, create_file, framed, read_file, unframe
+from dataplane_rl.store.shm_files import (
+    CHUNK_KEY,
+    DIR_MODE,
+    check_trusted,
+    create_file,
+    framed,
+    read_file,
+    unframe,
+)
 
 
 def _meta_text(meta: PartitionMeta) -> str:

@@ -26,7 +26,7 @@ FLUSH_EVERY_S = 1.0  # how often a process writes its counters where other proce
 def cause_of(error: BaseException) -> str:
     """'DuplicateWriteError' -> 'duplicate_write': the `cause` label of a refusal."""
     name = type(error).__name__
-    name = name[:-5] if name.endswith("Error") else name
+    name = name.removesuffix("Error")
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
