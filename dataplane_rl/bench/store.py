@@ -20,82 +20,32 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import statistics
 import sys
 import time
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
+
+from dataplane_rl.bench.store_refs import (
+    fresh_page_ceiling,
+    memcpy_ceiling,
+    raw_mooncake,
+)
+from dataplane_rl.bench.store_report import plot, table
+from dataplane_rl.bench.store_work import (
+    _stats,
+    make_batch,
+    payload_bytes,
+    touch,
+    views_of,
+)
 
 DEFAULT_BACKENDS = "shm,mooncake,ray"
+__all__ = ["fresh_page_ceiling", "make_batch", "memcpy_ceiling", "payload_bytes", "plot", "raw_mooncake", "run",
+           "table", "touch", "views_of"]
 
 
 # ---- workload --------------------------------------------------------------------------------------
-def make_batch(samples: int, min_len: int, max_len: int, seed: int = 0) -> dict[str, pa.Array]:
-    """DP_TRAIN_FIELDS for `samples` rows, as Arrow arrays of the declared types."""
-    from dataplane_rl.schema import DP_TRAIN_FIELDS, GRPO_SCHEMA
-    from dataplane_rl.store import list_array
-
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(min_len, max_len + 1, size=samples).astype(np.int32)
-    total = int(lengths.sum())
-    out: dict[str, pa.Array] = {}
-    for name in DP_TRAIN_FIELDS:
-        col = GRPO_SCHEMA.column(name)
-        np_type = np.dtype(col.value_type.to_pandas_dtype())
-        n = total if col.kind == "token" else samples
-        if name == "input_lengths":
-            values = lengths
-        elif np.issubdtype(np_type, np.floating):
-            values = rng.standard_normal(n).astype(np_type)
-        else:
-            values = rng.integers(0, 2 if np_type.itemsize == 1 else 50_000, size=n).astype(np_type)
-        arr = pa.array(values, type=col.value_type)
-        out[name] = list_array(values, lengths, col.value_type) if col.kind == "token" else arr
-    return out
-
-
-def payload_bytes(batch: dict[str, pa.Array]) -> int:
-    return sum(a.nbytes for a in batch.values())
-
-
-def views_of(obj) -> list[np.ndarray]:
-    """Zero-copy numpy views of exactly the bytes a (possibly sliced) column holds for its rows."""
-    if isinstance(obj, pa.Table):
-        return [v for c in obj.columns for v in views_of(c)]
-    if isinstance(obj, pa.ChunkedArray):
-        return [v for c in obj.chunks for v in views_of(c)]
-    if pa.types.is_list(obj.type):
-        offsets = obj.offsets  # sliced to this array's rows
-        o = offsets.to_numpy(zero_copy_only=True)
-        return [o, *views_of(obj.values.slice(int(o[0]), int(o[-1] - o[0])))]
-    return [obj.to_numpy(zero_copy_only=True)]
-
-
-def touch(arrays) -> int:
-    """Read every byte (an xor over 8-byte words where aligned, the rest byte-wise); returns bytes read.
-    A few numpy calls per array: the per-array cost counts against whoever hands out more pieces."""
-    n = 0
-    xor = np.bitwise_xor.reduce
-    for arr in arrays:
-        a = arr.view(np.uint8) if arr.ndim == 1 and arr.flags.c_contiguous else \
-            np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-        size = a.size
-        n += size
-        head = size & ~7 if a.ctypes.data & 7 == 0 else 0
-        if head:
-            xor(a[:head].view(np.uint64))
-        if head < size:
-            xor(a[head:])
-    return n
-
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
-
-
-# ---- worker processes ------------------------------------------------------------------------------
 def _writer(url: str, conn, samples: int, min_len: int, max_len: int) -> None:
     from dataplane_rl.store import open_store
 
@@ -271,70 +221,6 @@ def small_calls(store, min_len: int, max_len: int, repeats: int, reader=None, pr
     return out
 
 
-def fresh_page_ceiling(batch: dict[str, pa.Array], repeats: int, folder: str = "/dev/shm") -> dict[str, Any]:
-    """What a cold round cannot beat: copy the batch's buffers into a new tmpfs file's pages (each page
-    allocated and faulted in by the copy), then touch every byte. A new file per repeat."""
-    import mmap
-    import os
-    import uuid
-
-    srcs = [v.view(np.uint8) for v in views_of(pa.table(batch)) if v.size]
-    nbytes = sum(s.size for s in srcs)
-    e2e = []
-    for _ in range(repeats):
-        path = os.path.join(folder, f".dataplane-rl-bench-{uuid.uuid4().hex}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            t0 = time.perf_counter()
-            os.ftruncate(fd, nbytes)
-            with mmap.mmap(fd, nbytes) as m:
-                dst = np.frombuffer(m, dtype=np.uint8)
-                parts, at = [], 0
-                for s in srcs:
-                    np.copyto(dst[at:at + s.size], s)
-                    parts.append(dst[at:at + s.size])
-                    at += s.size
-                t1 = time.perf_counter()
-                touch(parts)
-                t2 = time.perf_counter()
-                del dst, parts
-            e2e.append(nbytes / (t2 - t0) / 1e9)
-        finally:
-            os.close(fd)
-            os.unlink(path)
-    return {"e2e_gbps": _stats(e2e)}
-
-
-def memcpy_ceiling(batch: dict[str, pa.Array], repeats: int) -> dict[str, Any]:
-    """Copy the batch's buffers into pre-faulted memory, then touch every byte of the copy."""
-    srcs = [v.view(np.uint8) for v in views_of(pa.table(batch))]
-    dst = [np.ones(s.size, dtype=np.uint8) for s in srcs]  # ones(): pre-faulted
-    nbytes = sum(s.size for s in srcs)
-    writes, reads = [], []
-    for k in range(repeats + 1):
-        t0 = time.perf_counter()
-        for s, d in zip(srcs, dst):
-            np.copyto(d, s)
-        t1 = time.perf_counter()
-        touch(dst)  # the readers' work
-        t2 = time.perf_counter()
-        if k:
-            writes.append(t1 - t0)
-            reads.append(t2 - t1)
-    return {"write_gbps": _stats([nbytes / w / 1e9 for w in writes]),
-            "read_gbps": _stats([nbytes / r / 1e9 for r in reads]),
-            "e2e_gbps": _stats([nbytes / (w + r) / 1e9 for w, r in zip(writes, reads)])}
-
-
-def raw_mooncake(batch: dict[str, pa.Array], readers: int, repeats: int, cluster) -> dict[str, Any]:
-    """Raw Mooncake batch_put_from / batch_get_into of the same bytes (one key per buffer)."""
-    from dataplane_rl.bench.raw_mooncake import raw_mooncake_roundtrip
-
-    bufs = [v.view(np.uint8) for v in views_of(pa.table(batch)) if v.size]
-    res = raw_mooncake_roundtrip(cluster, bufs, repeats=repeats, readers=readers)
-    return {k: res[k] for k in ("write_gbps", "read_gbps", "e2e_gbps")}
-
-
 def open_for_bench(name: str, mooncake_segment_mb: int):
     from dataplane_rl.store import open_store
 
@@ -387,95 +273,6 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
             if raw:
                 results[name]["ratio_to_raw_mooncake"] = results[name]["e2e_gbps"]["median"] / raw
     return results
-
-
-SMALL_COLUMNS = (("put_us", "put"), ("put_full_us", "put into 200"), ("get_us", "get"),
-                 ("remote_get_us", "get, other process"), ("remote_get_full_us", "get of 200, other process"))
-
-
-def table(results: dict[str, Any]) -> str:
-    """Two markdown tables: throughput (steady and cold) and the small calls' µs."""
-    mem, fresh = results["memcpy"]["e2e_gbps"]["median"], results["fresh_pages"]["e2e_gbps"]["median"]
-    raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
-    rows = ["| backend | write GB/s | read GB/s | steady e2e GB/s (min-max) | x memcpy | x raw Mooncake | "
-            "cold e2e GB/s | cold x fresh pages |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in ("memcpy", "fresh_pages", "raw_mooncake", "shm", "mooncake", "ray"):
-        if name not in results:
-            continue
-        r = results[name]
-        e = r["e2e_gbps"]
-        w = f"{r['write_gbps']['median']:.3f}" if "write_gbps" in r else "-"
-        rd = f"{r['read_gbps']['median']:.3f}" if "read_gbps" in r else "-"
-        ratio_r = f"{e['median'] / raw:.2f}" if raw else "-"
-        cold = r.get("cold")
-        c = f"{cold['e2e_gbps']:.3f} | {cold['e2e_gbps'] / fresh:.2f}" if cold else "- | -"
-        rows.append(f"| {name} | {w} | {rd} | {e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | "
-                    f"{e['median'] / mem:.2f} | {ratio_r} | {c} |")
-    small = [n for n in ("shm", "mooncake", "ray") if n in results and "small" in results[n]]
-    if small:
-        s0 = results[small[0]]["small"]
-        rows += ["", f"µs per call of {s0['rows']} rows ({s0['bytes'] / 1e6:.2f} MB), median (min-max):", "",
-                 "| backend | " + " | ".join(label for _, label in SMALL_COLUMNS) + " |",
-                 "| --- |" + " --- |" * len(SMALL_COLUMNS)]
-        for name in small:
-            sm = results[name]["small"]
-            cells = [f"{sm[k]['median']:.0f} ({sm[k]['min']:.0f}-{sm[k]['max']:.0f})" if k in sm else "-"
-                     for k, _ in SMALL_COLUMNS]
-            rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
-
-
-def plot(results: dict[str, Any], path: str, title: str = "") -> None:
-    """One run's figures: steady and cold e2e GB/s per backend beside their references, and the small
-    calls' µs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.ScalarFormatter below
-
-    backends = [n for n in ("shm", "mooncake", "ray") if n in results]
-    small = [n for n in backends if "small" in results[n]]
-    fig, axes = plt.subplots(1, 2 if small else 1, figsize=(11 if small else 6, 4), squeeze=False)
-    ax = axes[0][0]
-    names = ["memcpy", "fresh_pages", *(["raw_mooncake"] if "raw_mooncake" in results else []), *backends]
-    x = np.arange(len(names))
-    steady = [results[n]["e2e_gbps"]["median"] if n != "fresh_pages" else np.nan for n in names]
-    cold = [results[n]["cold"]["e2e_gbps"] if "cold" in results[n] else
-            (results[n]["e2e_gbps"]["median"] if n == "fresh_pages" else np.nan) for n in names]
-    for k, (vals, label, color) in enumerate(((steady, "steady (median)", "#2a7"), (cold, "cold (first round)", "#c73"))):
-        ax.bar(x + (k - 0.5) * 0.4, vals, 0.4, label=label, color=color)
-        for i, v in enumerate(vals):
-            if v == v:
-                ax.text(x[i] + (k - 0.5) * 0.4, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(x, [n.replace("_", "\n") for n in names], fontsize=8)
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_ylabel("end-to-end GB/s (log)")
-    w = results["workload"]
-    ax.set_title(f"{w['samples']} samples, lengths {w['min_len']}-{w['max_len']}, {w['readers']} readers", fontsize=9)
-    ax.legend(fontsize=8)
-    if small:
-        ax = axes[0][1]
-        keys = [(k, label) for k, label in SMALL_COLUMNS if k in results[small[0]]["small"]]
-        xs = np.arange(len(small))
-        width = 0.8 / len(keys)
-        for j, (key, label) in enumerate(keys):
-            ax.bar(xs + (j - (len(keys) - 1) / 2) * width, [results[n]["small"][key]["median"] for n in small],
-                   width, label=label)
-        ax.axhline(300, color="#888", linestyle="--", linewidth=0.8)
-        ax.set_xticks(xs, small)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_ylabel("µs per call (median, log); dashed: 300 µs")
-        ax.set_title(f"{results[small[0]]['small']['rows']}-row calls", fontsize=9)
-        ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

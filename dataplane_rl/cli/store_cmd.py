@@ -104,7 +104,15 @@ def describe(store) -> dict:
                 for c in schema.names}
         out["partitions"].append({"partition": pid, "schema": st.schema, "num_rows": st.num_rows,
                                   "nbytes": st.total_bytes, "columns": cols})
+    out["stats"] = store.stats()
     return out
+
+
+def print_stats(stats: dict) -> None:
+    """The store's counters and gauges (ColumnStore.stats), one `name value` per line, Prometheus style."""
+    print("\ncounters and gauges (every process of the store that shared them; see docs/store.md):")
+    for name, value in stats.items():
+        print(f"  {name} {value:.6g}" if isinstance(value, float) else f"  {name} {value}")
 
 
 def ls_machine(as_json: bool) -> int:
@@ -154,6 +162,7 @@ def ls_cmd(args) -> int:
             written = f"{c['rows_written']}/{p['num_rows']}"
             mark = "" if c["rows_written"] == p["num_rows"] else ("  (none)" if not c["rows_written"] else "  (partial)")
             print(f"  {name.ljust(width)}  {written:>13}  {human_bytes(c['nbytes']):>10}  {c['writer']}{mark}")
+    print_stats(doc["stats"])
     return 0
 
 
@@ -213,6 +222,7 @@ def show_cmd(args) -> int:
                 except MissingColumnError as e:  # partly written: show the written cells, mark the rest
                     print(f"# {e}", file=sys.stderr)
                     columns[f] = [_cell_or_missing(store, args.partition, f, r) for r in rows]
+        stats = store.stats()
     finally:
         store.close()
     print(f"partition {args.partition}: schema {status.schema}, {status.num_rows} rows; showing rows "
@@ -222,6 +232,7 @@ def show_cmd(args) -> int:
         print(f"row {r}")
         for f, values in columns.items():
             print(f"  {f.ljust(width)}  {_cell(values[i], schema.by_name[f].kind == 'token')}")
+    print_stats(stats)
     return 0
 
 

@@ -156,6 +156,13 @@ class MooncakeConfig(_Section):
     local_hostname: Optional[str] = Field(None, description="Address every Mooncake client of the run advertises to its peers; None: each client's own node IP (the Ray node IP; 127.0.0.1 when the master is on loopback). Per node: env DATAPLANE_RL_MOONCAKE_HOST.")
 
 
+class ShmConfig(_Section):
+    """`data_plane.shm.*`: the arena of the shm:// store (segments of pre-touched pages, reused after a drop)."""
+
+    arena_mb: int = Field(16384, ge=1, description="Most MiB the store's segments may hold, in partitions and pooled; past it a put is a StoreFullError naming this key, never an eviction.")
+    prefault_mb: int = Field(64, ge=0, description="MiB of pages allocated and zeroed when the store is made, so the first step writes into ready pages; 0: none.")
+
+
 class DataPlaneConfig(_Section):
     """`data_plane.*`: where the per-sample columns travel."""
 
@@ -165,6 +172,7 @@ class DataPlaneConfig(_Section):
     train_fields: Optional[list[str]] = Field(None, description="Columns each train worker fetches; default: the schema's DP_TRAIN_FIELDS.")
     keep_partitions: bool = Field(False, description="Keep each step's partition after training, for `dataplane-rl store ls RUN_DIR`; an auto-made shm:// folder then outlives the run (summary.json kept_store_url).")
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
+    shm: ShmConfig = Field(default_factory=ShmConfig)
 
     model_config = ConfigDict(**CONFIG, populate_by_name=True)
 

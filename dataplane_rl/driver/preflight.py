@@ -15,6 +15,8 @@ def open_run_store(cfg: Config):
     url = cfg.data_plane.backend
     if url.startswith("mooncake://"):
         return open_store(url, config=cfg.data_plane.mooncake)
+    if url.startswith("shm://"):  # the URL (store.url, which every actor opens) carries them on
+        return open_store(url, arena_mb=cfg.data_plane.shm.arena_mb, prefault_mb=cfg.data_plane.shm.prefault_mb)
     return open_store(url)
 
 

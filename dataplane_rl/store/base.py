@@ -20,13 +20,13 @@ partition.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -34,10 +34,8 @@ import pyarrow as pa
 from dataplane_rl.errors import (
     AlignmentError,
     ConfigError,
-    CorruptChunkError,
     DataPlaneError,
     DuplicateWriteError,
-    MissingColumnError,
     PartitionNotFoundError,
     SchemaError,
     StoreTimeoutError,
@@ -45,10 +43,13 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.schema import Schema, load_schema
+from dataplane_rl.store import stats
 from dataplane_rl.store.arrow import arrow_types, block_schema, scan, schema_of, to_arrow
-from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, decode_block, make_blocks
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, make_blocks
 from dataplane_rl.store.index import RowIndex, overlap
-from dataplane_rl.store.rows import PutWhere, distinct, gather, row_ids, runs_of
+from dataplane_rl.store.reads import Reads
+from dataplane_rl.store.stats import PartitionStatus
+from dataplane_rl.store.rows import PutWhere, row_ids
 
 # Rows per partition: the row index keeps two int32 arrays of num_rows per column, so more would be
 # gigabytes of bookkeeping
@@ -57,25 +58,7 @@ MAX_ROWS = 1 << 26
 KNOWN_PARTITIONS = 64
 
 
-@dataclass
-class PartitionStatus:
-    """Rows written per column (of num_rows) and stored bytes per column."""
-
-    pid: str
-    schema: str
-    num_rows: int
-    rows_written: dict[str, int]
-    nbytes: dict[str, int]
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.nbytes.values())
-
-    def complete(self, fields: Iterable[str]) -> bool:
-        return all(self.rows_written.get(f, 0) == self.num_rows for f in fields)
-
-
-class ColumnStore(ABC):
+class ColumnStore(Reads, ABC):
     """A partitioned, write-once column store. Subclasses implement the `_`-prefixed storage hooks."""
 
     scheme: str = ""
@@ -87,6 +70,7 @@ class ColumnStore(ABC):
         self._closed = False
         self._indexes: dict[str, tuple[str, RowIndex]] = {}
         self._known: OrderedDict[str, None] = OrderedDict()  # partitions touched here, least recent first
+        self._counters = stats.Counters()
 
     # -- backend hooks ---------------------------------------------------------------------------
     @property
@@ -135,6 +119,17 @@ class ColumnStore(ABC):
     def _forget(self, pid: str) -> None:
         """Drop what this process caches about `pid` (its catalog state); it is read again if needed."""
 
+    def _share_counters(self, metrics: dict[str, float], final: bool) -> None:
+        """Write this process's counters where other processes of the store can add them up (shm)."""
+
+    def _other_counters(self) -> dict[str, float]:
+        """The counters other processes of the store wrote (added up), for `stats()`."""
+        return {}
+
+    def _gauges(self) -> dict[str, float]:
+        """The backend's own gauges for `stats()` (capacity, space), in Prometheus names."""
+        return {}
+
     # -- public API ------------------------------------------------------------------------------
     def create_partition(self, pid: str, schema: str | Schema = "grpo", num_rows: int = 0) -> None:
         """Create partition `pid` of `num_rows` rows following `schema` (a name, path or Schema)."""
@@ -150,6 +145,21 @@ class ColumnStore(ABC):
     def put(self, pid: str, columns: Mapping[str, Any], rows: Any) -> None:
         """Write `columns` for `rows` (indices or a range). All or nothing; every cell once."""
         self._check_open()
+        t0 = time.perf_counter()
+        try:
+            nbytes = self._put(pid, columns, rows)
+        except DataPlaneError as e:
+            self._counters.refused(e)
+            raise
+        self._counted("put", nbytes, t0)
+
+    def _counted(self, op: str, nbytes: int, t0: float) -> None:
+        c = self._counters
+        c.call(op, nbytes, time.perf_counter() - t0)
+        if c.due():
+            self._share_counters(c.metrics(), final=False)
+
+    def _put(self, pid: str, columns: Mapping[str, Any], rows: Any) -> int:
         snap = self._snap(pid)
         meta, schema = snap.meta, schema_of(snap.meta)
         rows = self._rows(pid, meta, rows, unique=True)
@@ -193,15 +203,31 @@ class ColumnStore(ABC):
         except BaseException:
             self._discard(meta, refs)
             raise
+        return sum(r.nbytes for r in refs)
 
     def get(self, pid: str, fields: str | Sequence[str], rows: Any = None) -> pa.Table:
         """The requested fields for `rows` (default all), in the requested row order, as an Arrow table."""
         self._check_open()
-        snap = self._snap(pid)
-        fields = self._field_list(pid, snap.meta, fields, "get")
-        if len(set(fields)) != len(fields):
-            raise SchemaError(f"partition {pid} get: a field is requested twice in {fields}")
-        return self._table(snap, fields, self._rows(pid, snap.meta, rows, unique=False))
+        t0 = time.perf_counter()
+        try:
+            snap = self._snap(pid)
+            fields = self._field_list(pid, snap.meta, fields, "get")
+            if len(set(fields)) != len(fields):
+                raise SchemaError(f"partition {pid} get: a field is requested twice in {fields}")
+            table = self._table(snap, fields, self._rows(pid, snap.meta, rows, unique=False))
+        except DataPlaneError as e:
+            self._counters.refused(e)
+            raise
+        self._counted("get", 0, t0)  # its bytes: counted by _table, per block read
+        return table
+
+    def stats(self) -> dict[str, float]:
+        """The store's counters and gauges, in Prometheus names (`_total`, `_seconds`, `_bytes`): puts and
+        gets with their bytes and seconds and refusals by cause (of every process that wrote them where
+        this one can read them: shm; else of this process), cells and bytes of live partitions, and the
+        backend's space (shm: the arena's capacity, allocated, pooled and free bytes)."""
+        self._check_open()
+        return stats.of_store(self)
 
     def status(self, pid: str) -> PartitionStatus:
         self._check_open()
@@ -277,6 +303,8 @@ class ColumnStore(ABC):
         if not self._closed:
             self._closed = True
             self._indexes.clear()
+            with contextlib.suppress(Exception):  # a store that is gone keeps no counters
+                self._share_counters(self._counters.metrics(), final=True)
             self._close()
 
     def __enter__(self) -> "ColumnStore":
@@ -369,66 +397,3 @@ class ColumnStore(ABC):
 
     def _rows(self, pid: str, meta: PartitionMeta, rows: Any, *, unique: bool) -> np.ndarray:
         return row_ids(pid, meta.num_rows, rows, unique=unique)
-
-    def _table(self, snap: Snapshot, fields: list[str], rows: np.ndarray) -> pa.Table:
-        """`fields` of `rows` from the blocks of `snap`: each block read and checksummed once, and rows
-        that are runs within blocks served as zero-copy slices of the mapped record batches."""
-        meta, schema = snap.meta, schema_of(snap.meta)
-        idx = self._index_of(snap)
-        # fields written together share a plan (the same blocks at the same positions): one per distinct
-        # (which, pos), found by their bytes instead of comparing every pair of arrays
-        groups: dict[bytes, list] = {}  # -> [which, pos, field positions]
-        with idx.lock:
-            refs = idx.refs
-            for i, f in enumerate(fields):
-                owner = idx.owner.get(f)
-                if owner is None:
-                    which = pos = np.full(rows.size, -1, dtype=np.int32)
-                else:
-                    which, pos = owner[rows], idx.pos[f][rows]
-                key = which.tobytes() + pos.tobytes()
-                g = groups.get(key)
-                if g is not None:
-                    g[2].append(i)
-                    continue
-                if rows.size and int(which.min()) < 0:
-                    missing = rows[which < 0]
-                    raise MissingColumnError(f"partition {meta.pid} column '{f}' rows {format_rows(missing)} not "
-                                             f"written (writer: {schema.by_name[f].writer})")
-                groups[key] = [which, pos, [i]]
-        if not rows.size:
-            used = []
-        elif len(groups) == 1:
-            used = distinct(next(iter(groups.values()))[0])
-        else:
-            used = distinct(np.concatenate([g[0] for g in groups.values()]))
-        needed = [refs[i] for i in used]
-        batches = dict(zip(used, (self._decode(meta, r, p) for r, p in zip(needed, self._read(meta.pid, needed)))))
-        out_schema = block_schema(meta.schema_json, tuple(fields))
-        plans = [(which, pos, runs_of(which, pos), where) for which, pos, where in groups.values()]
-        if len(plans) == 1 and plans[0][2] is not None:  # the common case: one slice of a record batch per run
-            pieces = [batches[b].slice(p, n) for b, p, n in plans[0][2]]
-            pieces = [x if x.schema.names == fields else x.select(fields) for x in pieces]
-            return pa.Table.from_batches(pieces, schema=out_schema)
-        cols: list[Any] = [None] * len(fields)
-        for which, pos, runs, where in plans:
-            for i in where:
-                cols[i] = gather(batches, (which, pos, runs), fields[i], schema.by_name[fields[i]].arrow_type)
-        return pa.Table.from_arrays(cols, schema=out_schema)
-
-    def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str]) -> np.ndarray:
-        length_col = schema_of(snap.meta).length_column
-        try:
-            col = self._table(snap, [length_col], rows).column(0)
-        except MissingColumnError as e:
-            raise MissingColumnError(f"{e}; token column(s) {token_cols} are checked against {length_col}, "
-                                     f"so write {length_col} first or in the same put") from None
-        return col.to_numpy().astype(np.int64)
-
-    def _decode(self, meta: PartitionMeta, ref: ChunkRef, payload: pa.Buffer) -> pa.RecordBatch:
-        if payload.size != ref.nbytes or checksum(payload) != ref.checksum:
-            what = "missing (evicted or lost)" if payload.size == 0 else f"corrupt ({payload.size} bytes, checksum mismatch)"
-            cols = ", ".join(f"'{c}'" for c in ref.columns)
-            raise CorruptChunkError(f"partition {meta.pid} column(s) {cols} rows {format_rows(ref.rows)}: stored block "
-                                    f"{ref.key} is {what}; the data is gone, regenerate the step")
-        return decode_block(payload, block_schema(meta.schema_json, ref.columns))

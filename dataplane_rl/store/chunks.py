@@ -21,7 +21,7 @@ import xxhash
 PID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # partition ids, fullmatch only: also safe as file and key names
 ALIGN = 64  # block offsets inside a put's object or file, so every Arrow buffer stays 64-byte aligned
 _IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # explicit: the default re-reads two env vars per stream
-_EOS = 8  # the end-of-stream marker a stream writer adds on close
+EOS = _EOS = 8  # the end-of-stream marker a stream writer adds on close
 
 
 def align(n: int) -> int:

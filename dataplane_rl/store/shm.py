@@ -6,24 +6,26 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
     DIR/.dataplane-rl                  marker: this folder is a store
     DIR/.owner                         the process that made it, and whether it is kept (owners.py)
     DIR/.kept                          made once by keep(): the folder outlives its run (owners.py)
-    DIR/.pool/<bytes>-<hex>            chunk files of dropped partitions, kept for reuse
+    DIR/.pool/<bytes>-<hex>            segments of dropped partitions (and pre-touched ones), kept for reuse
     DIR/<pid>/meta.json                the PartitionMeta: a JSON line (pid, num_rows), then the schema
     DIR/<pid>/lock                     flock'd exclusively by commit and drop
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
     DIR/<pid>/refs/<n>.json            the n-th committed put (10 digits): its ChunkRefs
-    DIR/<pid>/chunks/put-<hex>         one put: its row blocks (chunks.py), each an Arrow IPC record batch
-                                       at a 64-byte-aligned offset; key put-<hex>@<offset>
+    DIR/<pid>/chunks/put-<hex>         a segment (shm_arena.py): the row blocks of one or more puts of one
+                                       writer (chunks.py), each an Arrow IPC record batch at a 64-byte-aligned
+                                       offset; key put-<hex>@<offset>
 
 Folders are 0700 and files 0600: the store is private to its user. Metadata files (meta.json, refs) start
 with the xxh3 of their text, so a damaged one is a CorruptChunkError, never wrong rows. Space for a put
 is reserved (posix_fallocate) before its file is mapped, so a full /dev/shm is a StoreFullError instead
 of a SIGBUS in the writer.
 
-A put serializes every block straight into a mapping of its one file (one copy, one claim, one map, one
-rename per put), under a temporary name renamed once complete; each block keeps its own checksum, so a
-shard reader checksums only the blocks it reads. It becomes visible when its refs file is renamed to the
-next number under the partition lock, after re-checking that no cell is already committed; a writer that
-dies before that leaves only unreferenced files, freed with the partition. Refs files are numbered, so a
+A put serializes every block straight into the next free range of its writer's open segment of the
+partition, kept mapped (one copy, no claim, map or rename per put: shm_arena.py); each block keeps its own
+checksum, so a shard reader checksums only the blocks it reads. It becomes visible when its refs file is
+renamed to the next number under the partition lock, after re-checking that no cell is already committed;
+a writer that dies before that leaves only unreferenced bytes, freed with the partition. While it writes,
+a put holds a shared flock on its segment, so a drop never pools a segment that a put still writes. Refs files are numbered, so a
 reader finds new commits by opening the next number (one failed open when nothing changed), never by
 listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
 under the lock, so no new reader finds it, while open mappings stay readable. The file pool is in
@@ -50,47 +52,49 @@ import pyarrow as pa
 from dataplane_rl.errors import (
     ConfigError,
     CorruptChunkError,
-    PartitionExistsError,
-    PartitionNotFoundError,
     StoreFullError,
     StoreUnavailableError,
 )
 from dataplane_rl.store import chunks, owners
 from dataplane_rl.store.arrow import block_head
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, checksum, layout, split_key
-from dataplane_rl.store.shm_files import (CHUNK_KEY, DIR_MODE, check_trusted, create_file, framed, open_file, read_file,
-                                          unframe)
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, checksum, layout, split_key
+from dataplane_rl.store.shm_arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, MiB, Arena
+from dataplane_rl.store.shm_catalog import ShmCatalog
+from dataplane_rl.store.shm_files import DIR_MODE, check_trusted, create_file, framed, open_file, read_file, unframe
 from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
 
 _MARKER = owners.MARKER
 _FORMAT = b"dataplane-rl shm store v3\n"  # v3: one record batch of all a put's columns per row block
 _POOL = ".pool"
+_STATS = ".stats"  # each process's counters (stats.py), for `store ls`
 DEFAULT_POOL_BYTES = 1 << 30
+# URL options: name -> (default, what it is, in the error for a bad one)
+OPTIONS = {"pool_bytes": (DEFAULT_POOL_BYTES, "bytes of dropped segments kept for reuse"),
+           "arena_mb": (DEFAULT_ARENA // MiB, "MiB the store's segments may hold in all, data_plane.shm.arena_mb"),
+           "prefault_mb": (DEFAULT_PREFAULT // MiB, "MiB of pages made ready when the store is made, "
+                           "data_plane.shm.prefault_mb")}
 
 
-def _meta_text(meta: PartitionMeta) -> str:
-    """meta.json's body: a line of JSON (pid, num_rows), then the schema JSON verbatim, so a reader
-    parses only the small line and decodes the schema once per process (schema_of caches by its text)."""
-    return json.dumps({"pid": meta.pid, "num_rows": meta.num_rows}) + "\n" + meta.schema_json
+@contextlib.contextmanager
+def _writing(fd: int) -> Iterator[None]:
+    """A shared flock on a segment file while a put writes into it (shm_pool.take_back)."""
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-def _parse_meta(text: str, token: str) -> PartitionMeta:
-    head, _, schema_json = text.partition("\n")
-    d = json.loads(head)
-    if not schema_json.startswith("{"):
-        raise ValueError("no schema after the first line")
-    return PartitionMeta(d["pid"], schema_json, int(d["num_rows"]), token)
-
-
-class ShmStore(ColumnStore):
+class ShmStore(ShmCatalog, ColumnStore):
     scheme = "shm"
     # Smaller row blocks than the default: a shard reader checksums only the blocks holding its rows, and
     # a block costs little here (all blocks of a put share one file).
     chunk_bytes = 1 << 20
 
     def __init__(self, path: str | os.PathLike | None = None, *, pool_bytes: int = DEFAULT_POOL_BYTES,
+                 arena_mb: int = DEFAULT_ARENA // MiB, prefault_mb: int = DEFAULT_PREFAULT // MiB,
                  create: bool = True) -> None:
         super().__init__()
         self._auto = not path
@@ -100,16 +104,22 @@ class ShmStore(ColumnStore):
         if self._auto:
             path = owners.new_auto_path()
         self._dir = os.path.abspath(path)
-        if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes < 0:
-            raise ConfigError(f"shm store {self._dir}: pool_bytes={pool_bytes!r} must be a non-negative integer")
-        self._pool_bytes = pool_bytes
-        self._open_dir(create)
+        for key, value in (("pool_bytes", pool_bytes), ("arena_mb", arena_mb), ("prefault_mb", prefault_mb)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"shm store {self._dir}: {key}={value!r} must be a non-negative integer "
+                                  f"({OPTIONS[key][1]})")
+        self._pool_bytes, self._arena_mb, self._prefault_mb = pool_bytes, arena_mb, prefault_mb
+        made = self._open_dir(create)
         self._maps = Maps(pool_bytes)
         self._refs_cache: dict[str, tuple[str, list[ChunkRef], int, set[str]]] = {}  # pid -> (token, refs, puts, keys)
         self._refs_lock = threading.RLock()
         self._metas: dict[str, PartitionMeta] = {}
         self._pool = Pool(os.path.join(self._dir, _POOL), pool_bytes)
+        self._arena = Arena(self._dir, self._pool, arena_mb * MiB, DEFAULT_SEGMENT)
+        if made:  # pages the first round writes into; pooled, so bounded by pool_bytes
+            self._arena.prefault(min(prefault_mb * MiB, pool_bytes))
         self._leases: weakref.WeakValueDictionary[str, Lease] = weakref.WeakValueDictionary()
+        self._stats_name = f"{os.getpid()}-{os.urandom(6).hex()}.json"
         # An auto folder lives as long as the store that made it, even if close() is never called.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, True) if self._auto else None
 
@@ -117,16 +127,17 @@ class ShmStore(ColumnStore):
     def from_url(cls, rest: str, **options: Any) -> "ShmStore":
         path, _, query = rest.partition("?")
         for key, value in parse_qsl(query):
-            if key != "pool_bytes" or not value.isdigit():
-                raise ConfigError(f"shm://{rest}: unknown or bad option '{key}={value}'; the only option is "
-                                  "pool_bytes=N (bytes of dropped chunk files kept for reuse)")
-            options.setdefault("pool_bytes", int(value))
+            if key not in OPTIONS or not value.isdigit():
+                known = "; ".join(f"{k}=N ({what})" for k, (_, what) in OPTIONS.items())
+                raise ConfigError(f"shm://{rest}: unknown or bad option '{key}={value}'; the options are {known}")
+            options.setdefault(key, int(value))
         return cls(path or None, **options)
 
     @property
     def url(self) -> str:
-        extra = f"?pool_bytes={self._pool_bytes}" if self._pool_bytes != DEFAULT_POOL_BYTES else ""
-        return f"shm://{self._dir}{extra}"
+        mine = {"pool_bytes": self._pool_bytes, "arena_mb": self._arena_mb, "prefault_mb": self._prefault_mb}
+        extra = "&".join(f"{k}={v}" for k, v in mine.items() if v != OPTIONS[k][0])
+        return f"shm://{self._dir}" + (f"?{extra}" if extra else "")
 
     @property
     def path(self) -> Path:
@@ -139,7 +150,8 @@ class ShmStore(ColumnStore):
             self._cleanup = None
             owners.mark_kept(self._dir)  # `store gc` must leave it
 
-    def _open_dir(self, create: bool) -> None:
+    def _open_dir(self, create: bool) -> bool:
+        """Open the store folder, or make it (True)."""
         marker = os.path.join(self._dir, _MARKER)
         if os.path.lexists(self._dir) and not os.path.islink(self._dir) and not os.path.isdir(self._dir):
             raise StoreUnavailableError(f"shm://{self._dir} names a file, not a folder; point shm:// at a store "
@@ -154,7 +166,7 @@ class ShmStore(ColumnStore):
                                                 f"{version.decode(errors='replace').strip()!r}, this one writes "
                                                 f"{_FORMAT.decode().strip()!r}); make a new store (drop this folder)")
                 check_trusted(os.path.join(self._dir, _POOL))
-                return
+                return False
         if not create:
             why = (f"{marker} is missing" if os.path.isdir(self._dir) else "the folder does not exist: a store's "
                    "folder goes with `dataplane-rl store drop --all` and with the run that made it, unless kept")
@@ -169,8 +181,11 @@ class ShmStore(ColumnStore):
             os.makedirs(os.path.join(self._dir, _POOL), mode=DIR_MODE, exist_ok=True)
             check_trusted(os.path.join(self._dir, _POOL))
             owners.write_owner(self._dir, auto=self._auto)  # before the marker: no store is without an owner
-            with contextlib.suppress(FileExistsError):  # another process made the store meanwhile
+            try:
                 create_file(marker, _FORMAT)
+            except FileExistsError:  # another process made the store meanwhile
+                return False
+        return True
 
     @contextlib.contextmanager
     def _os_errors(self, what: str, need: int = 0) -> Iterator[None]:
@@ -232,165 +247,66 @@ class ShmStore(ColumnStore):
             raise self._not_found(pid) from None
         return lease
 
-    # -- catalog hooks ---------------------------------------------------------------------------
-    def _create(self, meta: PartitionMeta) -> None:
-        tmp = os.path.join(self._dir, f".create-{uuid.uuid4().hex}")
-        try:
-            with self._os_errors(f"create partition {meta.pid}"):
-                for sub in ("", "refs", "chunks"):
-                    os.mkdir(os.path.join(tmp, sub), DIR_MODE)
-                for name, data in (("lock", b""), ("readers", b""), ("meta.json", framed(_meta_text(meta)))):
-                    create_file(os.path.join(tmp, name), data)
-                try:
-                    os.rename(tmp, os.path.join(self._dir, meta.pid))  # atomic; refuses an existing (non-empty) one
-                    ino = os.stat(os.path.join(self._dir, meta.pid)).st_ino
-                    self._metas[meta.pid] = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, str(ino))
-                except OSError as e:
-                    if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                        raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it "
-                                                   "first or use a new id") from None
-                    raise
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    def _snapshot(self, pid: str) -> Snapshot:
-        """The meta (cached: it never changes; a partition dropped and made again is a new folder, a new
-        inode, and the inode is the token) and the refs files, each parsed once: a stat and a listdir."""
-        pdir = self._pdir(pid)
-        try:
-            st = os.lstat(pdir)
-            ino = st.st_ino
-            cached = self._metas.get(pid)
-            if cached is not None and cached.token == str(ino):
-                meta = cached
-            else:  # first sight of this partition here: it and its folders must be the store's own
-                for folder in (pdir, os.path.join(pdir, "refs"), os.path.join(pdir, "chunks")):
-                    check_trusted(folder)
-                path = os.path.join(pdir, "meta.json")
-                text = unframe(read_file(path), path)
-                try:
-                    meta = _parse_meta(text, str(ino))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CorruptChunkError(f"shm metadata {path} does not describe a partition ({e!r})") from None
-                self._metas[pid] = meta
-        except (FileNotFoundError, NotADirectoryError):
-            raise self._not_found(pid) from None
-        with self._refs_lock:
-            token, refs, n, keys = self._refs_cache.get(pid, (meta.token, [], 0, set()))
-            if token != meta.token:
-                refs, n, keys = [], 0, set()
-            grown = None  # the cached list stays as callers saw it; a copy grows
-            while True:  # commits are numbered: the next one not there yet ends the list (one failed open)
-                path = self._refs_path(pdir, n)
-                try:
-                    new = self._load_refs(path)
-                except (FileNotFoundError, NotADirectoryError):
-                    break
-                # every put writes chunks under fresh keys: a key seen twice is a copied refs file, whose
-                # rows would count (and read) twice. `keys`: every key of the cached refs (kept, not rebuilt
-                # per commit, so following a partition of many puts stays linear)
-                again = next((r.key for r in new if r.key in keys), None)
-                if again is not None:
-                    self._refs_cache.pop(pid, None)  # `keys` may hold keys of files not in the cache's refs
-                    raise CorruptChunkError(f"shm refs file {path} repeats chunk {again} of an earlier commit of "
-                                            f"partition {pid}; the partition cannot be trusted, drop it")
-                keys.update(r.key for r in new)
-                grown = (grown if grown is not None else list(refs)) + new
-                n += 1
-            if grown is not None:
-                refs = grown
-            self._refs_cache[pid] = (meta.token, refs, n, keys)
-        return Snapshot(meta, refs)
-
-    @staticmethod
-    def _refs_path(pdir: str, n: int) -> str:
-        return os.path.join(pdir, "refs", f"{n:010d}.json")
-
-    @staticmethod
-    def _load_refs(path: str) -> list[ChunkRef]:
-        text = unframe(read_file(path), path)
-        try:
-            refs = chunks.refs_from_json(text)
-        except (ValueError, KeyError, TypeError) as e:
-            raise CorruptChunkError(f"shm refs file {path} does not hold chunk refs ({e!r})") from None
-        for ref in refs:  # checksummed already; still, never join an unchecked name to a path
-            if not CHUNK_KEY.fullmatch(ref.key) or ref.nbytes < 0:
-                raise CorruptChunkError(f"shm refs file {path} names chunk key {ref.key!r}, not one this store "
-                                        "writes; the partition cannot be trusted, drop it")
-        return refs
-
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
-        pid = meta.pid
-        with self._locked(pid) as pdir:
-            with self._refs_lock:  # the snapshot and its cache entry together (another thread may forget it)
-                snap = self._snapshot(pid)
-                _, _, n, keys = self._refs_cache[pid]  # n: the next number, under the partition lock
-            if snap.meta.token != meta.token:
-                raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
-            err = self._conflict(snap, refs)
-            if err:
-                raise err
-            target, tmp = self._refs_path(pdir, n), os.path.join(pdir, f".refs-{os.urandom(16).hex()}")
-            try:
-                with self._os_errors(f"commit a put to partition {pid}"):
-                    create_file(tmp, framed(chunks.refs_to_json(refs)))
-                    os.rename(tmp, target)  # atomic; only the lock holder writes number n
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            with self._refs_lock:  # our own commit: no parse
-                keys.update(r.key for r in refs)
-                self._refs_cache[pid] = (meta.token, snap.refs + list(refs), n + 1, keys)
-
-    def _list(self) -> list[str]:
-        return [n for n in os.listdir(self._dir) if PID.fullmatch(n)]
-
     # -- chunk hooks -----------------------------------------------------------------------------
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
-        """Serialize every block of the put in place into one (pooled) file, each at an aligned offset
-        with its own checksum: one claim, one map and one rename per put."""
+        """Serialize every block of the put in place into the next free range of this process's open
+        segment of the partition, each at an aligned offset with its own checksum."""
         pid = meta.pid
         head = block_head(meta.schema_json, blocks[0].columns)
         offsets, end = layout(blocks, head)
-        name = f"put-{os.urandom(16).hex()}"  # what uuid4().hex is, at a fifth of its cost
-        folder = os.path.join(self._pdir(pid), "chunks")
-        tmp = os.path.join(folder, f".tmp-{name}")
-        out = []
+        pdir = self._pdir(pid)
+        folder = os.path.join(pdir, "chunks")
+        gone = "was dropped while this put was writing (nothing was written)"
         try:
             with self._os_errors(f"write a put of partition {pid}", max(end, 1)):
-                self._pool.claim(tmp, max(end, 1))
-            with self._maps.file(tmp, end, writable=True) as f:
+                name, base, _ = self._arena.place(pid, meta.token, folder, end)
+        except FileNotFoundError:
+            raise self._not_found(pid, gone) from None
+        path, out = os.path.join(folder, name), []
+        try:
+            with self._maps.file(path, base + end, writable=True) as f, _writing(f.fileno()):
+                # under the segment's shared lock, which a drop must win to pool the segment: a partition
+                # still here now cannot pool this segment (to another writer) before the write ends
+                if str(os.lstat(pdir).st_ino) != meta.token:
+                    raise FileNotFoundError(pdir)
+                f.prepare(base, end)
                 for block, off in zip(blocks, offsets):
                     room = head + chunks.room(block)
-                    sink = f.sink(off - head, room)  # a writer that cannot go past the block's room
+                    sink = f.sink(base + off - head, room)  # a writer that cannot go past the block's room
                     chunks.write_block(sink, block.batch)
                     if sink.tell() != room:
-                        raise RuntimeError(f"shm block {name}@{off}: wrote {sink.tell() - head} bytes, expected "
-                                           f"{chunks.room(block)}")
-                    digest = checksum(f.buffer(off, block.nbytes))  # zero-copy view of what was written
-                    out.append(ChunkRef.of(block, f"{name}@{off}", digest))
-            os.rename(tmp, os.path.join(folder, name))  # only complete files carry a final name
+                        raise RuntimeError(f"shm block {name}@{base + off}: wrote {sink.tell() - head} bytes, "
+                                           f"expected {chunks.room(block)}")
+                    digest = checksum(f.buffer(base + off, block.nbytes))  # zero-copy view of what was written
+                    out.append(ChunkRef.of(block, f"{name}@{base + off}", digest))
         except BaseException as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            self._give_back(pid, name, base, end)
             if isinstance(e, FileNotFoundError):
-                raise self._not_found(pid, "was dropped while this put was writing (nothing was written)") from None
+                raise self._not_found(pid, gone) from None
             raise
         return out
 
+    def _give_back(self, pid: str, name: str, base: int, end: int) -> None:
+        """A put placed at `base` of segment `name` failed: its range goes back to the segment, and a
+        segment made for it alone goes."""
+        if self._arena.done(pid, name, base, end, ok=False):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self._pdir(pid), "chunks", name))
+
     def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
         try:
-            # an interrupt that lands just after the commit must not delete committed chunks
-            keep = {split_key(r.key)[0] for r in self._snapshot(meta.pid).refs}
-            folder = os.path.join(self._pdir(meta.pid), "chunks")
+            # an interrupt that lands just after the commit must not give back committed ranges
+            keep = {r.key for r in self._snapshot(meta.pid).refs}
         except Exception:
             return
-        for file in {split_key(ref.key)[0] for ref in refs}:
-            if file not in keep:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(folder, file))
+        if not refs or any(r.key in keep for r in refs):
+            return
+        name, first = split_key(refs[0].key)
+        head = block_head(meta.schema_json, refs[0].columns)
+        base = first - chunks.align(head)  # where layout() put the put's first block
+        end = split_key(refs[-1].key)[1] + refs[-1].nbytes + chunks.EOS - base
+        with contextlib.suppress(Exception):
+            self._give_back(meta.pid, name, base, end)
 
     def _read(self, pid: str, refs: list[ChunkRef]) -> list[pa.Buffer]:
         lease = self._lease(pid)
@@ -425,17 +341,20 @@ class ShmStore(ColumnStore):
         with self._locked(pid) as pdir, self._os_errors(f"drop partition {pid}"):
             os.rename(pdir, trash)
         self._refs_cache.pop(pid, None)
+        self._arena.forget(pid)
         self._pool.take_back(trash)
 
     def _forget(self, pid: str) -> None:
         with self._refs_lock:
             self._refs_cache.pop(pid, None)
         self._metas.pop(pid, None)
+        self._arena.forget(pid)
 
     def _close(self) -> None:
         self._refs_cache.clear()
         self._metas.clear()
         self._maps.close()
+        self._arena.clear()
         if self._cleanup is not None:
             self._cleanup()
 
@@ -443,3 +362,38 @@ class ShmStore(ColumnStore):
     def pool_bytes(self) -> int:
         """Bytes of dropped chunk files held for reuse (counted in /dev/shm usage)."""
         return self._pool.bytes()
+
+    def _gauges(self) -> dict[str, float]:
+        allocated = self._arena.bytes_used() - (pooled := self._pool.bytes())
+        cap = self._arena.limit_bytes
+        p = "dataplane_store_arena_"
+        return {p + "capacity_bytes": cap, p + "allocated_bytes": allocated, p + "pooled_bytes": pooled,
+                p + "free_bytes": max(0, cap - allocated)}
+
+    def _share_counters(self, metrics: dict[str, float], final: bool) -> None:
+        """DIR/.stats/<pid>-<hex>.json: this process's counters, rewritten (by rename) at most every second
+        and at close, so `store ls` in another process adds up every process of the store."""
+        if not any(metrics.values()):
+            return
+        folder = os.path.join(self._dir, _STATS)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, DIR_MODE)
+        check_trusted(folder)
+        tmp = os.path.join(folder, f".{self._stats_name}-{os.urandom(4).hex()}")
+        create_file(tmp, framed(json.dumps(metrics)))
+        os.rename(tmp, os.path.join(folder, self._stats_name))
+
+    def _other_counters(self) -> dict[str, float]:
+        from dataplane_rl.store.stats import add
+
+        total: dict[str, float] = {}
+        folder = os.path.join(self._dir, _STATS)
+        with contextlib.suppress(FileNotFoundError):
+            check_trusted(folder)
+            for name in os.listdir(folder):
+                if name.startswith(".") or name == self._stats_name:
+                    continue
+                path = os.path.join(folder, name)
+                with contextlib.suppress(OSError, ValueError, CorruptChunkError):  # a damaged file counts nothing
+                    add(total, json.loads(unframe(read_file(path), path)))
+        return total

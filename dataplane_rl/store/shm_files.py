@@ -20,7 +20,7 @@ import re
 import stat
 
 from dataplane_rl.errors import CorruptChunkError, StoreUnavailableError
-from dataplane_rl.store.base import checksum
+from dataplane_rl.store.chunks import checksum
 
 CHUNK_KEY = re.compile(r"put-[0-9a-f]{32}@[0-9]{1,15}")  # fullmatch only: a chunk key in a refs file: a file of chunks/ only
 DIR_MODE, FILE_MODE = 0o700, 0o600  # private to the store's user

@@ -1,9 +1,9 @@
-"""The pool of an shm store: chunk files of dropped partitions, kept in DIR/.pool for later puts.
+"""The pool of an shm store: segment files of dropped partitions, kept in DIR/.pool for later puts.
 
 Why: a fresh tmpfs page costs an allocation (measured ~1.1 GB/s writing new /dev/shm files vs ~8.6 GB/s
 into pages already faulted in), and RL steps write the same shapes every step. A dropped partition's
-files are pooled only when no process still maps it (its `readers` lock), so reuse never changes bytes
-under a live zero-copy array. Pooled files are named `<bytes>-<hex>`; a claim renames one into place,
+segments are pooled only when no process still maps it (its `readers` lock), so reuse never changes bytes
+under a live zero-copy array, and only those no put is writing (the segment's own lock). Pooled files are named `<bytes>-<hex>`; a claim renames one into place,
 which is atomic: of two writers wanting one file, one gets it.
 """
 
@@ -12,42 +12,81 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import shutil
-import time
 import uuid
 
 from dataplane_rl.store.shm_files import open_file
 
 
+def _idle(path: str) -> bool:
+    """No put is writing into this segment (shm.py holds a shared flock on it while it writes), and none
+    can start: a put checks, under that lock, that its partition is still there."""
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
 class Pool:
     def __init__(self, folder: str, limit: int) -> None:
         self._dir, self._limit = folder, limit
-        self._seen: tuple[float, list[tuple[str, int]]] = (0.0, [])  # a recent listing, shared by close claims
 
     def bytes(self) -> int:
         return sum(cap for _, cap in self.files())
 
-    def claim(self, target: str, size: int) -> None:
-        """Put a file of at least `size` bytes at `target`: a pooled one if any fits, else a new one."""
-        for cand, cap in self._candidates(size):
-            with contextlib.suppress(ValueError):  # another thread of this process took it first
-                self._seen[1].remove((cand, cap))
+    def claim(self, target: str, size: int, most: int | None = None) -> None:
+        """Put a file of at least `size` bytes at `target`: the smallest pooled one that fits (of at most `most`
+        bytes), else a new one. A pooled file is never truncated: its pages are the point of pooling it."""
+        for cand, _ in self._candidates(size, most):
             try:
                 os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
             except FileNotFoundError:
                 continue
-            if cap > 2 * size + (1 << 20):  # give back pages we would waste
-                os.truncate(target, size)
-            elif cap < size:
-                self._reserve(target, size, new=False)
             return
-        self._reserve(target, size, new=True)
+        self._reserve(target, size)
 
-    def _reserve(self, path: str, size: int, new: bool) -> None:
+    def has(self, size: int, most: int | None = None) -> bool:
+        """Is a pooled file of `size` to `most` bytes there?"""
+        return bool(self._candidates(size, most))
+
+    def clear(self) -> None:
+        """Delete every pooled file (to make room for a segment of another size)."""
+        for cand, _ in self.files():
+            with contextlib.suppress(OSError):
+                os.unlink(cand)
+
+    def add_new(self, size: int) -> bool:
+        """Pool a new file of `size` bytes whose pages are allocated and zeroed now (a writable
+        MAP_POPULATE map faults every page in once; posix_fallocate alone leaves tmpfs pages to be
+        cleared at first touch). False if the filesystem has no room for it."""
+        path = os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}")
+        tmp = os.path.join(self._dir, f".new-{uuid.uuid4().hex}")  # not a pool name until it is whole
+        try:
+            self._reserve(tmp, size)
+            fd = open_file(tmp, os.O_RDWR)
+            try:
+                mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if e.errno == errno.ENOSPC:
+                return False
+            raise
+        return True
+
+    def _reserve(self, path: str, size: int) -> None:
         """Make `path` at least `size` bytes with every page allocated now: a mapped page the filesystem
         cannot back later would SIGBUS the writer. When space is short, pooled files go first."""
-        fd = open_file(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if new else 0))
+        fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -57,20 +96,16 @@ class Pool:
                 for cand, _ in self.files():  # the pool is only a cache: space for a put comes first
                     with contextlib.suppress(OSError):
                         os.unlink(cand)
-                self._seen = (0.0, [])
                 os.posix_fallocate(fd, 0, size)
         finally:
             os.close(fd)
 
-    def _candidates(self, size: int) -> list[tuple[str, int]]:
-        """Pooled files to try, best first: the smallest that fits, then the largest that does not."""
-        seen_at, pool = self._seen
-        if time.monotonic() - seen_at > 0.05:  # one listing serves all chunks of a put
-            pool = self.files()
-            self._seen = (time.monotonic(), pool)
-        fits = sorted((c for c in pool if c[1] >= size), key=lambda c: c[1])
-        short = sorted((c for c in pool if c[1] < size), key=lambda c: -c[1])
-        return (fits + short)[:4]
+    def _candidates(self, size: int, most: int | None = None) -> list[tuple[str, int]]:
+        """Pooled files to try, best first: the smallest that fits. Listed each time: a segment is claimed
+        once per several puts, and another process's drop may have pooled one since."""
+        pool = self.files()
+        top = most if most is not None else float("inf")
+        return sorted((c for c in pool if size <= c[1] <= top), key=lambda c: c[1])[:4]
 
     def files(self) -> list[tuple[str, int]]:
         """(path, capacity) of each pooled file."""
@@ -91,12 +126,9 @@ class Pool:
             room = self._limit - self.bytes()
             for entry in os.scandir(os.path.join(trash, "chunks")):
                 size = entry.stat().st_size
-                if entry.name.startswith(".") or not 0 < size <= room:
+                if entry.name.startswith(".") or not 0 < size <= room or not _idle(entry.path):
                     continue
-                path = os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}")
-                os.rename(entry.path, path)
-                # the next claim finds it without listing the pool again (a stale entry only fails a rename)
-                self._seen[1].append((path, size))
+                os.rename(entry.path, os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}"))
                 room -= size
         except OSError:
             pass  # still mapped somewhere (BlockingIOError): deleted below, freed when the last mapping goes

@@ -1,0 +1,87 @@
+"""How a get becomes an Arrow table: the blocks holding the rows, read and checksummed once, sliced or taken."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dataplane_rl.errors import CorruptChunkError, MissingColumnError, format_rows
+from dataplane_rl.store.arrow import block_schema, schema_of
+from dataplane_rl.store.chunks import (
+    ChunkRef,
+    PartitionMeta,
+    Snapshot,
+    checksum,
+    decode_block,
+)
+from dataplane_rl.store.rows import distinct, gather, runs_of
+
+
+class Reads:
+    """ColumnStore's read path (a mixin: it uses the store's `_index_of`, `_read` and `_counters`)."""
+
+    def _table(self, snap: Snapshot, fields: list[str], rows: np.ndarray) -> pa.Table:
+        """`fields` of `rows` from the blocks of `snap`: each block read and checksummed once, and rows
+        that are runs within blocks served as zero-copy slices of the mapped record batches."""
+        meta, schema = snap.meta, schema_of(snap.meta)
+        idx = self._index_of(snap)
+        # fields written together share a plan (the same blocks at the same positions): one per distinct
+        # (which, pos), found by their bytes instead of comparing every pair of arrays
+        groups: dict[bytes, list] = {}  # -> [which, pos, field positions]
+        with idx.lock:
+            refs = idx.refs
+            for i, f in enumerate(fields):
+                owner = idx.owner.get(f)
+                if owner is None:
+                    which = pos = np.full(rows.size, -1, dtype=np.int32)
+                else:
+                    which, pos = owner[rows], idx.pos[f][rows]
+                key = which.tobytes() + pos.tobytes()
+                g = groups.get(key)
+                if g is not None:
+                    g[2].append(i)
+                    continue
+                if rows.size and int(which.min()) < 0:
+                    missing = rows[which < 0]
+                    raise MissingColumnError(f"partition {meta.pid} column '{f}' rows {format_rows(missing)} not "
+                                             f"written (writer: {schema.by_name[f].writer})")
+                groups[key] = [which, pos, [i]]
+        if not rows.size:
+            used = []
+        elif len(groups) == 1:
+            used = distinct(next(iter(groups.values()))[0])
+        else:
+            used = distinct(np.concatenate([g[0] for g in groups.values()]))
+        needed = [refs[i] for i in used]
+        self._counters.values["get_bytes_total"] += sum(r.nbytes for r in needed)
+        batches = dict(zip(used, (self._decode(meta, r, p) for r, p in zip(needed, self._read(meta.pid, needed)))))
+        out_schema = block_schema(meta.schema_json, tuple(fields))
+        plans = [(which, pos, runs_of(which, pos), where) for which, pos, where in groups.values()]
+        if len(plans) == 1 and plans[0][2] is not None:  # the common case: one slice of a record batch per run
+            pieces = [batches[b].slice(p, n) for b, p, n in plans[0][2]]
+            pieces = [x if x.schema.names == fields else x.select(fields) for x in pieces]
+            return pa.Table.from_batches(pieces, schema=out_schema)
+        cols: list[Any] = [None] * len(fields)
+        for which, pos, runs, where in plans:
+            for i in where:
+                cols[i] = gather(batches, (which, pos, runs), fields[i], schema.by_name[fields[i]].arrow_type)
+        return pa.Table.from_arrays(cols, schema=out_schema)
+
+    def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str]) -> np.ndarray:
+        length_col = schema_of(snap.meta).length_column
+        try:
+            col = self._table(snap, [length_col], rows).column(0)
+        except MissingColumnError as e:
+            raise MissingColumnError(f"{e}; token column(s) {token_cols} are checked against {length_col}, "
+                                     f"so write {length_col} first or in the same put") from None
+        return col.to_numpy().astype(np.int64)
+
+    def _decode(self, meta: PartitionMeta, ref: ChunkRef, payload: pa.Buffer) -> pa.RecordBatch:
+        if payload.size != ref.nbytes or checksum(payload) != ref.checksum:
+            what = "missing (evicted or lost)" if payload.size == 0 else f"corrupt ({payload.size} bytes, checksum mismatch)"
+            cols = ", ".join(f"'{c}'" for c in ref.columns)
+            raise CorruptChunkError(f"partition {meta.pid} column(s) {cols} rows {format_rows(ref.rows)}: stored block "
+                                    f"{ref.key} is {what}; the data is gone, regenerate the step")
+        return decode_block(payload, block_schema(meta.schema_json, ref.columns))

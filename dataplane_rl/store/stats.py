@@ -1,0 +1,114 @@
+"""A store's counters: puts and gets with their bytes and seconds, refusals by cause, in Prometheus names.
+
+Names follow what Mooncake's master, TransferQueue and Ray export (research/anchors-turn4-store.md §4):
+`_total` for counters, `_seconds` for durations, `_bytes` for sizes, a `cause` label on refusals. A process
+counts its own calls (a lock and a few additions per call); a backend whose processes share a folder (shm)
+also writes them there, so `dataplane-rl store ls` adds up every process of the store.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from dataplane_rl.errors import PartitionNotFoundError
+
+PREFIX = "dataplane_store_"
+COUNTERS = ("puts_total", "put_bytes_total", "put_seconds_total", "gets_total", "get_bytes_total",
+            "get_seconds_total")
+REFUSALS = PREFIX + "refusals_total"
+FLUSH_EVERY_S = 1.0  # how often a process writes its counters where other processes can add them up
+
+
+def cause_of(error: BaseException) -> str:
+    """'DuplicateWriteError' -> 'duplicate_write': the `cause` label of a refusal."""
+    name = type(error).__name__
+    name = name.removesuffix("Error")
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class Counters:
+    """This process's counts of one store's calls (what `ColumnStore.stats()` starts from)."""
+
+    def __init__(self) -> None:
+        self.values = dict.fromkeys(COUNTERS, 0)
+        self.values.update({"put_seconds_total": 0.0, "get_seconds_total": 0.0})
+        self.refusals: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.flushed = float("-inf")  # the first call shares at once: a short-lived writer shows up too
+
+    def call(self, op: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            v = self.values
+            v[f"{op}s_total"] += 1
+            v[f"{op}_bytes_total"] += nbytes
+            v[f"{op}_seconds_total"] += seconds
+
+    def refused(self, error: BaseException) -> None:
+        cause = cause_of(error)
+        with self._lock:
+            self.refusals[cause] = self.refusals.get(cause, 0) + 1
+
+    def due(self) -> bool:
+        """Time to write the counters out (at most every FLUSH_EVERY_S)?"""
+        now = time.monotonic()
+        if now - self.flushed < FLUSH_EVERY_S:
+            return False
+        self.flushed = now
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            out = {PREFIX + k: v for k, v in self.values.items()}
+            out.update({f'{REFUSALS}{{cause="{c}"}}': n for c, n in sorted(self.refusals.items())})
+        return out
+
+
+def add(total: dict[str, float], more: Mapping[str, float]) -> dict[str, float]:
+    """Counters of several processes, added up by name."""
+    for k, v in more.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+@dataclass
+class PartitionStatus:
+    """Rows written per column (of num_rows) and stored bytes per column."""
+
+    pid: str
+    schema: str
+    num_rows: int
+    rows_written: dict[str, int]
+    nbytes: dict[str, int]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+    def complete(self, fields: Iterable[str]) -> bool:
+        return all(self.rows_written.get(f, 0) == self.num_rows for f in fields)
+
+
+def of_store(store) -> dict[str, float]:
+    """`ColumnStore.stats()`: the counters (this process's, plus those other processes shared), the live
+    partitions' cells and bytes, and the backend's gauges."""
+    out = add(store._other_counters(), store._counters.metrics())
+    cells = free = used = 0
+    parts = store.list_partitions()
+    for pid in parts:
+        try:
+            st = store.status(pid)
+        except PartitionNotFoundError:  # dropped meanwhile
+            continue
+        cells += sum(st.rows_written.values())
+        free += st.num_rows * len(st.rows_written) - sum(st.rows_written.values())
+        used += st.total_bytes
+    p = PREFIX
+    out.update({p + "partitions": len(parts), p + "cells_used": cells, p + "cells_free": free,
+                p + "used_bytes": used})
+    out.update(store._gauges())
+    return out

@@ -1,0 +1,44 @@
+"""rollout_columns builds token columns flat (values + row lengths): the same rows as one array per row."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from dataplane_rl.rollout.worker import rollout_columns
+
+
+@dataclass
+class Gen:
+    tokens: list
+    logprobs: list
+    truncated: bool
+
+
+class Tok:
+    def decode(self, tokens, skip_special_tokens=True):
+        return " ".join(map(str, tokens))
+
+
+class Task:
+    def reward(self, prompt, response):
+        return float(len(response))
+
+
+def test_token_columns_are_prompt_then_response_per_row():
+    job = types.SimpleNamespace(group_ids=[5, 9], prompts=["a", "bb"])
+    gens = [Gen([7, 8], [-0.5, -0.25], False), Gen([], [], True), Gen([4], [-1.0], False), Gen([1, 2, 3], [-1, -2, -3], True)]
+    t = rollout_columns(job, gens, [[1, 2], [3]], Tok(), Task(), 2, 4)
+    # rows: prompt [1, 2] + [7, 8]; [1, 2] + []; prompt [3] + [4]; [3] + [1, 2, 3]
+    assert t.column("input_ids").to_pylist() == [[1, 2, 7, 8], [1, 2], [3, 4], [3, 1, 2, 3]]
+    assert t.column("input_lengths").to_pylist() == [4, 2, 2, 4]
+    assert t.column("token_mask").to_pylist() == [[0, 0, 1, 1], [0, 0], [0, 1], [0, 1, 1, 1]]
+    assert t.column("generation_logprobs").to_pylist() == [[0, 0, -0.5, -0.25], [0, 0], [0, -1], [0, -1, -2, -3]]
+    assert t.column("total_reward").to_pylist() == [3.0, 0.0, 1.0, 5.0]  # len("7 8"), len(""), ...
+    assert t.column("group_id").to_pylist() == [5, 5, 9, 9] and t.column("truncated").to_pylist() == [False, True, False, True]
+    assert t.column("generation_policy_version").to_pylist() == [4] * 4
+    assert t.schema.field("input_ids").type == pa.list_(pa.int32()) and t.schema.field("token_mask").type == pa.list_(pa.int8())
+    assert np.asarray(t.column("generation_logprobs").combine_chunks().values).dtype == np.float32
