@@ -195,7 +195,16 @@ TASKS: dict[str, Callable[..., Task]] = {
     "repeat": lambda path=None: RepeatTask(),
     "count": lambda path=None: CountTask(),
     "math_jsonl": lambda path=None: MathJsonlTask(path or str(Path(__file__).parent / "math_sample.jsonl")),
+    # multi-turn (tasks/multiturn.py; imported late: it builds on split_held_out above)
+    "guess": lambda path=None: _multiturn().GuessTask(),
+    "tool": lambda path=None: _multiturn().ToolTask(),
 }
+
+
+def _multiturn():
+    from dataplane_rl.tasks import multiturn
+
+    return multiturn
 
 
 def get_task(name: str, path: str | None = None) -> Task:

@@ -19,10 +19,12 @@ import pyarrow as pa
 from dataplane_rl.algorithms.grpo import advantages, informative_groups
 from dataplane_rl.config import Config
 from dataplane_rl.errors import DataPlaneError
+from dataplane_rl.rollout.multiturn import check_config as check_multi_turn, episode_metrics
 from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
 from dataplane_rl.store import MemoryStore, open_store, owners, to_numpy
 from dataplane_rl.tasks import get_task
+from dataplane_rl.tasks.multiturn import is_multi_turn
 from dataplane_rl.train import private_ray, validation
 from dataplane_rl.train.batch import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.model import resolve_model
@@ -82,6 +84,8 @@ def preflight(cfg: Config):
     """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
     an actor's traceback: the task and its file, the model folder, the engine. Returns (task, model folder)."""
     task = get_task(cfg.task.name, cfg.task.path)
+    if is_multi_turn(task):
+        check_multi_turn(cfg, task)
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     check_device(cfg)
     check_prompt_lengths(cfg, task, folder)
@@ -408,10 +412,13 @@ class GRPOTrainer:
         io.driver_bytes_read += data.nbytes
         io.get_s += time.perf_counter() - t0
         cols = [data.column(c).to_pylist() for c in ("group_id", "prompt_text", "response_text", "total_reward",
-                                                      "advantages", "sample_mask", "generation_policy_version")]
+                                                      "advantages", "sample_mask", "generation_policy_version",
+                                                      "num_turns", "end_reason")]
         return [{"sample_id": f"{pid}/{int(row)}", "group_id": int(gid), "prompt": pr, "response": resp,
-                 "total_reward": float(rw), "advantage": float(a), "sample_mask": int(m), "generation_policy_version": int(v)}
-                for (pid, row), gid, pr, resp, rw, a, m, v in zip(((pid, row) for pid, rows in rs for row in rows), *cols)]
+                 "total_reward": float(rw), "advantage": float(a), "sample_mask": int(m), "generation_policy_version": int(v),
+                 "num_turns": int(nt), "end_reason": er}
+                for (pid, row), gid, pr, resp, rw, a, m, v, nt, er in zip(((pid, row) for pid, rows in rs for row in rows),
+                                                                          *cols)]
 
     def _drop(self, pids: list[str]) -> None:
         for pid in pids:
@@ -420,9 +427,10 @@ class GRPOTrainer:
     def log(self, step: int, train: dict, got: Groups, kept_rewards: np.ndarray, io: StepIO) -> dict:
         """The step's metrics."""
         m = {"step": step}
+        obs_tokens = to_numpy(got.scalars.column("observation_tokens")).astype(np.float64)  # [n]
         for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
                   "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch",
-                  "lr", "param_norm", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl", "padding_fraction",
+                  "token_mult_prob_error", "lr", "param_norm", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl", "padding_fraction",
                   "rank_token_imbalance"):
             m[f"train/{k}"] = train[k]
         generated = np.concatenate(got.rounds_rewards)
@@ -433,8 +441,9 @@ class GRPOTrainer:
         m["train/zero_advantage_group_fraction"] = got.zero_advantage_groups / max(got.groups_generated, 1)
         m["generation/response_length_mean"] = train["response_length_mean"]
         m["generation/response_length_max"] = train["response_length_max"]
-        m["generation/prompt_length_mean"] = train["prompt_length_mean"]
+        m["generation/prompt_length_mean"] = train["prompt_length_mean"] - float(obs_tokens.mean())
         m["generation/truncated_fraction"] = float(to_numpy(got.scalars.column("truncated")).astype(bool).mean())
+        m.update(episode_metrics(got.scalars, train["response_tokens"]))
         m["train/filtered_reward"] = float(np.mean(kept_rewards))
         m["train/generation_rounds"] = len(got.pids)
         m["train/optimizer_steps"] = train["optimizer_steps"]
