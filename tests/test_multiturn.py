@@ -239,12 +239,12 @@ def test_a_re_rendered_history_is_refused_when_the_row_is_written():
     e.inputs.append(tuple(p))
     e.add([12], [-1.0], 1)
     e.outputs.append([12])
-    obs = w.tokenizer("lower:", add_special_tokens=False).input_ids
+    obs = w.tokenizer("lower.", add_special_tokens=False).input_ids
     e.add(obs, None, 1)
     e.observations.append(obs)
     e.inputs.append(tuple(e.ids))
     check_prefix(env, e)  # the real history: fine
-    e.inputs[1] = tuple(p + [12] + w.tokenizer("lower :", add_special_tokens=False).input_ids[:-1] + [13])
+    e.inputs[1] = tuple(p + [12] + w.tokenizer("lower .", add_special_tokens=False).input_ids[:-1] + [13])
     with pytest.raises(EpisodeError, match=r"task 'guess' turn 2 row 5 .*not a prefix"):
         check_prefix(env, e)
 
@@ -326,8 +326,8 @@ def test_tool_task_needs_the_key_from_the_observation():
 
 def test_guess_task_rules():
     task = GuessTask()
-    p = next(q for q in task.prompts(0, 1, 0, 200) if task.step(q, ["4"]).observation == "higher:")
-    assert task.step(p, ["4", "9"]).observation == "invalid:"
+    p = next(q for q in task.prompts(0, 1, 0, 200) if task.step(q, ["4"]).observation == "higher!")
+    assert task.step(p, ["4", "9"]).observation == "invalid?"
     # binary search always wins within 3 guesses
     for q in task.prompts(0, 2, 0, 50):
         lo, hi, actions = 1, 7, []
@@ -336,7 +336,7 @@ def test_guess_task_rules():
             s = task.step(q, actions)
             if s.done:
                 break
-            lo, hi = ((lo + hi) // 2 + 1, hi) if s.observation == "higher:" else (lo, (lo + hi) // 2 - 1)
+            lo, hi = ((lo + hi) // 2 + 1, hi) if s.observation == "higher!" else (lo, (lo + hi) // 2 - 1)
         assert s.reward == 1.0 and len(actions) <= 3
 
 
