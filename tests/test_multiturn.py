@@ -27,7 +27,7 @@ from dataplane_rl.train.batch import build_train_batch, shard_balanced
 from dataplane_rl.train.counts import local_counts
 from dataplane_rl.train.model import build_tiny, load_model, token_logprobs
 
-MT = ["policy.max_total_sequence_length=40", "generation.max_new_tokens=1", "multi_turn.max_turns=3"]
+MT = ["policy.max_total_sequence_length=48", "generation.max_new_tokens=1", "multi_turn.max_turns=3"]
 
 
 class Recorder:
@@ -154,7 +154,7 @@ def test_observation_tokens_get_exactly_zero_gradient(guess):
     not_trained = ~trained[:, 1:]  # [B, T-1]: tokens 1.. that are prompt, observation or padding
     assert (grad[:, :-1][not_trained] == 0).all(), "a prompt, observation or padding token got gradient"
     assert (grad[:, :-1][trained[:, 1:]].abs().sum(-1) > 0).all(), "every sampled token must get gradient"
-    obs = (batch["attention_mask"].bool() & ~trained)[:, 1:] & (torch.arange(1, grad.shape[1]) > 11)  # past the prompt
+    obs = (batch["attention_mask"].bool() & ~trained)[:, 1:] & (torch.arange(1, grad.shape[1]) > 14)  # past the prompt
     assert obs.sum() > 100, "the rows must hold observation tokens for this test to mean anything"
 
 
@@ -234,17 +234,17 @@ def test_longer_observations_leave_advantages_and_the_loss_unchanged(guess, toke
 def test_a_re_rendered_history_is_refused_when_the_row_is_written():
     w = worker_for("guess")
     env = Env(w.task, w.tokenizer, "step-000001")
-    p = w.encode("guess 0001:")
-    e = Episode("guess 0001:", 5, 0, list(p))
+    p = w.encode("guess 0001 1-7:")
+    e = Episode("guess 0001 1-7:", 5, 0, list(p))
     e.inputs.append(tuple(p))
     e.add([12], [-1.0], 1)
     e.outputs.append([12])
-    obs = w.tokenizer("lower.", add_special_tokens=False).input_ids
+    obs = w.tokenizer("lower, 1-3:", add_special_tokens=False).input_ids
     e.add(obs, None, 1)
     e.observations.append(obs)
     e.inputs.append(tuple(e.ids))
     check_prefix(env, e)  # the real history: fine
-    e.inputs[1] = tuple(p + [12] + w.tokenizer("lower .", add_special_tokens=False).input_ids[:-1] + [13])
+    e.inputs[1] = tuple(p + [12] + obs[:-1] + [13])  # the same text, re-rendered with another last token
     with pytest.raises(EpisodeError, match=r"task 'guess' turn 2 row 5 .*not a prefix"):
         check_prefix(env, e)
 
@@ -326,9 +326,10 @@ def test_tool_task_needs_the_key_from_the_observation():
 
 def test_guess_task_rules():
     task = GuessTask()
-    p = next(q for q in task.prompts(0, 1, 0, 200) if task.step(q, ["4"]).observation == "higher!")
-    assert task.step(p, ["4", "9"]).observation == "invalid?"
-    # binary search always wins within 3 guesses
+    p = next(q for q in task.prompts(0, 1, 0, 200) if task.step(q, ["4"]).observation == "higher, 5-7:")
+    assert p.endswith(" 1-7:") and task.step(p, ["4", "9"]).observation == "invalid, 5-7:"
+    # binary search on the range shown always wins within 3 guesses; the range is the feedback's
+    wins = 0
     for q in task.prompts(0, 2, 0, 50):
         lo, hi, actions = 1, 7, []
         while True:
@@ -336,8 +337,11 @@ def test_guess_task_rules():
             s = task.step(q, actions)
             if s.done:
                 break
-            lo, hi = ((lo + hi) // 2 + 1, hi) if s.observation == "higher!" else (lo, (lo + hi) // 2 - 1)
-        assert s.reward == 1.0 and len(actions) <= 3
+            lo, hi = (int(x) for x in s.observation.split(", ")[1].rstrip(":").split("-"))
+        wins += s.reward == 1.0 and len(actions) <= 3
+    assert wins == 50
+    # a guesser ignoring the feedback does not always win
+    assert sum(task.reward(q, ["4", "2", "6"]) for q in task.prompts(0, 2, 0, 50)) < 50
 
 
 def test_single_turn_rows_carry_the_turn_columns():

@@ -9,9 +9,11 @@ import math
 import pytest
 from test_train_e2e import assert_close, run
 
+from dataplane_rl.train.model import build_tiny, load_tokenizer
+
 GUESS = ["task.name=guess", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
          "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "generation.max_new_tokens=1",
-         "policy.max_total_sequence_length=40", "multi_turn.max_turns=3", "grpo.max_val_samples=8",
+         "policy.max_total_sequence_length=48", "multi_turn.max_turns=3", "grpo.max_val_samples=8",
          "loss_fn.positive_example_nll_weight=0.1"]
 
 
@@ -36,7 +38,8 @@ def test_multi_turn_run_trains_only_the_policys_tokens(baseline):
     assert m["rollout/env_tokens_mean"] > 0 and 0 < m["rollout/policy_token_fraction"] < 1
     assert m["rollout/policy_token_fraction"] == pytest.approx(
         m["train/global_valid_toks"] / (m["train/global_valid_toks"] + 16 * m["rollout/env_tokens_mean"]))
-    assert m["generation/prompt_length_mean"] == 11  # 'guess NNNN:' and BOS; observations are not prompt
+    tok = load_tokenizer(build_tiny(0))  # observations are not prompt tokens
+    assert m["generation/prompt_length_mean"] == len(tok("guess 0000 1-7:").input_ids) + 1
     rates = [m[f"rollout/{k}_rate"] for k in ("natural_termination", "max_turns_reached", "truncation")]
     assert math.isclose(sum(rates), 1.0) and m["rollout/natural_termination_rate"] == 1.0
     # the same weights in both engines: exp|gen - train| over trained tokens is 1 up to float rounding

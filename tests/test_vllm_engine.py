@@ -189,7 +189,7 @@ def test_multi_turn_episodes_on_vllm_are_token_in_token_out(engine, tiny):
     env = Env(task, tok, "step-000001")
     episodes = [Episode(p, i, sample_seed(0, 1, 0, i, 0), [tok.bos_token_id] + tok(p, add_special_tokens=False).input_ids)
                 for i, p in enumerate(task.prompts(0, 1, 0, 8))]
-    run_episodes(engine, env, episodes, max_turns=3, max_new_tokens=1, max_total=40, temperature=1.0, top_k=0, top_p=1.0)
+    run_episodes(engine, env, episodes, max_turns=3, max_new_tokens=1, max_total=48, temperature=1.0, top_k=0, top_p=1.0)
     for e in episodes:
         check_prefix(env, e)
         assert e.end == "done" and 1 <= len(e.outputs) <= 3

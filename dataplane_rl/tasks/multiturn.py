@@ -75,30 +75,40 @@ class _Episodes:
 
 @dataclass
 class GuessTask(_Episodes):
-    """Guess a secret in 1..`high` in at most `guesses` turns; each guess is answered `higher`, `lower` or
-    `correct` (a guess that is no number in range: `invalid`, a lost turn). Reward 1.0 on a hit, else 0.
-    Each observation ends in its own mark (`higher!`, `lower.`, `invalid?`), so the token right before the next
-    guess already tells the direction: the tiny model learns the feedback faster than from the word alone.
+    """Guess a secret in 1..`high` in at most `guesses` turns. The prompt names the game and the range
+    (`guess NNNN 1-7:`); each guess is answered `higher`, `lower` or `correct`, with the range still possible
+    (`higher, 5-7:`); a guess that is no number in range is `invalid` (a lost turn). Reward 1.0 on a hit.
 
-    With high=7 and 3 guesses binary search always wins (7 = 2^3 - 1) and needs the feedback; a uniform guesser
-    over 1..7 that never repeats wins 3/7. The untrained tiny model's one-token actions are near-uniform over
-    its 53 tokens, so it starts lower (~0.06) and first learns to answer with digits."""
+    With high=7 and 3 guesses binary search (the middle of the range shown) always wins (7 = 2^3 - 1) and
+    needs the feedback; a uniform guesser over 1..7 that never repeats wins 3/7. The range makes the best
+    guess a function of the last observation alone: without it (feedback words only) the tiny model stayed at
+    the random guesser's ~0.45 after 60 steps, twice (docs/multiturn.md). Its untrained one-token actions
+    are near-uniform over its 53 tokens, so it starts near 0.06 and first learns to answer with digits."""
 
     name: str = "guess"
     high: int = 7
     guesses: int = 3
 
+    def __post_init__(self) -> None:
+        self.train_pool, self.val_pool = split_held_out([f"{self.name} {i:04d} 1-{self.high}:" for i in range(self.ids)])
+
     def step(self, prompt: str, actions: Sequence[str]) -> EnvStep:
-        secret = _secret(prompt, self.high)
-        text = actions[-1].strip()
-        guess = int(text) if text.isdigit() and len(text) == 1 else None
-        if guess == secret:
-            return EnvStep("correct", True, 1.0)
-        if len(actions) >= self.guesses:
-            return EnvStep("", True, 0.0)
-        if guess is None or not 1 <= guess <= self.high:
-            return EnvStep("invalid?", False, 0.0)
-        return EnvStep("higher!" if secret > guess else "lower.", False, 0.0)
+        secret = _secret(prompt.split()[1], self.high)
+        lo, hi = 1, self.high
+        for i, action in enumerate(actions):
+            text = action.strip()
+            guess = int(text) if text.isdigit() and len(text) == 1 else None
+            if guess == secret:
+                return EnvStep("correct", True, 1.0)
+            if i + 1 >= self.guesses:
+                return EnvStep("", True, 0.0)
+            if guess is None or not 1 <= guess <= self.high:
+                word = "invalid"
+            elif secret > guess:
+                word, lo = "higher", max(lo, guess + 1)
+            else:
+                word, hi = "lower", min(hi, guess - 1)
+        return EnvStep(f"{word}, {lo}-{hi}:", False, 0.0)
 
 
 @dataclass
