@@ -58,7 +58,7 @@ def job(w: RolloutWorker, P: int = 4, pid: str = "step-000001") -> RolloutJob:
 
 @pytest.fixture(scope="module")
 def guess():
-    """16 guess episodes (4 prompts x 4 samples... G=8 by default: 32) and the recorded engine calls."""
+    """32 guess episodes (4 prompts x G=8) and the recorded engine calls."""
     w = worker_for("guess")
     table, _ = w.generate(job(w))
     return w, table
