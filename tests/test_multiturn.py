@@ -106,7 +106,7 @@ def test_stored_tokens_are_the_sampled_tokens_plus_the_observations(guess):
 
 
 def test_hf_generation_logprobs_equal_the_trainers_on_trained_tokens(guess):
-    w, table = guess
+    _, table = guess
     schema = load_schema("grpo")
     batch = build_train_batch(table.select(["input_ids", "input_lengths", "token_mask", "generation_logprobs"]), schema)
     model = load_model(build_tiny(0), torch.device("cpu"))
@@ -177,9 +177,8 @@ def lengthen_observations(batch: dict[str, torch.Tensor], extra: int, rng) -> di
     for b in range(B):
         n = int(batch["attention_mask"][b].sum())
         m = batch["token_mask"][b, :n]
-        keep = list(range(n))
         inserts = [t for t in range(1, n) if m[t] == 0 and m[t - 1] == 1]  # the first token of each observation
-        for k in out:
+        for k, rows_k in out.items():
             row = batch[k][b, :n].tolist()
             for t in reversed(inserts):
                 if k == "token_mask":
@@ -191,8 +190,7 @@ def lengthen_observations(batch: dict[str, torch.Tensor], extra: int, rng) -> di
                 else:
                     fill = rng.normal(-3, 2, extra).tolist()  # anything: never read where token_mask is 0
                 row[t:t] = fill
-            out[k].append(row)
-        del keep
+            rows_k.append(row)
     T = max(len(r) for r in out["token_mask"])
     res = {k: torch.tensor([r + [0] * (T - len(r)) for r in v], dtype=batch[k].dtype) for k, v in out.items()}
     res.update({k: v for k, v in batch.items() if v.dim() == 1})

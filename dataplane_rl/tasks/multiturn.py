@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, Sequence
+from typing import ClassVar, Protocol
 
 from dataplane_rl.tasks import split_held_out
 
