@@ -430,8 +430,8 @@ class GRPOTrainer:
         obs_tokens = to_numpy(got.scalars.column("observation_tokens")).astype(np.float64)  # [n]
         for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
                   "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch",
-                  "token_mult_prob_error", "lr", "param_norm", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl", "padding_fraction",
-                  "rank_token_imbalance"):
+                  "token_mult_prob_error", "lr", "param_norm", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl",
+                  "padding_fraction", "rank_token_imbalance"):
             m[f"train/{k}"] = train[k]
         generated = np.concatenate(got.rounds_rewards)
         m["train/reward"] = float(np.mean(generated))

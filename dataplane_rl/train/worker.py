@@ -186,7 +186,8 @@ class TrainWorker:
                 gap = (batch["generation_logprobs"] - batch["prev_logprobs"]).abs()  # [B, T]
                 mismatch[0] += float((gap * m).sum())
                 mismatch[1] += float(m.sum())
-                mismatch[2] += float((gap.double().exp() * m).sum())
+                # gap masked before exp: off-mask gaps (prompt log-probs vs 0.0) could overflow to inf * 0 = NaN
+                mismatch[2] += float((torch.where(m > 0, gap, 0.0).double().exp() * m).sum())
         for _ in range(self.cfg.grpo.num_epochs):
             for batch, mbs, extra in zip(batches, plans, extras):
                 counts = all_reduce_counts(local_counts(batch))
