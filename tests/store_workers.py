@@ -27,6 +27,8 @@ def _token(name: str, r: int, n: int, seed: int) -> np.ndarray:
         return base.astype(np.int32)
     if name == "token_mask":
         return (base % 2).astype(np.int8)
+    if name == "turn_index":
+        return (base % 3).astype(np.int16)
     return (-(base % 97) / np.float32(8)).astype(np.float32)  # log-prob-like, exact in float32
 
 
@@ -43,6 +45,10 @@ def _sample(name: str, rows: np.ndarray, seed: int):
         return (rows + seed) % 3 == 0
     if name == "sample_mask":
         return ((rows + seed) % 5 != 0).astype(np.int8)
+    if name == "num_turns":
+        return (rows % 3 + 1 + seed).astype(np.int32)
+    if name == "observation_tokens":
+        return (rows % 4 + seed).astype(np.int32)
     if GRPO_SCHEMA.by_name[name].dtype != "string":
         raise KeyError(f"store_workers._sample has no generator for the grpo column '{name}'; add one")
     return [f"{name} {r} seed {seed} ✓" for r in rows]  # prompt_text, response_text

@@ -63,6 +63,10 @@ def _rollout_table(n=3, bad=False):
         "prompt_text": pa.array(["a", "b", "c"]),
         "response_text": pa.array(["x", "y", "z"]),
         "generation_policy_version": pa.array([0, 0, 0], type=pa.int64()),
+        "turn_index": pa.array([[0] + [1] * (k - 1) for k in lengths], type=pa.list_(pa.int16())),
+        "num_turns": pa.array([1, 1, 1], type=pa.int32()),
+        "observation_tokens": pa.array([0, 0, 0], type=pa.int32()),
+        "end_reason": pa.array(["done", "length", "done"]),
     }
     if bad:
         del cols["group_id"]

@@ -42,3 +42,7 @@ def test_token_columns_are_prompt_then_response_per_row():
     assert t.column("generation_policy_version").to_pylist() == [4] * 4
     assert t.schema.field("input_ids").type == pa.list_(pa.int32()) and t.schema.field("token_mask").type == pa.list_(pa.int8())
     assert np.asarray(t.column("generation_logprobs").combine_chunks().values).dtype == np.float32
+    # a single turn: the prompt is turn 0 and the response turn 1, no observation, the end as the engine said
+    assert t.column("turn_index").to_pylist() == t.column("token_mask").to_pylist()
+    assert t.column("num_turns").to_pylist() == [1] * 4 and t.column("observation_tokens").to_pylist() == [0] * 4
+    assert t.column("end_reason").to_pylist() == ["done", "length", "done", "length"]

@@ -201,7 +201,8 @@ def test_train_cli_writes_the_run_folder(tmp_path):
         assert key in lines[0], key
     sample = json.loads((run_dir / "train_data/step_000001.jsonl").read_text().splitlines()[0])
     assert set(sample) == {"sample_id", "group_id", "prompt", "response", "total_reward", "advantage", "sample_mask",
-                           "generation_policy_version"}
+                           "generation_policy_version", "num_turns", "end_reason"}
+    assert sample["num_turns"] == 1 and sample["end_reason"] in ("done", "length")
     assert load_config(run_dir / "config.yaml").grpo.max_num_steps == 2  # the resolved config reloads
     store_url = json.loads((run_dir / "summary.json").read_text())["store_url"]
     assert store_url.startswith("shm:///") and not Path(store_url[len("shm://"):]).exists(), \

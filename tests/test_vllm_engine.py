@@ -175,3 +175,30 @@ def test_vllm_backend_without_vllm_says_what_to_install(tiny, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ConfigError, match="install the `vllm` extra"):
         make_engine(load_config(None, ["generation.backend=vllm"]), folder, tok)
+
+
+def test_multi_turn_episodes_on_vllm_are_token_in_token_out(engine, tiny):
+    """guess episodes on vLLM: every turn's input is the stored trajectory so far (check_prefix), the stored
+    tokens are the sampled ones plus the observations, and the trained tokens' log-probs are the trainer's."""
+    from dataplane_rl.rollout.multiturn import Env, Episode, check_prefix, run_episodes
+    from dataplane_rl.tasks import get_task
+    from dataplane_rl.model.logprobs import token_logprobs
+
+    _, tok, model = tiny
+    task = get_task("guess")
+    env = Env(task, tok, "step-000001")
+    episodes = [Episode(p, i, sample_seed(0, 1, 0, i, 0), [tok.bos_token_id] + tok(p, add_special_tokens=False).input_ids)
+                for i, p in enumerate(task.prompts(0, 1, 0, 8))]
+    run_episodes(engine, env, episodes, max_turns=3, max_new_tokens=1, max_total=48, temperature=1.0, top_k=0, top_p=1.0)
+    for e in episodes:
+        check_prefix(env, e)
+        assert e.end == "done" and 1 <= len(e.outputs) <= 3
+        for k in range(1, len(e.actions) + 1):  # the observations are the task's, tokenized alone
+            obs = task.step(e.prompt, e.actions[:k]).observation
+            assert e.observations[k - 1] == (tok(obs, add_special_tokens=False).input_ids if obs else [])
+        ids = torch.tensor([e.ids])  # [1, T]
+        with torch.no_grad():
+            lp = token_logprobs(model, ids, torch.ones_like(ids))[0]  # [T]
+        m = torch.tensor(e.mask, dtype=torch.bool)
+        assert (lp[m] - torch.tensor(e.logprobs)[m]).abs().max() < 1e-4
+        assert all(x == 0.0 for x, k in zip(e.logprobs, e.mask) if not k)

@@ -8,6 +8,7 @@ from typing import Literal, Optional
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dataplane_rl.algorithms.loss import LossConfig
+from dataplane_rl.config.multi_turn import MultiTurnConfig
 from dataplane_rl.config_types import CONFIG, StrictScalars
 from dataplane_rl.errors import ConfigError
 
@@ -188,7 +189,7 @@ class DataPlaneConfig(_Section):
 class TaskConfig(_Section):
     """`task.*`: the prompts and the reward function."""
 
-    name: str = Field("repeat", description="Registered task (see dataplane_rl.tasks): repeat, next, count, math_jsonl.")
+    name: str = Field("repeat", description="Registered task (see dataplane_rl.tasks): repeat, next, count, math_jsonl; multi-turn: guess, tool (docs/multiturn.md).")
     path: Optional[str] = Field(None, description="Data file for file-based tasks (math_jsonl: JSONL with question and answer fields; required).")
 
     @model_validator(mode="after")
@@ -249,6 +250,7 @@ class Config(_Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataplane_rl.config import Config
 from dataplane_rl.model.load import resolve_model
 from dataplane_rl.store import MemoryStore, open_store
+from dataplane_rl.rollout.multiturn import check_config as check_multi_turn
 from dataplane_rl.tasks import get_task
+from dataplane_rl.tasks.multiturn import is_multi_turn
 
 
 def open_run_store(cfg: Config):
@@ -24,6 +26,8 @@ def preflight(cfg: Config):
     """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
     an actor's traceback: the task and its file, the model folder, the engine. Returns (task, model folder)."""
     task = get_task(cfg.task.name, cfg.task.path)
+    if is_multi_turn(task):
+        check_multi_turn(cfg, task)
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     check_device(cfg)
     check_prompt_lengths(cfg, task, folder)

@@ -19,6 +19,7 @@ import pyarrow as pa
 from dataplane_rl.algorithms.grpo import advantages, informative_groups
 from dataplane_rl.config import Config
 from dataplane_rl.errors import DataPlaneError
+from dataplane_rl.rollout.multiturn import episode_metrics
 from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
 from dataplane_rl.store import owners, to_numpy
@@ -341,10 +342,13 @@ class GRPOTrainer:
         io.driver_bytes_read += data.nbytes
         io.get_s += time.perf_counter() - t0
         cols = [data.column(c).to_pylist() for c in ("group_id", "prompt_text", "response_text", "total_reward",
-                                                      "advantages", "sample_mask", "generation_policy_version")]
+                                                      "advantages", "sample_mask", "generation_policy_version",
+                                                      "num_turns", "end_reason")]
         return [{"sample_id": f"{pid}/{int(row)}", "group_id": int(gid), "prompt": pr, "response": resp,
-                 "total_reward": float(rw), "advantage": float(a), "sample_mask": int(m), "generation_policy_version": int(v)}
-                for (pid, row), gid, pr, resp, rw, a, m, v in zip(((pid, row) for pid, rows in rs for row in rows), *cols)]
+                 "total_reward": float(rw), "advantage": float(a), "sample_mask": int(m), "generation_policy_version": int(v),
+                 "num_turns": int(nt), "end_reason": er}
+                for (pid, row), gid, pr, resp, rw, a, m, v, nt, er in zip(((pid, row) for pid, rows in rs for row in rows),
+                                                                          *cols)]
 
     def _drop(self, pids: list[str]) -> None:
         for pid in pids:
@@ -353,10 +357,11 @@ class GRPOTrainer:
     def log(self, step: int, train: dict, got: Groups, kept_rewards: np.ndarray, io: StepIO) -> dict:
         """The step's metrics."""
         m = {"step": step}
+        obs_tokens = to_numpy(got.scalars.column("observation_tokens")).astype(np.float64)  # [n]
         for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
                   "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch",
-                  "lr", "param_norm", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl", "padding_fraction",
-                  "rank_token_imbalance"):
+                  "token_mult_prob_error", "lr", "param_norm", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl",
+                  "padding_fraction", "rank_token_imbalance"):
             m[f"train/{k}"] = train[k]
         generated = np.concatenate(got.rounds_rewards)
         m["train/reward"] = float(np.mean(generated))
@@ -366,8 +371,9 @@ class GRPOTrainer:
         m["train/zero_advantage_group_fraction"] = got.zero_advantage_groups / max(got.groups_generated, 1)
         m["generation/response_length_mean"] = train["response_length_mean"]
         m["generation/response_length_max"] = train["response_length_max"]
-        m["generation/prompt_length_mean"] = train["prompt_length_mean"]
+        m["generation/prompt_length_mean"] = train["prompt_length_mean"] - float(obs_tokens.mean())
         m["generation/truncated_fraction"] = float(to_numpy(got.scalars.column("truncated")).astype(bool).mean())
+        m.update(episode_metrics(got.scalars, train["response_tokens"]))
         m["train/filtered_reward"] = float(np.mean(kept_rewards))
         m["train/generation_rounds"] = len(got.pids)
         m["train/optimizer_steps"] = train["optimizer_steps"]

@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from dataplane_rl.rollout.generation import Generation
 from dataplane_rl.store import list_array
+from dataplane_rl.tasks.multiturn import is_multi_turn
 
 
 @dataclass
@@ -71,6 +72,11 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, 
         "total_reward": pa.array(np.asarray(rewards, np.float32)),
         "group_id": pa.array(np.asarray(groups, np.int64)),
         "truncated": pa.array(trunc, type=pa.bool_()),
+        # a single turn: the prompt is turn 0, the response turn 1; no observations
+        "turn_index": list_array(mask.astype(np.int16), n, pa.int16()),
+        "num_turns": pa.array(np.ones(len(n), np.int32)),
+        "observation_tokens": pa.array(np.zeros(len(n), np.int32)),
+        "end_reason": pa.array(["length" if t else "done" for t in trunc], type=pa.string()),
         "prompt_text": pa.array(ptext, type=pa.string()),
         "response_text": pa.array(rtext, type=pa.string()),
         "generation_policy_version": pa.array(np.full(len(n), version, np.int64)),
@@ -170,9 +176,14 @@ class RolloutWorker:
         seeds = [sample_seed(seed, job.step, -1 if job.validation else job.round, gid, s)
                  for gid in job.group_ids for s in range(G)]
         rooms = response_rooms(prompt_ids, gen.max_new_tokens, self.cfg.policy.max_total_sequence_length)
-        gens = self.engine.generate(flat, seeds, max(rooms), temperature, top_k, top_p)
-        gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
-        table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G, self.version)
+        if is_multi_turn(self.task):
+            from dataplane_rl.rollout.multiturn import multi_turn_table
+
+            table = multi_turn_table(self, job, prompt_ids, seeds, G, temperature, top_k, top_p)
+        else:
+            gens = self.engine.generate(flat, seeds, max(rooms), temperature, top_k, top_p)
+            gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
+            table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G, self.version)
         receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": self.version}
         table = self.io.emit([(job.pid, np.arange(job.row_start, job.row_start + table.num_rows))], table)
         receipt.update(self.io.take())

@@ -8,7 +8,6 @@ of the prompt text: `prompts()` draws only from the first, `val_prompts()` lists
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -17,8 +16,8 @@ from typing import Callable, Protocol
 
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.tasks.answers import extract_answer, normalize_number
-
-VAL_SHARE = 0.2  # share of a task's distinct prompts held out for validation
+from dataplane_rl.tasks import multiturn
+from dataplane_rl.tasks.pools import VAL_SHARE, split_held_out  # noqa: F401  (VAL_SHARE: part of the tasks API)
 
 
 class Task(Protocol):
@@ -32,21 +31,6 @@ class Task(Protocol):
 
     def reward(self, prompt: str, response: str) -> float:
         """Score of `response` to `prompt`; pure."""
-
-
-def split_held_out(keys: list[str]) -> tuple[list[str], list[str]]:
-    """(train, held-out): the VAL_SHARE of distinct keys with the smallest blake2b hash are held out.
-
-    A hash, not a seeded shuffle: the split of a prompt never depends on the run's seed or on the other
-    prompts' order, so the held-out set stays held out across runs. Both parts keep >= 1 key.
-    """
-    uniq = sorted(set(keys))
-    if len(uniq) < 2:
-        raise ConfigError(f"a task needs at least 2 distinct prompts to hold one out for validation, got {len(uniq)}")
-    ranked = sorted(uniq, key=lambda k: hashlib.blake2b(k.encode(), digest_size=8).digest())
-    n_val = min(len(uniq) - 1, max(1, round(VAL_SHARE * len(uniq))))
-    held = set(ranked[:n_val])
-    return [k for k in uniq if k not in held], [k for k in ranked[:n_val]]
 
 
 @dataclass
@@ -195,6 +179,9 @@ TASKS: dict[str, Callable[..., Task]] = {
     "repeat": lambda path=None: RepeatTask(),
     "count": lambda path=None: CountTask(),
     "math_jsonl": lambda path=None: MathJsonlTask(path or str(Path(__file__).parent / "math_sample.jsonl")),
+    # multi-turn (tasks/multiturn.py)
+    "guess": lambda path=None: multiturn.GuessTask(),
+    "tool": lambda path=None: multiturn.ToolTask(),
 }
 
 

@@ -179,12 +179,16 @@ class TrainWorker:
         plans = [plan_microbatches(b, p, "train") for b in batches]
         extras = [self._even_passes(len(mbs)) for mbs in plans]
         used = torch.zeros(2, dtype=torch.float64)  # [valid token slots, all token slots] of the train passes
-        mismatch = torch.zeros(2, dtype=torch.float64)  # [sum |gen - prev| over valid tokens, count]
+        # [sum |gen - prev|, count, sum exp|gen - prev|] over valid tokens
+        mismatch = torch.zeros(3, dtype=torch.float64)
         for batch in batches:
             if "generation_logprobs" in batch:
                 m = batch["token_mask"] * batch["sample_mask"][:, None]  # [B, T]
-                mismatch[0] += float(((batch["generation_logprobs"] - batch["prev_logprobs"]).abs() * m).sum())
+                gap = (batch["generation_logprobs"] - batch["prev_logprobs"]).abs()  # [B, T]
+                mismatch[0] += float((gap * m).sum())
                 mismatch[1] += float(m.sum())
+                # gap masked before exp: off-mask gaps (prompt log-probs vs 0.0) could overflow to inf * 0 = NaN
+                mismatch[2] += float((torch.where(m > 0, gap, 0.0).double().exp() * m).sum())
         for _ in range(self.cfg.grpo.num_epochs):
             for batch, mbs, extra in zip(batches, plans, extras):
                 counts = all_reduce_counts(local_counts(batch))
@@ -213,6 +217,8 @@ class TrainWorker:
         # the step's trained tokens: N_tok of every optimizer step (all epochs) added up, not their mean
         out["global_valid_toks"] = float(sum(h["global_valid_toks"] for h in history))
         out["logprob_mismatch"] = float(mismatch[0] / max(float(mismatch[1]), 1.0))
+        # NeMo-RL's token_mult_prob_error: mean of exp|gen - prev| (>= 1; above ~1.05 the engines disagree)
+        out["token_mult_prob_error"] = float(mismatch[2] / float(mismatch[1])) if mismatch[1] else 1.0
         out["padding_fraction"] = float(1.0 - used[0] / max(float(used[1]), 1.0))
         out.update(rows)
         out["optimizer_steps"] = len(history)
