@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from dataplane_rl.config import load_config
+from dataplane_rl.errors import ConfigError
 from dataplane_rl.store import owners
 from dataplane_rl.train import private_ray
 from test_shutdown import CHILD, Tree, wait_for
@@ -55,6 +56,7 @@ def killed_run(tmp_path_factory):
     try:
         wait_for("step 1's checkpoint", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), proc, tree, 420)
         seen = listeners(tree)
+        live = [" ".join(q.cmdline()) for q in _alive(tree.poll())]
         # the command supervises; its child, in a session of its own, is the driver with the run's environment
         driver = psutil.Process(proc.pid).children()[0]
         token = driver.environ().get("RAY_AUTH_TOKEN_PATH")
@@ -68,6 +70,11 @@ def killed_run(tmp_path_factory):
         while _running(driver) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _running(driver), "the driver outlived its supervisor's SIGKILL by 30 s"
+        # Ray's processes, in the driver's session and not the job's group, die with it (Ray's kernel
+        # fate-sharing: PR_SET_PDEATHSIG on gcs_server, raylet and the rest; the workers with the raylet)
+        while tree.alive() and time.monotonic() < deadline + 30:
+            time.sleep(0.1)
+        outlived = tree.alive()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -76,7 +83,12 @@ def killed_run(tmp_path_factory):
             shutil.rmtree(os.path.dirname(token), ignore_errors=True)  # the next train would reap it; none runs here
     out = proc.stdout.read()
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
-    return run_dir, env, seen, modes, out, [e for e in owners.scan(str(root))]
+    ever = [cmd for _, cmd in tree.seen.values()]
+    return run_dir, env, seen, modes, out, [e for e in owners.scan(str(root))], (ever, live, outlived)
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs if _running(p)]
 
 
 def _running(p: psutil.Process) -> bool:
@@ -87,7 +99,7 @@ def _running(p: psutil.Process) -> bool:
 
 
 def test_a_local_run_listens_on_loopback_only_with_a_private_token(killed_run):
-    _, _, seen, modes, out, _ = killed_run
+    _, _, seen, modes, out, _, _ = killed_run
     assert seen, "no listening socket was seen: the check looked at the wrong processes"
     wide = [f"{ip} {what}" for ip, what in seen if ip not in LOOPBACK]
     assert not wide, "listening beyond loopback:\n" + "\n".join(wide)
@@ -97,7 +109,7 @@ def test_a_local_run_listens_on_loopback_only_with_a_private_token(killed_run):
 
 
 def test_resume_of_a_sigkilled_run_reaps_its_store(killed_run):
-    run_dir, env, _, _, _, stores = killed_run
+    run_dir, env, _, _, _, stores, _ = killed_run
     assert [e.state for e in stores] == ["orphaned"], stores
     (orphan,) = stores
     assert os.path.exists(orphan.path)
@@ -109,6 +121,39 @@ def test_resume_of_a_sigkilled_run_reaps_its_store(killed_run):
     assert not os.path.exists(orphan.path)
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     assert owners.scan(env[owners.ROOT_ENV]) == []  # the resumed run's own store went with it
+
+
+DASHBOARD, MONITOR = "ray/dashboard/dashboard.py", "ray/autoscaler/_private/monitor.py"
+
+
+def test_a_local_run_stops_rays_dashboard_and_monitor(killed_run):
+    """cluster.include_dashboard=false (the default): Ray starts its dashboard head and autoscaler monitor
+    anyway; by the first checkpoint neither runs, and nothing listens on the dashboard's port."""
+    _, _, seen, _, _, _, (ever, live, _) = killed_run
+    for name in (DASHBOARD, MONITOR):
+        assert any(name in cmd for cmd in ever), f"Ray never started {name}: this check looks at nothing"
+        assert not any(name in cmd for cmd in live), f"{name} still runs:\n" + "\n".join(live)
+    assert not [what for _, what in seen if what.startswith("8265 ")], seen  # the dashboard's port
+
+
+def test_a_group_sigkill_leaves_no_process(killed_run):
+    """SIGKILL of the job's whole group reaches only the supervisor: the driver dies with it
+    (PR_SET_PDEATHSIG) and every Ray process with the driver; none may be left for the test to kill."""
+    _, _, _, _, _, _, (ever, _, outlived) = killed_run
+    assert any("raylet" in cmd for cmd in ever), f"no Ray process was tracked: {ever}"
+    assert not outlived, "processes outlived a SIGKILL of the run's group:\n" + "\n".join(outlived)
+
+
+def test_include_dashboard_needs_rays_dashboard_packages():
+    from ray._private.utils import get_dashboard_dependency_error
+
+    missing = get_dashboard_dependency_error()
+    if missing is None:
+        pytest.skip("ray[default] is installed here: the dashboard can start")
+    with pytest.raises(ConfigError, match=r"^cluster.include_dashboard=true needs Ray's dashboard packages .*"
+                                          r"pip install 'ray\[default\]'"):
+        private_ray.check_dashboard(load_config(None, ["cluster.include_dashboard=true"]))
+    private_ray.check_dashboard(load_config(None, ["cluster.include_dashboard=true", "cluster.address=10.0.0.1:6379"]))
 
 
 def test_warning_when_ray_runs_without_token_auth(monkeypatch):
