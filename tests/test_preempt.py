@@ -91,6 +91,7 @@ def group_kill(run_dir: Path, moment: str) -> tuple[int, str]:
             assert time.monotonic() - sent < GRACE_S, f"the run did not exit within {GRACE_S} s of the group SIGTERM"
             time.sleep(0.05)
         out = proc.stdout.read()
+        print(f"{moment}: exit {proc.returncode} {time.monotonic() - sent:.1f} s after the group SIGTERM")
         if proc.returncode != 128 + signal.SIGTERM:
             return proc.returncode, out
         deadline = time.monotonic() + 10  # SIGTERMed processes may take a moment to go
