@@ -1,8 +1,11 @@
-"""Preemption by a SIGTERM to the whole process group (`timeout`, `kill -- -PGID`, scancel, a pod stop):
-Ray's gcs_server, raylet and actors get it together with the driver. The run must still stop within
-SLURM's default grace period (30 s), exit 143, say `interrupted` in summary.json, leave no process of
-its group and no store folder, and leave its latest complete checkpoint resumable. Two moments: during
-a step, and during a checkpoint save (the one then resumed)."""
+"""Preemption by a SIGTERM to the whole process group (`timeout`, `kill -- -PGID`, scancel, a pod stop).
+The group holds only the supervisor (run/supervise.py): the driver and Ray's processes are in a session
+of their own, so the driver alone gets the signal, from the supervisor, and stops the run itself with Ray
+still up. The run must stop within SLURM's default grace period (30 s), exit 143, say `interrupted`
+(`"error": "SIGTERM"`, not the lost-Ray fallback of run/preempt.py) in summary.json, save the
+interrupted step's checkpoint, leave no process of its group and no store folder, and leave its latest
+complete checkpoint resumable. Two moments: during a step, and during a checkpoint save (the one then
+resumed). Every kill must stop cleanly: no retry."""
 
 from __future__ import annotations
 
@@ -50,6 +53,10 @@ def test_group_sigterm_stops_cleanly(tmp_path, moment):
     assert returncode == 128 + signal.SIGTERM, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == signal.SIGTERM, summary
+    # the driver's own stop: the step it was in finished and was saved, with Ray up (the lost-Ray fallback
+    # says "SIGTERM to the process group: Ray's processes stopped with the driver" and saves nothing)
+    assert summary["error"] == "SIGTERM", summary
+    assert step_of(CheckpointManager(run_dir / "checkpoints").find()) == summary["steps_completed"], summary
     store = summary["store_url"]
     assert store.startswith("shm:///"), summary
     assert not Path(store[len("shm://"):].partition("?")[0]).exists(), f"{store} outlived the run"
@@ -84,6 +91,7 @@ def group_kill(run_dir: Path, moment: str) -> tuple[int, str]:
             assert time.monotonic() - sent < GRACE_S, f"the run did not exit within {GRACE_S} s of the group SIGTERM"
             time.sleep(0.05)
         out = proc.stdout.read()
+        print(f"{moment}: exit {proc.returncode} {time.monotonic() - sent:.1f} s after the group SIGTERM")
         if proc.returncode != 128 + signal.SIGTERM:
             return proc.returncode, out
         deadline = time.monotonic() + 10  # SIGTERMed processes may take a moment to go

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from dataplane_rl.config import load_config
+from dataplane_rl.errors import ConfigError
 from dataplane_rl.store import owners
 from dataplane_rl.run import private_ray
 from test_shutdown import CHILD, Tree, wait_for
@@ -72,6 +73,7 @@ def killed_run(tmp_path_factory, kept_run):
     try:
         wait_for("step 1's checkpoint", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), proc, tree, 420)
         seen = listeners(tree)
+        live = [" ".join(q.cmdline()) for q in _alive(tree.poll())]
         # the command supervises; its child, in a session of its own, is the driver with the run's environment
         driver = psutil.Process(proc.pid).children()[0]
         token = driver.environ().get("RAY_AUTH_TOKEN_PATH")
@@ -85,6 +87,11 @@ def killed_run(tmp_path_factory, kept_run):
         while _running(driver) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _running(driver), "the driver outlived its supervisor's SIGKILL by 30 s"
+        # Ray's processes, in the driver's session and not the job's group, die with it (Ray's kernel
+        # fate-sharing: PR_SET_PDEATHSIG on gcs_server, raylet and the rest; the workers with the raylet)
+        while tree.alive() and time.monotonic() < deadline + 30:
+            time.sleep(0.1)
+        outlived = tree.alive()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -93,7 +100,12 @@ def killed_run(tmp_path_factory, kept_run):
             shutil.rmtree(os.path.dirname(token), ignore_errors=True)  # the next train would reap it; none runs here
     out = proc.stdout.read()
     assert proc.returncode == -signal.SIGKILL, out[-3000:]
-    return run_dir, env, seen, modes, out, [e for e in owners.scan(root) if e.path != kept]
+    ever = [cmd for _, cmd in tree.seen.values()]
+    return run_dir, env, seen, modes, out, [e for e in owners.scan(root) if e.path != kept], (ever, live, outlived)
+
+
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in procs if _running(p)]
 
 
 def _running(p: psutil.Process) -> bool:
@@ -104,7 +116,7 @@ def _running(p: psutil.Process) -> bool:
 
 
 def test_a_local_run_listens_on_loopback_only_with_a_private_token(killed_run):
-    _, _, seen, modes, out, _ = killed_run
+    _, _, seen, modes, out, _, _ = killed_run
     assert seen, "no listening socket was seen: the check looked at the wrong processes"
     wide = [f"{ip} {what}" for ip, what in seen if ip not in LOOPBACK]
     assert not wide, "listening beyond loopback:\n" + "\n".join(wide)
@@ -114,7 +126,7 @@ def test_a_local_run_listens_on_loopback_only_with_a_private_token(killed_run):
 
 
 def test_resume_of_a_sigkilled_run_reaps_its_store(killed_run):
-    run_dir, env, _, _, _, stores = killed_run
+    run_dir, env, _, _, _, stores, _ = killed_run
     assert [e.state for e in stores] == ["orphaned"], stores
     (orphan,) = stores
     assert os.path.exists(orphan.path)
@@ -133,7 +145,7 @@ def test_a_kept_store_outlives_a_killed_run_and_every_collection(killed_run, kep
     """Issue 28: a kept run, then a run SIGKILLed with its process group, then `store gc` (and, when the resume
     test ran first, that run's --resume, whose start collected the killed run's store): the kept store and
     every partition in it stay; only the killed run's store goes."""
-    _, _, _, _, _, orphans = killed_run
+    _, _, _, _, _, orphans, _ = killed_run
     env, kept_dir, kept = kept_run
     p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "store", "gc"], capture_output=True,
                        text=True, env=env, timeout=120)
@@ -144,6 +156,39 @@ def test_a_kept_store_outlives_a_killed_run_and_every_collection(killed_run, kep
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0 and "1 partition(s)" in p.stdout and "step-000001  schema grpo  4 rows" in p.stdout, \
         p.stdout + p.stderr
+
+
+DASHBOARD, MONITOR = "ray/dashboard/dashboard.py", "ray/autoscaler/_private/monitor.py"
+
+
+def test_a_local_run_stops_rays_dashboard_and_monitor(killed_run):
+    """cluster.include_dashboard=false (the default): Ray starts its dashboard head and autoscaler monitor
+    anyway; by the first checkpoint neither runs, and nothing listens on the dashboard's port."""
+    _, _, seen, _, _, _, (ever, live, _) = killed_run
+    for name in (DASHBOARD, MONITOR):
+        assert any(name in cmd for cmd in ever), f"Ray never started {name}: this check looks at nothing"
+        assert not any(name in cmd for cmd in live), f"{name} still runs:\n" + "\n".join(live)
+    assert not [what for _, what in seen if what.startswith("8265 ")], seen  # the dashboard's port
+
+
+def test_a_group_sigkill_leaves_no_process(killed_run):
+    """SIGKILL of the job's whole group reaches only the supervisor: the driver dies with it
+    (PR_SET_PDEATHSIG) and every Ray process with the driver; none may be left for the test to kill."""
+    _, _, _, _, _, _, (ever, _, outlived) = killed_run
+    assert any("raylet" in cmd for cmd in ever), f"no Ray process was tracked: {ever}"
+    assert not outlived, "processes outlived a SIGKILL of the run's group:\n" + "\n".join(outlived)
+
+
+def test_include_dashboard_needs_rays_dashboard_packages():
+    from ray._private.utils import get_dashboard_dependency_error
+
+    missing = get_dashboard_dependency_error()
+    if missing is None:
+        pytest.skip("ray[default] is installed here: the dashboard can start")
+    with pytest.raises(ConfigError, match=r"^cluster.include_dashboard=true needs Ray's dashboard packages .*"
+                                          r"pip install 'ray\[default\]'"):
+        private_ray.check_dashboard(load_config(None, ["cluster.include_dashboard=true"]))
+    private_ray.check_dashboard(load_config(None, ["cluster.include_dashboard=true", "cluster.address=10.0.0.1:6379"]))
 
 
 def test_warning_when_ray_runs_without_token_auth(monkeypatch):

@@ -38,7 +38,10 @@ class Tree:
             return []
         for p in kids:
             try:
-                self.seen.setdefault(p.pid, (p.create_time(), " ".join(p.cmdline())[:120] or p.name()))
+                created, cmd = p.create_time(), " ".join(p.cmdline())[:400]
+                # read again each time: a child seen between fork and exec still shows its parent's command
+                if cmd or p.pid not in self.seen:
+                    self.seen[p.pid] = (created, cmd or p.name())
             except psutil.Error:
                 pass
         return kids
@@ -121,3 +124,40 @@ def test_interrupt_leaves_no_process_and_no_shm_folder(tmp_path, moment):
         assert store.startswith("shm:///"), summary
     if store:
         assert not Path(store[len("shm://"):].partition("?")[0]).exists(), f"{store} outlived the run"
+
+
+WATCHED = """
+import subprocess, sys, time
+from dataplane_rl.run import reaper
+started = reaper.start_watchdog()
+child = subprocess.Popen(["sleep", "600"])  # in this process's group, as Ray's agents are in the driver's
+print(started, child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_watchdog_kills_the_group_of_a_sigkilled_session_leader_only(own_session):
+    """The CLI's driver leads a session (run/supervise.py): SIGKILLed, what is left of its group goes with
+    it. A process in someone else's group (a shell's job, a pipeline) starts no watchdog: its group is not
+    the run's to kill."""
+    proc = subprocess.Popen([sys.executable, "-c", WATCHED], stdout=subprocess.PIPE, text=True,
+                            start_new_session=own_session)
+    child = None
+    try:
+        started, pid = proc.stdout.readline().split()
+        child = psutil.Process(int(pid))
+        assert started == str(own_session)
+        proc.kill()
+        proc.wait(timeout=30)
+        # a watchdog acts within milliseconds; without one, a few seconds show that nothing else does
+        deadline = time.monotonic() + (30 if own_session else 3)
+        while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone = not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert gone == own_session, f"own session {own_session}: child gone {gone}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if child is not None and child.is_running():
+            child.kill()

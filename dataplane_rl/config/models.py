@@ -238,6 +238,7 @@ class ClusterConfig(_Section):
 
     address: Optional[str] = Field(None, description="Address of an existing Ray cluster ('auto' or host:port); None starts a local one.")
     num_cpus: Optional[int] = Field(None, ge=1, description="CPUs for a local Ray instance; default all.")
+    include_dashboard: bool = Field(False, description="A local Ray's dashboard (ray.init's include_dashboard) and the autoscaler monitor `ray status` reads; off, both, which Ray starts either way, are stopped once it is up (about 185 MB). On needs `ray[default]`. A joined cluster keeps its own.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("SPREAD", description="Ray placement-group strategy for the rollout actors and, separately, the train workers: SPREAD puts them on as many nodes as it can.")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataplane_rl.config import Config
 from dataplane_rl.model.load import resolve_model
 from dataplane_rl.store import MemoryStore, open_store
+from dataplane_rl.run import private_ray
 from dataplane_rl.rollout.multiturn import check_config as check_multi_turn
 from dataplane_rl.tasks import get_task
 from dataplane_rl.tasks.multiturn import is_multi_turn
@@ -30,6 +31,7 @@ def preflight(cfg: Config):
         check_multi_turn(cfg, task)
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     check_device(cfg)
+    private_ray.check_dashboard(cfg)
     check_prompt_lengths(cfg, task, folder)
     if cfg.generation.backend == "vllm":
         from dataplane_rl.rollout.vllm_engine import require_vllm

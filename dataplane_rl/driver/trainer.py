@@ -110,7 +110,8 @@ class GRPOTrainer:
             # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
             # even a dead `ray start` head, instead of starting this run's own instance
             ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
-                     include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+                     include_dashboard=cfg.cluster.include_dashboard, logging_level="WARNING", log_to_driver=True)
+            private_ray.stop_unused(cfg)  # Ray's dashboard and monitor, which nothing of the run uses
             # after the join: ray.init(address="auto") turns token auth on when it finds the user's token
             for line in (private_ray.open_warning(cfg), private_ray.security_line(cfg)):
                 if line:

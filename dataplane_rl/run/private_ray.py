@@ -24,6 +24,7 @@ token authentication. The security line says what still listens on every interfa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 import shutil
@@ -143,6 +144,54 @@ def _refresh_ray() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = os.environ.get(NODE_IP_ENV) != "0"  # Ray read the variable at its import
     RayConfig.initialize("")  # Ray caches RAY_AUTH_MODE; re-read it (as Ray's own _enable_token_auth does)
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def check_dashboard(cfg: Config) -> None:
+    """cluster.include_dashboard=true for a local Ray needs Ray's dashboard packages: one ConfigError before
+    Ray starts (ray.init would raise "Cannot include dashboard with missing packages" after a log screen)."""
+    if not cfg.cluster.include_dashboard or cfg.cluster.address:
+        return
+    from ray._private.utils import get_dashboard_dependency_error
+
+    from dataplane_rl.errors import ConfigError
+
+    missing = get_dashboard_dependency_error()
+    if missing is not None:
+        raise ConfigError(f"cluster.include_dashboard=true needs Ray's dashboard packages ({missing}): "
+                          "pip install 'ray[default]', or set cluster.include_dashboard=false")
+
+
+def stop_unused(cfg: Config) -> list[str]:
+    """Once this process's ray.init has started a local Ray: stop the dashboard head and the autoscaler
+    monitor, unless cluster.include_dashboard. Ray starts both whatever include_dashboard says (False only
+    trims the dashboard's modules) and nothing of a run talks to them (about 105 + 80 MB resident). Ray's
+    own Node.kill_* is used, so its shutdown knows they were stopped on purpose. The dashboard and runtime-env
+    agents stay: the raylet refuses to start without their commands and exits when either agent does.
+    Returns the names of the processes stopped."""
+    if cfg.cluster.include_dashboard or cfg.cluster.address:
+        return []
+    import psutil
+    import ray._private.ray_constants as ray_constants
+    from ray._private import worker
+
+    node = worker._global_node
+    stopped = []
+    for kind, kill in ((ray_constants.PROCESS_TYPE_DASHBOARD, node.kill_dashboard),
+                       (ray_constants.PROCESS_TYPE_MONITOR, node.kill_monitor)):
+        infos = node.all_processes.get(kind, [])
+        # the dashboard may start modules of its own; Ray kills only the process it started
+        kids = []
+        for info in infos:
+            with contextlib.suppress(psutil.Error):
+                kids += psutil.Process(info.process.pid).children(recursive=True)
+        if infos:
+            kill(check_alive=False)  # one that died on its own is fine: nothing needs it
+            stopped.append(kind)
+        for p in kids:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(kids, timeout=5)
+    return stopped
 
 
 def auth_on() -> bool:

@@ -5,13 +5,18 @@ runtime-env agents. A Ctrl-C inside ray.init can leave those agents running with
 (seen in 2 of 13 trials). So the train command makes its process a child subreaper (Linux
 PR_SET_CHILD_SUBREAPER): an orphaned descendant is re-parented to it rather than to init, and at exit
 every descendant still alive is terminated, then killed, then reaped.
+
+A process that is killed runs no exit code: for the CLI's driver, which leads a process group of its own,
+a watchdog (run/watchdog.py) then SIGKILLs what is left of that group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
+import subprocess
 import sys
 import threading
 from typing import Iterator
@@ -47,11 +52,36 @@ def reap_descendants(grace_s: float = 5.0) -> list[int]:
     return [p.pid for p in procs]
 
 
+_watch_fd: int | None = None  # the write end of the watchdog's pipe: open as long as this process lives
+
+
+def start_watchdog() -> bool:
+    """When this process leads a session of its own (the CLI's driver, run/supervise.py), its process group
+    holds only what it started: a watchdog in that group SIGKILLs the group once this process is gone, even
+    by SIGKILL. Elsewhere (a shell's job, a pipeline with `tee`) the group is not the run's alone, and
+    nothing is started. Returns whether one was started."""
+    global _watch_fd
+    if _watch_fd is not None or not sys.platform.startswith("linux") or os.getsid(0) != os.getpid():
+        return False
+    read, write = os.pipe()  # both close on exec: only the watchdog gets `read`, no child of this one `write`
+    try:
+        subprocess.Popen([sys.executable, "-m", "dataplane_rl.run.watchdog", str(read)], pass_fds=(read,),
+                         stdin=subprocess.DEVNULL)
+    except OSError:
+        os.close(write)
+        return False
+    finally:
+        os.close(read)
+    _watch_fd = write
+    return True
+
+
 @contextlib.contextmanager
 def owns_descendants() -> Iterator[None]:
     """For a process that is the run (the CLI): on the way out, however it leaves, reap what it started.
     A Ctrl-C during the reaping itself is held back until it is done."""
     _become_subreaper()
+    start_watchdog()
     try:
         yield
     finally:
