@@ -16,6 +16,7 @@ from dataplane_rl.driver import validation
 from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
 from dataplane_rl.checkpoint.export import export_hf
 from dataplane_rl.run.loggers import MetricLoggers
+from dataplane_rl.run.reaper import deferred_sigint
 from dataplane_rl.run.preempt import LOST, RayLost, StopSignals
 from dataplane_rl.driver.rollouts import RolloutActorError, RolloutWaitError
 from dataplane_rl.run.folder import RunDir
@@ -181,10 +182,13 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 trainer.close()
         finally:
             try:
-                summary = run.finish(status, error, {"run_dir": str(run.path), "signal": stop.signum,
-                                                     "nodes": trainer.nodes if trainer else {},
-                                                     "store_url": trainer.store_url if trainer else None,
-                                                     "kept_store_url": trainer.kept_store_url if trainer else None})
+                # a second Ctrl-C here would cut summary.json or reward.png short (one landed inside matplotlib's
+                # import and the run exited 1): held back until the folder is complete, then raised
+                with deferred_sigint():
+                    summary = run.finish(status, error, {"run_dir": str(run.path), "signal": stop.signum,
+                                                         "nodes": trainer.nodes if trainer else {},
+                                                         "store_url": trainer.store_url if trainer else None,
+                                                         "kept_store_url": trainer.kept_store_url if trainer else None})
             finally:
                 run.close()
     return summary
