@@ -28,6 +28,9 @@ TINY = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grp
         "policy.train_global_batch_size=8", "policy.train_micro_batch_size=4", "generation.max_new_tokens=6",
         "logger.progress=false", "checkpointing.enabled=true", "checkpointing.save_period=2",
         "checkpointing.keep_top_k=null"]
+# the guess task's multi-turn rows (docs/multiturn.md): one token per guess, observations between the turns
+MULTI_TURN = ("task.name=guess", "generation.max_new_tokens=1", "policy.max_total_sequence_length=48",
+              "multi_turn.max_turns=3")
 KEYS = ("train/loss", "train/pg_loss", "train/kl_penalty", "train/clip_fraction", "train/grad_norm",
         "train/global_valid_toks", "train/reward", "train/probs_ratio_mean", "train/approx_entropy",
         "train/logprob_mismatch")
@@ -120,11 +123,12 @@ def test_kill_9_then_resume_on_two_ranks_with_the_data_plane_on(straight, tmp_pa
 
 
 def test_kill_9_then_resume_on_one_rank_and_one_rollout_actor(tmp_path, ray_session):
-    """Elastic dp 2->1 and rollout actors 2->1 in one resume: DCP reshards the two ranks' shards."""
+    """Elastic dp 2->1 and rollout actors 2->1 in one resume, on multi-turn rows: DCP reshards the two ranks'
+    shards, and the episodes of the resumed steps are the straight run's."""
     from dataplane_rl.driver.loop import train
     from dataplane_rl.checkpoint.resume import resume_config
 
-    shape = ("policy.dp_size=2", "generation.num_workers=2", "data_plane.enabled=true")
+    shape = ("policy.dp_size=2", "generation.num_workers=2", "data_plane.enabled=true", *MULTI_TURN)
     expected = straight_run(tmp_path / "straight2", *shape)
     run_dir = tmp_path / "killed2"
     # kill -9 skips the store's close: give the killed run a named shm folder that this test removes
@@ -141,7 +145,11 @@ def test_kill_9_then_resume_on_one_rank_and_one_rollout_actor(tmp_path, ray_sess
 
         shutil.rmtree(shm, ignore_errors=True)
     assert summary["status"] == "completed" and len(summary["nodes"]["train"]) == 1
-    assert_same_steps(read_metrics(run_dir), expected, rel=1e-4)
+    got = read_metrics(run_dir)
+    assert_same_steps(got, expected, rel=1e-4)
+    assert all(m["rollout/num_turns_mean"] > 1 for m in got), "multi-turn rows"
+    for x, y in zip(got, expected):
+        assert x["rollout/env_tokens_mean"] == y["rollout/env_tokens_mean"], x["step"]
     assert not Path(summary["store_url"][len("shm://"):]).exists()
 
 

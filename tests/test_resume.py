@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_checkpoint import KEYS, Payload, kill_after_checkpoint, read_metrics, straight_run
+from test_checkpoint import KEYS, MULTI_TURN, Payload, cli, kill_after_checkpoint, read_metrics, straight_run
 
 ASYNC_KEYS = (*KEYS, "train/filtered_reward", "train/generation_rounds", "train/lr", "async/staleness_mean",
               "async/staleness_max", "async/dropped_stale")
@@ -25,9 +25,11 @@ CASES = {
     # checkpoint 2 holds step 3, generated with version 1; resumed with the data plane off (portability)
     "age1": (["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1", IS,
               "data_plane.enabled=true"], ["data_plane.enabled=false"], 1),
-    # checkpoint 2 holds steps 3 and 4 (versions 0 and 1); dynamic sampling adds rounds of the current weights
-    "age2_dynamic": (["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=2", IS,
-                      "grpo.max_num_steps=4", "grpo.use_dynamic_sampling=true", "grpo.max_gen_batches=8"], [], 2),
+    # checkpoint 2 holds steps 3 and 4 (versions 0 and 1); dynamic sampling adds rounds of the current weights;
+    # multi-turn rows (guess): async, dynamic sampling, exact resume and export on episodes
+    "age2_dynamic_multiturn": (["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=2", IS,
+                                "grpo.max_num_steps=4", "grpo.use_dynamic_sampling=true", "grpo.max_gen_batches=8",
+                                *MULTI_TURN], [], 2),
 }
 
 
@@ -90,3 +92,27 @@ def test_async_kill_9_then_resume_continues_the_run(case, tmp_path, ray_session)
     ahead = [r for r in train_data(run_dir)["step_000003.jsonl"] if r["sample_id"].startswith("step-000003/")]
     assert ahead and {r["generation_policy_version"] for r in ahead} == {3 - 1 - age}, \
         "step 3 trains the rows generated before the kill, with the weights of then"
+    if case == "age2_dynamic_multiturn":
+        assert_multi_turn_rows_export(run_dir, got, tmp_path)
+
+
+def assert_multi_turn_rows_export(run_dir: Path, metrics: list[dict], tmp_path: Path) -> None:
+    """The resumed run trained episodes (dynamic sampling kept only groups with spread), and its export is the
+    final policy, loadable in transformers."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert all(m["rollout/num_turns_mean"] > 1 and m["rollout/env_tokens_mean"] > 0 for m in metrics)
+    for name, rows in train_data(run_dir).items():
+        groups = {}  # a group is its round's partition and its index in the round
+        for r in rows:
+            groups.setdefault((r["sample_id"].split("/")[0], r["group_id"]), set()).add(r["total_reward"])
+        assert all(len(v) > 1 for v in groups.values()), f"{name}: a group without spread was trained"
+        assert {r["end_reason"] for r in rows} <= {"done", "max_turns", "length"}
+    out = tmp_path / "hf"
+    p = cli("export", str(run_dir), str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    final, exported = load_file(run_dir / "policy" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert final.keys() == exported.keys() and all(torch.equal(final[k], exported[k]) for k in final)
+    AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
