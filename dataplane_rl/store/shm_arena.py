@@ -84,17 +84,18 @@ class Arena:
         """A segment of at least `size` bytes at `target`: a pooled one if any fits, else a new one if the
         arena's bound allows it (pooled files of other sizes go first: the pool is only a cache)."""
         most = max(4 * size, PREFAULT_SEGMENT)  # a pooled segment far larger than asked would strand its pages
-        if not self._pool.has(size, most):  # a new file: counted against the bound first
+        if self._pool.take(target, size, most):  # pooled bytes are counted already
+            return
+        used = self.bytes_used()  # a new file: counted against the bound first
+        if used + size > self.limit_bytes:
+            self._pool.clear()
             used = self.bytes_used()
-            if used + size > self.limit_bytes:
-                self._pool.clear()
-                used = self.bytes_used()
-            if used + size > self.limit_bytes:
-                raise StoreFullError(
-                    f"shm store {self._dir}: the arena is full ({used} of {self.limit_bytes} bytes in partitions and "
-                    f"pooled segments, {size} more asked); nothing of this put was kept. Drop partitions, or raise "
-                    "data_plane.shm.arena_mb (the shm:// URL's ?arena_mb=N)")
-        self._pool.claim(target, size, most)
+        if used + size > self.limit_bytes:
+            raise StoreFullError(
+                f"shm store {self._dir}: the arena is full ({used} of {self.limit_bytes} bytes in partitions and "
+                f"pooled segments, {size} more asked); nothing of this put was kept. Drop partitions, or raise "
+                "data_plane.shm.arena_mb (the shm:// URL's ?arena_mb=N)")
+        self._pool.claim(target, size, most)  # another process's drop may have pooled one since
 
     def done(self, pid: str, name: str, off: int, need: int, ok: bool) -> bool:
         """A put placed at `off` of segment `name` committed (`ok`) or failed. A failed put gives its range

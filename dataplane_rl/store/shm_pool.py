@@ -43,17 +43,19 @@ class Pool:
     def claim(self, target: str, size: int, most: int | None = None) -> None:
         """Put a file of at least `size` bytes at `target`: the smallest pooled one that fits (of at most `most`
         bytes), else a new one. A pooled file is never truncated: its pages are the point of pooling it."""
+        if not self.take(target, size, most):
+            self._reserve(target, size)
+
+    def take(self, target: str, size: int, most: int | None = None) -> bool:
+        """Move the smallest pooled file of `size` to `most` bytes to `target`; False if none is there. One
+        listing of the pool: a steady run's first put of each partition comes here."""
         for cand, _ in self._candidates(size, most):
             try:
                 os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
             except FileNotFoundError:
                 continue
-            return
-        self._reserve(target, size)
-
-    def has(self, size: int, most: int | None = None) -> bool:
-        """Is a pooled file of `size` to `most` bytes there?"""
-        return bool(self._candidates(size, most))
+            return True
+        return False
 
     def clear(self) -> None:
         """Delete every pooled file (to make room for a segment of another size)."""
