@@ -27,3 +27,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_yaml(text: str):
     """yaml.safe_load that refuses a mapping key given twice (a yaml.YAMLError naming key and line)."""
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def load_yaml_mapping(path, error: type[Exception], kind: str, fix: str, shape: str, empty_ok: bool = False) -> dict:
+    """The mapping a YAML file holds, for config and schema files alike: `error` names the file (`kind`
+    'path'), what is wrong and `fix` when it is not UTF-8 or not YAML, and `shape` when it is no mapping
+    (an empty file is an empty mapping where `empty_ok`)."""
+    try:
+        tree = load_yaml(path.read_bytes().decode())
+    except UnicodeDecodeError as e:
+        raise error(f"{kind} '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+    except yaml.YAMLError as e:
+        raise error(f"{kind} '{path}' is not valid YAML: {e}") from None
+    if tree is None and empty_ok:
+        return {}
+    if not isinstance(tree, dict):
+        raise error(f"{kind} '{path}' must hold {shape}")
+    return tree

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from dataplane_rl.config.models import Config
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.resources import data_dir
-from dataplane_rl.yaml_load import load_yaml
+from dataplane_rl.yaml_load import load_yaml_mapping
 
 DEFAULT_CONFIG = "grpo_tiny.yaml"
 
@@ -94,15 +94,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"config file '{path}' not found; pass an existing YAML file with --config")
-    try:
-        tree = load_yaml(path.read_bytes().decode()) or {}
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); pass a YAML "
-                          "file with --config") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of sections (grpo:, policy:, ...)")
+    tree = load_yaml_mapping(path, ConfigError, "config file", "pass a YAML file with --config",
+                             "a mapping of sections (grpo:, policy:, ...)", empty_ok=True)
     _check_keys(tree, f"in {path}")
     apply_overrides(tree, list(overrides or []))
     return validate_tree(tree, str(path), {parse_override(o)[0]: o for o in overrides or []})

@@ -17,12 +17,11 @@ from typing import Iterable, Literal, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dataplane_rl.errors import SchemaError, format_rows
 from dataplane_rl.resources import data_dir
-from dataplane_rl.yaml_load import load_yaml
+from dataplane_rl.yaml_load import load_yaml_mapping
 
 # Arrow type names a column may declare. Fixed-width types convert to numpy/torch without a copy.
 ARROW_DTYPES: dict[str, pa.DataType] = {
@@ -374,15 +373,8 @@ _BUILTIN_PATHS: dict[str, str] = {}  # built-in schema name -> its resolved file
 @functools.lru_cache(maxsize=64)
 def _load_file(path_text: str, mtime_ns: int) -> Schema:
     path = Path(path_text)
-    try:
-        raw = load_yaml(path.read_bytes().decode())
-    except UnicodeDecodeError as e:
-        raise SchemaError(f"schema file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); pass a YAML "
-                          "schema file") from None
-    except yaml.YAMLError as e:
-        raise SchemaError(f"schema file '{path}' is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise SchemaError(f"schema file '{path}' must hold a mapping with 'name' and 'columns'")
+    raw = load_yaml_mapping(path, SchemaError, "schema file", "pass a YAML schema file",
+                            "a mapping with 'name' and 'columns'")
     try:
         return Schema(**raw, source=str(path))
     except ValidationError as e:
