@@ -237,8 +237,15 @@ def trainer_logprobs(run_dir: Path, step: int, ids: list[list[int]]) -> np.ndarr
         w.close()
 
 
-def test_export_loads_in_transformers_with_the_trainers_logprobs(straight, tmp_path):
+def assert_export_is_the_final_policy(run_dir: Path, out: Path) -> None:
+    """A completed run's export of its last checkpoint holds exactly the weights of its own policy/ folder."""
     from safetensors.torch import load_file
+
+    final, exported = load_file(run_dir / "policy" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert final.keys() == exported.keys() and all(torch.equal(final[k], exported[k]) for k in final)
+
+
+def test_export_loads_in_transformers_with_the_trainers_logprobs(straight, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir, _ = straight
@@ -259,9 +266,7 @@ def test_export_loads_in_transformers_with_the_trainers_logprobs(straight, tmp_p
             logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(row[1:])[:, None])[:, 0]  # [T-1]
             expected.append(np.concatenate([[0.0], logp.numpy()]))
     np.testing.assert_allclose(trainer_logprobs(run_dir, 3, ids), np.concatenate(expected), rtol=1e-5, atol=1e-6)
-    # the completed run's own export is the final policy
-    final, exported = load_file(run_dir / "policy" / "model.safetensors"), load_file(out / "model.safetensors")
-    assert final.keys() == exported.keys() and all(torch.equal(final[k], exported[k]) for k in final)
+    assert_export_is_the_final_policy(run_dir, out)
     assert cli("export", str(run_dir), "--step", "1", str(tmp_path / "no")).returncode == 2  # no such step
     again = cli("export", str(run_dir), str(out))
     assert again.returncode == 2 and "not empty" in again.stderr  # never overwrites a folder

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from test_checkpoint import KEYS, MULTI_TURN, Payload, cli, kill_after_checkpoint, read_metrics, straight_run
+from test_checkpoint import (KEYS, MULTI_TURN, Payload, assert_export_is_the_final_policy, cli, kill_after_checkpoint,
+                             read_metrics, straight_run)
 
 ASYNC_KEYS = (*KEYS, "train/filtered_reward", "train/generation_rounds", "train/lr", "async/staleness_mean",
               "async/staleness_max", "async/dropped_stale")
@@ -100,7 +101,6 @@ def assert_multi_turn_rows_export(run_dir: Path, metrics: list[dict], tmp_path: 
     """The resumed run trained episodes (dynamic sampling kept only groups with spread), and its export is the
     final policy, loadable in transformers."""
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     assert all(m["rollout/num_turns_mean"] > 1 and m["rollout/env_tokens_mean"] > 0 for m in metrics)
@@ -113,6 +113,5 @@ def assert_multi_turn_rows_export(run_dir: Path, metrics: list[dict], tmp_path: 
     out = tmp_path / "hf"
     p = cli("export", str(run_dir), str(out))
     assert p.returncode == 0, p.stderr[-3000:]
-    final, exported = load_file(run_dir / "policy" / "model.safetensors"), load_file(out / "model.safetensors")
-    assert final.keys() == exported.keys() and all(torch.equal(final[k], exported[k]) for k in final)
+    assert_export_is_the_final_policy(run_dir, out)
     AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
