@@ -37,6 +37,7 @@ from store_workers import (
     all_dtypes_schema,
     as_lists,
     grpo_columns,
+    row_len,
 )
 
 N = 12
@@ -228,6 +229,30 @@ def test_token_length_must_match_input_lengths(store, part):
     short["prev_logprobs"][2] = np.zeros(99, np.float32)
     with pytest.raises(SchemaError, match=r"'prev_logprobs' rows 2: token lengths differ"):
         store.put(part, short, [0, 1, 2])  # checked against the stored input_lengths
+
+
+def test_token_lengths_checked_after_a_get_of_input_lengths(store, part):
+    """A process remembers the input_lengths it read; a later put of token columns checks against them
+    (also for rows it did not read, read then), and a partition dropped and made again under the same id
+    is checked against its own lengths, not the old incarnation's."""
+    store.put(part, grpo_columns(range(N), ["input_lengths"]), range(N))
+    store.get(part, ["input_lengths"], [1, 3, 5])  # remembered here
+    bad = grpo_columns([3, 5], ["prev_logprobs"])
+    bad["prev_logprobs"][1] = np.zeros(99, np.float32)
+    with pytest.raises(SchemaError, match=r"'prev_logprobs' rows 5: token lengths differ"):
+        store.put(part, bad, [3, 5])
+    mixed = grpo_columns([5, 6], ["prev_logprobs"])  # row 6 was not read here
+    mixed["prev_logprobs"][1] = np.zeros(99, np.float32)
+    with pytest.raises(SchemaError, match=r"'prev_logprobs' rows 6: token lengths differ"):
+        store.put(part, mixed, [5, 6])
+    store.put(part, grpo_columns([1, 3, 5, 6], ["prev_logprobs"]), [1, 3, 5, 6])
+    assert_rows(store, part, [1, 3, 5, 6], ["prev_logprobs", "input_lengths"])
+    store.drop_partition(part)
+    store.create_partition(part, "grpo", N)  # the same id, one token longer on every row
+    store.put(part, {"input_lengths": np.array([row_len(r) + 1 for r in range(N)], np.int32)}, range(N))
+    with pytest.raises(SchemaError, match=r"'prev_logprobs' rows 1: token lengths differ"):
+        store.put(part, grpo_columns([1], ["prev_logprobs"]), [1])  # right for the dropped incarnation only
+    store.put(part, {"prev_logprobs": [np.zeros(row_len(1) + 1, np.float32)]}, [1])
 
 
 def test_token_column_before_input_lengths(store, part):

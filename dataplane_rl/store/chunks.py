@@ -40,25 +40,31 @@ def checksum(buf) -> int:
 
 # ---- row sets ----------------------------------------------------------------------------------
 def rows_to_spans(rows: np.ndarray) -> list[list[int]]:
-    """[0,1,2,5,6] -> [[0,3],[5,7]]: compact, order-preserving encoding of a row list."""
+    """[0,1,2,5,6] -> [[0,3],[5,7]]: compact, order-preserving encoding of a row list. Vectorised: a
+    shard of scattered rows is many runs, and a per-run Python loop cost ~40 us for 64 of them."""
     n = rows.size
     if n == 0:
         return []
     first, last = int(rows[0]), int(rows[-1])
     if last - first == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
         return [[first, last + 1]]  # the common case, one run: no per-run bookkeeping
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [rows.size]])
-    return [[int(rows[s]), int(rows[e - 1]) + 1] for s, e in zip(starts, ends)]
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1  # [S-1]
+    starts = np.concatenate([[0], breaks])  # [S]
+    ends = np.concatenate([breaks, [n]])  # [S]
+    return np.stack([rows[starts], rows[ends - 1] + 1], axis=1).astype(np.int64).tolist()
 
 
 def spans_to_rows(spans: Iterable[Sequence[int]]) -> np.ndarray:
     spans = list(spans)
     if len(spans) == 1:
         return np.arange(spans[0][0], spans[0][1], dtype=np.int64)
-    parts = [np.arange(a, b, dtype=np.int64) for a, b in spans]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if not spans:
+        return np.zeros(0, dtype=np.int64)
+    bounds = np.array(spans, dtype=np.int64).reshape(len(spans), 2)  # [S, 2]
+    lens = np.maximum(bounds[:, 1] - bounds[:, 0], 0)  # [S] (an empty span adds no rows, as arange did)
+    # row k of span s is start_s + (k - rows before s): one arange and one repeat, no array per span
+    before = np.cumsum(lens) - lens  # [S]
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(bounds[:, 0] - before, lens)
 
 
 # ---- catalog records ---------------------------------------------------------------------------
@@ -96,7 +102,8 @@ def _names_json(columns: tuple[str, ...]) -> str:
 def _ref_json(r: ChunkRef) -> str:
     """json.dumps(r.to_json()), the same text, built without the dict and the encoder's walk of it."""
     spans = rows_to_spans(r.rows)
-    rows = f"[[{spans[0][0]}, {spans[0][1]}]]" if len(spans) == 1 else json.dumps(spans)
+    rows = f"[[{spans[0][0]}, {spans[0][1]}]]" if len(spans) == 1 else \
+        "[" + ", ".join([f"[{a}, {b}]" for a, b in spans]) + "]"  # json.dumps' text, without its encoder
     sizes = ", ".join(map(str, r.sizes))
     return (f'{{"columns": {_names_json(r.columns)}, "rows": {rows}, "key": {json.dumps(r.key)}, '
             f'"nbytes": {int(r.nbytes)}, "checksum": {int(r.checksum)}, "sizes": [{sizes}]}}')

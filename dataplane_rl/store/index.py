@@ -25,6 +25,10 @@ class RowIndex:
         # column -> (owner [K, num_rows], pos [K, num_rows], k): columns first written by one block share
         # one pair of 2-D arrays (owner[column] is row k), so a block of K columns is two numpy writes
         self._rows: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+        # [num_rows] int64: the length column's values this process has read (checksummed) so far, -1 where
+        # not read. Cells are written once, so a value read stays right for this incarnation; a put of token
+        # columns without the length column checks against it instead of reading the blocks again.
+        self.lengths: np.ndarray | None = None
         self.lock = threading.Lock()
 
     def extends(self, refs: list[ChunkRef]) -> bool:
@@ -64,6 +68,19 @@ class RowIndex:
                     ix = np.ix_(ks, at)
                 owner[ix] = i
                 pos[ix] = where
+
+    def known_lengths(self, rows: np.ndarray) -> np.ndarray | None:
+        """The length column's values on `rows` if this process has read all of them, else None."""
+        if self.lengths is None:
+            return None
+        got = self.lengths[rows]
+        return got if not got.size or int(got.min()) >= 0 else None
+
+    def learn_lengths(self, rows: np.ndarray, values: np.ndarray) -> None:
+        """Remember the length column's values on `rows`, as a get just read them."""
+        if self.lengths is None:
+            self.lengths = np.full(self.num_rows, -1, dtype=np.int64)
+        self.lengths[rows] = values
 
     def written(self, column: str, rows: np.ndarray) -> np.ndarray:
         """The rows of `rows` on which `column` is written."""

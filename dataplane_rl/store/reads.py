@@ -62,15 +62,28 @@ class Reads:
         if len(plans) == 1 and plans[0][2] is not None:  # the common case: one slice of a record batch per run
             pieces = [batches[b].slice(p, n) for b, p, n in plans[0][2]]
             pieces = [x if x.schema.names == fields else x.select(fields) for x in pieces]
-            return pa.Table.from_batches(pieces, schema=out_schema)
-        cols: list[Any] = [None] * len(fields)
-        for which, pos, runs, where in plans:
-            for i in where:
-                cols[i] = gather(batches, (which, pos, runs), fields[i], schema.by_name[fields[i]].arrow_type)
-        return pa.Table.from_arrays(cols, schema=out_schema)
+            table = pa.Table.from_batches(pieces, schema=out_schema)
+        else:
+            cols: list[Any] = [None] * len(fields)
+            for which, pos, runs, where in plans:
+                names = [fields[i] for i in where]
+                types = [schema.by_name[f].arrow_type for f in names]
+                for i, col in zip(where, gather(batches, (which, pos, runs), names, types)):
+                    cols[i] = col
+            table = pa.Table.from_arrays(cols, schema=out_schema)
+        if schema.length_column in fields and rows.size:  # read and checksummed: later puts check against it
+            lengths = table.column(fields.index(schema.length_column)).to_numpy()
+            with idx.lock:
+                idx.learn_lengths(rows, lengths)
+        return table
 
     def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str]) -> np.ndarray:
         length_col = schema_of(snap.meta).length_column
+        idx = self._index_of(snap)
+        with idx.lock:
+            known = idx.known_lengths(rows)
+        if known is not None:
+            return known
         try:
             col = self._table(snap, [length_col], rows).column(0)
         except MissingColumnError as e:

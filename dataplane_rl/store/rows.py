@@ -75,25 +75,31 @@ def runs_of(which: np.ndarray, pos: np.ndarray) -> list[tuple[int, int, int]] | 
     return [(b, p, e - s) for b, p, s, e in zip(blocks, pos[starts].tolist(), starts, ends)]
 
 
-def gather(batches: dict[int, pa.RecordBatch], plan, name: str, arrow_type: pa.DataType) -> pa.Array | pa.ChunkedArray:
-    """Column `name` for the rows at (block `which`, position `pos`). Runs of consecutive rows within a
-    block become zero-copy slices (a shard of a put costs no copy); scattered rows are gathered with take."""
+def gather(batches: dict[int, pa.RecordBatch], plan, names: list[str], types: list[pa.DataType]) -> list:
+    """Columns `names` (of Arrow types `types`) for the rows at (block `which`, position `pos`), one
+    Arrow call per run or per block for all of them, not one per column. Runs of consecutive rows
+    within a block become zero-copy slices (a shard of a put costs no copy); scattered rows are gathered
+    with one take over the blocks holding them."""
     which, pos, runs = plan
     if not which.size:
-        return pa.array([], type=arrow_type)
+        return [pa.array([], type=t) for t in types]
     if runs is not None:
-        pieces = [batches[b].column(name).slice(p, n) for b, p, n in runs]
-        return pieces[0] if len(pieces) == 1 else pa.chunked_array(pieces, type=arrow_type)
-    keys = distinct(which)  # the blocks holding this column's rows
+        if len(runs) == 1:
+            b, p, n = runs[0]
+            return batches[b].select(names).slice(p, n).columns
+        picked = {b: batches[b].select(names) for b in {b for b, _, _ in runs}}
+        pieces = pa.Table.from_batches([picked[b].slice(p, n) for b, p, n in runs])
+        return pieces.columns
+    keys = distinct(which)  # the blocks holding these rows
     if len(keys) > 1:
         sizes = np.array([batches[k].num_rows for k in keys], dtype=np.int64)
         base = np.zeros(max(keys) + 1, dtype=np.int64)
         base[keys] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        combined = pa.concat_arrays([batches[k].column(name) for k in keys])
+        combined = pa.Table.from_batches([batches[k].select(names) for k in keys])  # no copy before the take
         idx = base[which] + pos
     else:
-        combined, idx = batches[keys[0]].column(name), pos
-    return combined.take(pa.array(idx))
+        combined, idx = batches[keys[0]].select(names), pos
+    return combined.take(pa.array(idx)).columns
 
 
 class PutWhere:
