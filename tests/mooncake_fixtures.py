@@ -92,9 +92,9 @@ def mooncake_client(mooncake_cluster):
     yield shared_client()
 
 
-def damage_key(client, key: str, off: int, nbytes: int, lose: bool) -> None:
-    """Flip one byte of the block at `off` in Mooncake object `key` (an upsert replaces, unlike a put),
-    or lose it with the blocks after it in the object (the object is cut at the block)."""
+def damage_key(client, key: str, off: int, at: int, lose: bool) -> None:
+    """Flip byte `at` of Mooncake object `key` (an upsert replaces, unlike a put), or lose the block at
+    `off` with the blocks after it in the object (the object is cut at the block)."""
     import numpy as np
 
     from dataplane_rl.store.mooncake.client import no_eviction_config
@@ -112,7 +112,7 @@ def damage_key(client, key: str, off: int, nbytes: int, lose: bool) -> None:
             if not size:
                 return
         else:
-            buf[off + nbytes // 2] ^= 0xFF
+            buf[at] ^= 0xFF
         assert client.batch_upsert_from([key], [ptr], [size], no_eviction_config()) == [0]
     finally:
         client.unregister_buffer(ptr)

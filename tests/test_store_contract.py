@@ -65,14 +65,27 @@ def refs_of(store, pid: str, column: str) -> list:
     return [r for r in store._snapshot(pid).refs if column in r.columns]
 
 
+def column_byte(store, pid: str, ref, column: str) -> int:
+    """Where, in its stored block, `column`'s first value byte lies (its offsets' first byte if it has no
+    values): a byte that a read of the block's first row of `column` must checksum."""
+    from dataplane_rl.store.arrow import block_types
+    from dataplane_rl.store.chunks import places
+
+    types = block_types(store._snapshot(pid).meta.schema_json, ref.columns)
+    o_at, v_at, vbytes, _ = places(types, ref.rows.size, ref.sizes)[0][ref.columns.index(column)]
+    return v_at if vbytes else o_at
+
+
 def corrupt(store, pid: str, column: str, lose: bool = False) -> None:
-    """Damage the stored bytes of `column`'s first block through the backend's own storage (the file,
-    the Mooncake key, the Ray object, the buffer): no hook in the store's code."""
+    """Damage the stored bytes of `column`'s first block (a byte of `column`'s own, in its first row)
+    through the backend's own storage (the file, the Mooncake key, the Ray object, the buffer): no hook in
+    the store's code."""
     ref = refs_of(store, pid, column)[0]
     obj, off = ref.key.rpartition("@")[0], int(ref.key.rpartition("@")[2]) if "@" in ref.key else 0
+    at = column_byte(store, pid, ref, column)
     if isinstance(store, MemoryStore):
         data = bytearray(store._blobs[ref.key].to_pybytes())
-        data[len(data) // 2] ^= 0xFF
+        data[at] ^= 0xFF
         store._blobs[ref.key] = pa.py_buffer(b"" if lose else bytes(data))
     elif store.scheme == "shm":
         path = store.path / pid / "chunks" / obj
@@ -80,23 +93,23 @@ def corrupt(store, pid: str, column: str, lose: bool = False) -> None:
             os.truncate(path, off)  # the block and the ones after it in the put's file are gone
         else:
             with open(path, "r+b") as f:
-                f.seek(off + ref.nbytes // 2)
+                f.seek(off + at)
                 b = f.read(1)
-                f.seek(off + ref.nbytes // 2)
+                f.seek(off + at)
                 f.write(bytes([b[0] ^ 0xFF]))
     elif store.scheme == "mooncake":
         from mooncake_fixtures import damage_key
 
-        damage_key(store._client, obj, off, ref.nbytes, lose)
+        damage_key(store._client, obj, off, off + at, lose)
     elif store.scheme == "ray":
-        def damage(catalog, pid=pid, key=ref.key, lose=lose):  # runs inside the catalog actor
+        def damage(catalog, pid=pid, key=ref.key, lose=lose, at=at):  # runs inside the catalog actor
             import ray
 
             if lose:
                 catalog.objs[pid].pop(key)
                 return
             data = bytearray(ray.get(catalog.objs[pid][key]).tobytes())
-            data[len(data) // 2] ^= 0xFF
+            data[at] ^= 0xFF
             catalog.objs[pid][key] = ray.put(np.frombuffer(bytes(data), dtype=np.uint8))
 
         import ray

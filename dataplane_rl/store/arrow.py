@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from dataplane_rl.errors import SchemaError
 from dataplane_rl.schema import Column, Schema
-from dataplane_rl.store.chunks import PartitionMeta, head_bytes, offsets_view
+from dataplane_rl.store.chunks import Part, PartitionMeta, part_bytes
 
 
 # ---- per-schema caches: decoded and built once per process, keyed by the schema's JSON text -------
@@ -40,10 +40,10 @@ def block_schema(schema_json: str, columns: tuple[str, ...]) -> pa.Schema:
 
 
 @lru_cache(maxsize=1024)
-def block_head(schema_json: str, columns: tuple[str, ...]) -> int:
-    """`chunks.head_bytes` of `block_schema(schema_json, columns)`, keyed by strings (hashing a pa.Schema
-    walks all its fields on every call)."""
-    return head_bytes(block_schema(schema_json, columns))
+def block_types(schema_json: str, columns: tuple[str, ...]) -> tuple[pa.DataType, ...]:
+    """The Arrow types of `columns`, in order (what a stored block of them is decoded with)."""
+    types = arrow_types(schema_json)
+    return tuple(types[c] for c in columns)
 
 
 def list_array(values: np.ndarray, lengths, value_type: pa.DataType) -> pa.ListArray:
@@ -178,59 +178,77 @@ def _check_np_dtype(col: Column, arr: np.ndarray, where: str) -> None:
                           f"convert it first (e.g. .astype(np.{want}))")
 
 
-def _column_info(schema: Schema) -> dict[str, tuple[bool, bool, bool, float]]:
-    """Per column: (token column, has offsets, NaN/inf refused, bytes per value), read once per schema."""
+def _column_info(schema: Schema) -> dict[str, tuple[bool, bool, bool, bool]]:
+    """Per column: (token column, has offsets, NaN/inf refused, bool values), read once per schema."""
     info = schema.__dict__.get("_scan_info")
     if info is None:
         info = {c.name: (c.kind == "token", c.kind == "token" or c.dtype == "string",
-                         c.dtype.startswith("float") and not c.allow_nonfinite,
-                         1.0 if c.dtype == "string" else c.value_type.bit_width / 8) for c in schema.columns}
+                         c.dtype.startswith("float") and not c.allow_nonfinite, c.dtype == "bool")
+                for c in schema.columns}
         schema.__dict__["_scan_info"] = info  # a frozen model: its cache goes beside the fields
     return info
 
 
-def scan(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | None) -> list[int] | None:
-    """The bytes of each column's values (as `chunks.make_blocks` counts them), when a put's arrays
-    (already of the declared types) certainly pass `schema.check`: no nulls, no NaN/inf where not
-    allowed, token lengths equal to the length column, no negative length. None otherwise, which sends
-    the put through `schema.check` to name what is wrong. A few vectorised reductions per column, no
-    per-row work, and the offsets read once for both the check and the sizes."""
-    if lengths is None and schema.length_column in arrays:
-        lengths = arrays[schema.length_column].to_numpy(zero_copy_only=False)
-    info = _column_info(schema)
-    ends = None  # [B] int32 offsets a token column starting at 0 must end its rows at
-    sizes = []
-    for name, arr in arrays.items():
-        token, has_offsets, finite, width = info[name]
+def offsets_view(arr: pa.Array) -> np.ndarray:
+    """The [n+1] int32 offsets of a list or string array's rows, a view of its offsets buffer (no offsets
+    array or scalars made)."""
+    n = len(arr)
+    if not n:
+        return np.zeros(1, dtype=np.int32)
+    return np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
+
+
+def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | None,
+            validate: bool = True) -> tuple[list[Part], list[int]] | None:
+    """Each column of a put (arrays already of the declared types) as flat buffers (`chunks.Part`: zero-copy
+    views of the caller's offsets and values) with its bytes as `ChunkRef.sizes` counts them. With
+    `validate`, None unless the put certainly passes `schema.check`: no nulls, no NaN/inf where not
+    allowed, token lengths equal to the length column, no negative length (None sends the put through
+    `schema.check` to name what is wrong). A few vectorised calls per column, no per-row work."""
+    if validate and lengths is None and schema.length_column in arrays:
+        arr = arrays[schema.length_column]
         if arr.null_count:
             return None
-        n = len(arr)
+        lengths = arr.to_numpy(zero_copy_only=False)
+    info = _column_info(schema)
+    ends = None  # [B] int32 offsets a token column starting at 0 must end its rows at
+    parts, sizes = [], []
+    for name, arr in arrays.items():
+        token, has_offsets, finite, is_bool = info[name]
+        if validate and arr.null_count:
+            return None
         if has_offsets:
             offsets = offsets_view(arr)  # [B+1], of this slice's rows
             first, last = int(offsets[0]), int(offsets[-1])
-            sizes.append(int((last - first) * width) + 4 * n)
-        else:
-            sizes.append(round(n * width))
-        values = arr
-        if token:
-            if lengths is None:
-                return None
-            if first == 0:  # the common case: one memcmp of the offsets, no diff array
-                if ends is None:
-                    ends = np.cumsum(lengths, dtype=np.int64).astype(np.int32)
-                if offsets[1:].tobytes() != ends.tobytes():
+            if token:
+                if validate:
+                    if lengths is None:
+                        return None
+                    if first == 0:  # the common case: one memcmp of the offsets, no diff array
+                        if ends is None:
+                            ends = np.cumsum(lengths, dtype=np.int64).astype(np.int32)
+                        if offsets[1:].tobytes() != ends.tobytes():
+                            return None
+                    elif not np.array_equal(np.diff(offsets), lengths):
+                        return None
+                child = arr.values
+                if validate and child.null_count:
                     return None
-            elif not np.array_equal(np.diff(offsets), lengths):
-                return None
-            values = arr.values.slice(first, last - first)
-            if values.null_count:
-                return None
-        if finite and len(values):
+                values = child.to_numpy(zero_copy_only=not is_bool)[first:last]
+            else:  # string: offsets index its data buffer
+                values = np.frombuffer(arr.buffers()[2], dtype=np.uint8, count=last)[first:] if last else \
+                    np.zeros(0, dtype=np.uint8)
+            part = Part(offsets, values)
+        else:
+            values = arr.to_numpy(zero_copy_only=not is_bool)
+            part = Part(None, values)
+        if validate and finite and values.size:
             # v.v is NaN or inf if any value is (it may also overflow on huge finite values: then the
             # exact check decides). One BLAS pass, no temporary array: half the time of max and min.
-            v = values.to_numpy(zero_copy_only=True)
-            if not math.isfinite(np.dot(v, v)):
+            if not math.isfinite(np.dot(values, values)):
                 return None
-    if lengths is not None and len(lengths) and int(lengths.min()) < 0:
+        parts.append(part)
+        sizes.append(part_bytes(part))
+    if validate and lengths is not None and len(lengths) and int(lengths.min()) < 0:
         return None
-    return sizes
+    return parts, sizes

@@ -12,8 +12,9 @@ supplies only storage, through hooks with one fixed return type each and no stat
     _read(pid, refs) -> [pa.Buffer]      the bytes of committed blocks
     _create, _drop, _list, _close
 
-A put becomes one block per `chunk_bytes` of rows: a single Arrow IPC record batch of every column of
-the put (chunks.py), so validation, encoding and the checksum each take one pass over the put. Bytes
+A put becomes one block per `chunk_bytes` of rows, holding every column of the put as its own flat
+buffers (chunks.py): validation reads each column once, encoding is one copy per column buffer, and
+checksums go per column, so a reader verifies just what it reads. Bytes
 are stored first and refs committed last, so a failed or concurrent put never leaves a half-written
 partition.
 """
@@ -44,7 +45,7 @@ from dataplane_rl.errors import (
 )
 from dataplane_rl.schema import Schema, load_schema
 from dataplane_rl.store import stats
-from dataplane_rl.store.arrow import arrow_types, block_schema, scan, schema_of, to_arrow
+from dataplane_rl.store.arrow import arrow_types, flatten, schema_of, to_arrow
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, make_blocks
 from dataplane_rl.store.index import RowIndex, overlap
 from dataplane_rl.store.reads import Reads
@@ -88,7 +89,7 @@ class ColumnStore(Reads, ABC):
 
     @abstractmethod
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
-        """Store each block's batch with `chunks.write_block`; return one ref per block, in order.
+        """Store each block with `chunks.write_block` (or `encode_block`); return one ref per block, in order.
         Nothing is visible to readers yet. If it raises, it removes whatever it stored."""
 
     @abstractmethod
@@ -189,15 +190,14 @@ class ColumnStore(Reads, ABC):
             tokens = [n for n in arrays if by_name[n].kind == "token"]
             if tokens:
                 lengths = self._stored_lengths(snap, rows, tokens)
-        sizes = scan(schema, arrays, lengths)
-        if sizes is None:
+        flat = flatten(schema, arrays, lengths)
+        if flat is None:  # something may be wrong: the exact check names it (or finds nothing)
             schema.check(arrays, lengths, where=str(where)[:-1], rows=rows)
+            flat = flatten(schema, arrays, lengths, validate=False)
         err = self._conflict(snap, rows=rows, columns=list(arrays))
         if err:
             raise err
-        names, cols = tuple(arrays), list(arrays.values())
-        batch = pa.record_batch(cols, schema=block_schema(meta.schema_json, names))
-        refs = self._store(meta, make_blocks(rows, batch, self.chunk_bytes, names, cols, sizes))
+        refs = self._store(meta, make_blocks(rows, tuple(arrays), *flat, self.chunk_bytes))
         try:
             self._commit(meta, refs)
         except BaseException:

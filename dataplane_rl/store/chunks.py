@@ -1,9 +1,16 @@
-"""What a stored put is made of: chunk refs, row spans, the IPC encoding of a row block, its checksum.
+"""What a stored put is made of: chunk refs, row spans, the raw encoding of a row block, its checksums.
 
-A put is cut into row blocks of about `chunk_bytes`; each block is ONE Arrow IPC record-batch message
-holding every column of the put for those rows, checksummed with xxh3. The message carries no schema: a
-reader decodes it against the partition's schema (decoded once per partition), so a block costs one
-validation pass, one copy and one checksum on write, and one checksum and a zero-copy wrap on read.
+A put is cut into row blocks of about `chunk_bytes` (shm: one block per put); a block holds every column
+of the put for its rows as the column's own flat buffers, each 64-byte aligned: a list or string column's
+[n+1] int32 offsets (rebased to 0), then its values; a fixed-width column's values (bool: bit-packed, as
+Arrow has them). No schema, header or IPC message: the layout follows from the columns' types, the row
+count and the bytes of each column (`ChunkRef.sizes`), so a writer copies each column with one call and a
+reader wraps each with `pa.Array.from_buffers`, zero-copy.
+
+Checksums (xxh3) are per column, and a column's values are checksummed in pieces of PIECE bytes: a reader
+verifies just the columns it reads and, of those, the pieces holding its rows, so a reader of a row shard
+of a big put checksums about its share, not the whole put. `ChunkRef.checksums` lists them in layout order:
+per column, the offsets' digest (if it has offsets), then one per piece of its values.
 """
 
 from __future__ import annotations
@@ -20,8 +27,6 @@ import xxhash
 
 PID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # partition ids, fullmatch only: also safe as file and key names
 ALIGN = 64  # block offsets inside a put's object or file, so every Arrow buffer stays 64-byte aligned
-_IPC_OPTIONS = pa.ipc.IpcWriteOptions()  # explicit: the default re-reads two env vars per stream
-EOS = _EOS = 8  # the end-of-stream marker a stream writer adds on close
 
 
 def align(n: int) -> int:
@@ -71,27 +76,28 @@ def spans_to_rows(spans: Iterable[Sequence[int]]) -> np.ndarray:
 @dataclass(frozen=True)
 class ChunkRef:
     """A committed row block: `columns` for `rows` (in stored order), held under `key`; `sizes`: the
-    bytes of each column's values in it (for status)."""
+    bytes of each column in it (values, plus 4 per row for offsets: also what the layout follows from);
+    `checksums`: its digests in layout order (see the module doc)."""
 
     columns: tuple[str, ...]
     rows: np.ndarray = field(compare=False)  # [n] int64
     key: str
     nbytes: int
-    checksum: int
+    checksums: tuple[int, ...]
     sizes: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"columns": list(self.columns), "rows": rows_to_spans(self.rows), "key": self.key,
-                "nbytes": self.nbytes, "checksum": self.checksum, "sizes": list(self.sizes)}
+                "nbytes": self.nbytes, "checksums": list(self.checksums), "sizes": list(self.sizes)}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "ChunkRef":
-        return cls(tuple(d["columns"]), spans_to_rows(d["rows"]), d["key"], int(d["nbytes"]), int(d["checksum"]),
-                   tuple(int(n) for n in d["sizes"]))
+        return cls(tuple(d["columns"]), spans_to_rows(d["rows"]), d["key"], int(d["nbytes"]),
+                   tuple(int(c) for c in d["checksums"]), tuple(int(n) for n in d["sizes"]))
 
     @classmethod
-    def of(cls, block: "Block", key: str, digest: int) -> "ChunkRef":
-        return cls(block.columns, block.rows, key, block.nbytes, digest, block.sizes)
+    def of(cls, block: "Block", key: str, digests: tuple[int, ...]) -> "ChunkRef":
+        return cls(block.columns, block.rows, key, block.nbytes, digests, block.sizes)
 
 
 @lru_cache(maxsize=1024)
@@ -104,9 +110,9 @@ def _ref_json(r: ChunkRef) -> str:
     spans = rows_to_spans(r.rows)
     rows = f"[[{spans[0][0]}, {spans[0][1]}]]" if len(spans) == 1 else \
         "[" + ", ".join([f"[{a}, {b}]" for a, b in spans]) + "]"  # json.dumps' text, without its encoder
-    sizes = ", ".join(map(str, r.sizes))
+    sizes, digests = ", ".join(map(str, r.sizes)), ", ".join(map(str, r.checksums))
     return (f'{{"columns": {_names_json(r.columns)}, "rows": {rows}, "key": {json.dumps(r.key)}, '
-            f'"nbytes": {int(r.nbytes)}, "checksum": {int(r.checksum)}, "sizes": [{sizes}]}}')
+            f'"nbytes": {int(r.nbytes)}, "checksums": [{digests}], "sizes": [{sizes}]}}')
 
 
 def refs_to_json(refs: Sequence[ChunkRef]) -> str:
@@ -145,122 +151,177 @@ class Snapshot(NamedTuple):
 
 
 # ---- blocks ------------------------------------------------------------------------------------
+PIECE = 256 << 10  # bytes of a column's values per checksum: a shard reader verifies ~its share of a put
+
+
+class Part(NamedTuple):
+    """One column of a put as flat buffers: `offsets` [n+1] int32 of a list or string column (as the caller's
+    array has them: they need not start at 0), and `values` the values of exactly these rows, 1-D (bool
+    unpacked, one byte per value)."""
+
+    offsets: np.ndarray | None
+    values: np.ndarray
+
+
+def value_bytes(values: np.ndarray) -> int:
+    """Stored bytes of a part's values (bool bit-packed)."""
+    return (values.size + 7) >> 3 if values.dtype == np.bool_ else values.nbytes
+
+
+def part_bytes(part: Part) -> int:
+    """A column's bytes as `ChunkRef.sizes` counts them: its values, plus 4 per row for offsets."""
+    off = part.offsets
+    return value_bytes(part.values) + (4 * (off.size - 1) if off is not None else 0)
+
+
 @dataclass(frozen=True)
 class Block:
-    """A row block of a put: `batch` holds every column of the put for `rows`; `nbytes` is the size of
-    its record-batch message, `sizes` the bytes of each column's values in it."""
+    """A row block of a put: `parts` holds each of `columns` for `rows`; `sizes` as `ChunkRef.sizes`,
+    `nbytes` the size of its encoding."""
 
     rows: np.ndarray  # [n] int64
-    batch: pa.RecordBatch
     columns: tuple[str, ...]
-    nbytes: int
+    parts: tuple[Part, ...]
     sizes: tuple[int, ...]
+    nbytes: int
 
 
-def offsets_view(arr: pa.Array) -> np.ndarray:
-    """The [n+1] int32 offsets of a list or string array's rows, a view of its offsets buffer (no offsets
-    array or scalars made)."""
-    n = len(arr)
-    if not n:
-        return np.zeros(1, dtype=np.int32)
-    return np.frombuffer(arr.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * arr.offset)
+@lru_cache(maxsize=4096)
+def block_layout(has_offsets: tuple[bool, ...], n: int, sizes: tuple[int, ...]) -> tuple[tuple, int]:
+    """Where each column of a block of `n` rows lies: ((offsets at or -1, values at, value bytes, index of
+    its first digest), ...) and the block's size. A pure function of what a ChunkRef records."""
+    at, k, out = 0, 0, []
+    for offs, size in zip(has_offsets, sizes):
+        if offs:
+            o_at, at = at, align(at + 4 * (n + 1))
+            vbytes = size - 4 * n
+        else:
+            o_at, vbytes = -1, size
+        out.append((o_at, at, vbytes, k))
+        k += (o_at >= 0) + -(-vbytes // PIECE)
+        at = align(at + vbytes)
+    end = out[-1][1] + out[-1][2] if out else 0
+    return tuple(out), end
 
 
-def _offsets(arr: pa.Array) -> tuple[np.ndarray | None, float]:
-    """(the offsets of a list or string column, or None for a fixed-width one; the bytes of one value)."""
-    t = arr.type
-    if pa.types.is_list(t) or pa.types.is_string(t):
-        return offsets_view(arr), (t.value_type.bit_width / 8 if pa.types.is_list(t) else 1)
-    return None, t.bit_width / 8
+def places(types: Sequence[pa.DataType], n: int, sizes: tuple[int, ...]) -> tuple[tuple, int]:
+    """`block_layout` of a block of columns of Arrow `types`."""
+    return block_layout(tuple(pa.types.is_list(t) or pa.types.is_string(t) for t in types), n, sizes)
 
 
-def _column_bytes(arr: pa.Array) -> int:
-    """The bytes of a column's values, with 4 per row for the offsets of a list or string column."""
-    offsets, width = _offsets(arr)
-    n = len(arr)
-    if offsets is not None:
-        return int((int(offsets[n]) - int(offsets[0])) * width) + 4 * n
-    return round(n * width)
-
-
-def make_blocks(rows: np.ndarray, batch: pa.RecordBatch, limit: int, names: tuple[str, ...] | None = None,
-                columns: Sequence[pa.Array] | None = None, whole: Sequence[int] | None = None) -> list[Block]:
-    """Cut a put into row blocks of about `limit` bytes each (at least one block, split by bytes, not
-    rows, so long rows do not make one block huge). `names`, `columns` and `whole` (each column's
-    bytes): the batch's, if the caller holds them already (each access to batch.schema or batch.columns
-    builds new wrappers)."""
-    n = batch.num_rows
-    names = names or tuple(batch.schema.names)
-    if not n:
-        return [Block(rows, batch, names, pa.ipc.get_record_batch_size(batch), (0,) * len(names))]
-    columns = columns or batch.columns
-    whole = whole or [_column_bytes(c) for c in columns]
-    if sum(whole) <= limit:  # one block: no per-row sizes needed
-        return [Block(rows, batch, names, pa.ipc.get_record_batch_size(batch), tuple(whole))]
+def make_blocks(rows: np.ndarray, names: tuple[str, ...], parts: Sequence[Part], sizes: Sequence[int],
+                limit: int) -> list[Block]:
+    """Cut a put into row blocks of about `limit` bytes each (at least one block; split by bytes, not
+    rows, so long rows do not make one block huge)."""
+    n = rows.size
+    offs = tuple(p.offsets is not None for p in parts)
+    if not n or sum(sizes) <= limit:
+        return [Block(rows, names, tuple(parts), tuple(sizes), block_layout(offs, n, tuple(sizes))[1])]
     # cum[r]: the bytes of rows 0..r-1, from each column's offsets (no per-row array per column)
     r = np.arange(n + 1, dtype=np.float64)  # [n+1]
-    info = [_offsets(c) for c in columns]
-    fixed = sum(w for off, w in info if off is None)
-    cum = r * (fixed + 4 * sum(1 for off, _ in info if off is not None))  # [n+1]
-    for off, w in info:
-        if off is not None:
-            cum += (off - off[0]) * w
+    fixed = sum(p.values.itemsize for p in parts if p.offsets is None)
+    cum = r * (fixed + 4 * sum(offs))  # [n+1]
+    for p in parts:
+        if p.offsets is not None:
+            cum += (p.offsets - p.offsets[0]) * p.values.itemsize
     total = float(cum[-1])
     k = max(1, min(n, int(-(-total // limit))))
     cuts = np.searchsorted(cum[1:], total * np.arange(1, k) / k, side="right").tolist() if k > 1 else []
     bounds = sorted({0, n, *cuts})
     out = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        size = tuple(round((hi - lo) * w) if off is None else int((int(off[hi]) - int(off[lo])) * w) + 4 * (hi - lo)
-                     for off, w in info)
-        part = batch.slice(lo, hi - lo)
-        out.append(Block(rows[lo:hi], part, names, pa.ipc.get_record_batch_size(part), size))
+        sub = []
+        for p in parts:
+            if p.offsets is None:
+                sub.append(Part(None, p.values[lo:hi]))
+            else:
+                first = int(p.offsets[0])
+                sub.append(Part(p.offsets[lo:hi + 1], p.values[int(p.offsets[lo]) - first:int(p.offsets[hi]) - first]))
+        size = tuple(part_bytes(p) for p in sub)
+        out.append(Block(rows[lo:hi], names, tuple(sub), size, block_layout(offs, hi - lo, size)[1]))
     return out
 
 
-# ---- block encoding ----------------------------------------------------------------------------
-@lru_cache(maxsize=1024)
-def head_bytes(schema: pa.Schema) -> int:
-    """Size of the schema message a stream writer puts before the first batch."""
-    mock = pa.MockOutputStream()
-    pa.ipc.new_stream(mock, schema, options=_IPC_OPTIONS).close()
-    return mock.size() - _EOS
-
-
-def room(block: Block) -> int:
-    """Bytes `write_block` touches from the block's offset on (the message and the writer's end marker)."""
-    return block.nbytes + _EOS
-
-
-def write_block(sink, batch: pa.RecordBatch) -> None:
-    """Write `batch`'s record-batch message to `sink`, which must stand `head_bytes(batch.schema)` before
-    the block's offset: pyarrow writes a batch message only inside a stream, so the stream's schema
-    message goes to the bytes just before the block (the previous block's end marker and padding, or
-    the head room of the object) and is never read."""
-    with pa.ipc.new_stream(sink, batch.schema, options=_IPC_OPTIONS) as writer:
-        writer.write_batch(batch)
-
-
-def layout(blocks: Sequence[Block], head: int) -> tuple[list[int], int]:
-    """Offsets of a put's blocks (all of one schema, whose stream head is `head` bytes) packed into one
-    object or file, and its size. Each block's message starts 64-byte aligned, with room for its stream
-    head just before it; a block's head may overwrite the previous block's end marker, never its message."""
-    if not blocks:
-        return [], 0
-    offsets, at = [], align(head)
+def layout(blocks: Sequence[Block]) -> tuple[list[int], int]:
+    """Offsets of a put's blocks packed into one object or file, each 64-byte aligned, and its size."""
+    offsets, at = [], 0
     for b in blocks:
         offsets.append(at)
-        at = align(at + b.nbytes + head)
-    return offsets, offsets[-1] + room(blocks[-1])
+        at = align(at + b.nbytes)
+    return offsets, (offsets[-1] + blocks[-1].nbytes if blocks else 0)
 
 
-def encode_block(batch: pa.RecordBatch) -> pa.Buffer:
-    """A block as its own buffer (backends that store each block as one object)."""
-    sink = pa.BufferOutputStream()
-    write_block(sink, batch)
-    data = sink.getvalue()
-    return data.slice(head_bytes(batch.schema), pa.ipc.get_record_batch_size(batch))
+# ---- block encoding ----------------------------------------------------------------------------
+def write_block(dest: np.ndarray, block: Block) -> tuple[int, ...]:
+    """Write `block` into `dest` (writable uint8, at least block.nbytes, 64-byte aligned); return its
+    checksums, each of the bytes as written. One copy per buffer, no per-row work."""
+    n = block.rows.size
+    where, _ = block_layout(tuple(p.offsets is not None for p in block.parts), n, block.sizes)
+    digests = []
+    for part, (o_at, v_at, vbytes, _) in zip(block.parts, where):
+        if o_at >= 0:
+            o = dest[o_at:o_at + 4 * (n + 1)]
+            src, first = part.offsets, int(part.offsets[0])
+            if first:
+                np.subtract(src, first, out=o.view(np.int32))
+            else:
+                o.view(np.int32)[:] = src
+            digests.append(_xxh3(o))
+        v = dest[v_at:v_at + vbytes]
+        if vbytes:
+            values = part.values
+            v[:] = np.packbits(values, bitorder="little") if values.dtype == np.bool_ else values.view(np.uint8)
+            digests.extend(_xxh3(v[at:at + PIECE]) for at in range(0, vbytes, PIECE))
+    return tuple(digests)
 
 
-def decode_block(buf: pa.Buffer, schema: pa.Schema) -> pa.RecordBatch:
-    return pa.ipc.read_record_batch(buf, schema)
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def encode_block(block: Block) -> tuple[pa.Buffer, tuple[int, ...]]:
+    """A block as its own buffer, and its checksums (backends that store each block as one object)."""
+    out = np.empty(block.nbytes, dtype=np.uint8)
+    digests = write_block(out, block)
+    return pa.py_buffer(out), digests
+
+
+class Mismatch(Exception):
+    """A stored block's bytes differ from their checksum (`args[0]`: the column)."""
+
+
+def decode_block(payload: pa.Buffer, ref: "ChunkRef", types: Sequence[pa.DataType], want: Sequence[int],
+                 lo: int, hi: int) -> list[pa.Array]:
+    """Columns `want` (indices into ref.columns, of Arrow `types`) of a stored block, each over the
+    block's rows, zero-copy. Only what rows lo..hi-1 of them hold is checksummed (so only those rows may
+    be used): each column's offsets, then the pieces of its values holding those rows. Raises Mismatch."""
+    n = ref.rows.size
+    where, _ = places(types, n, ref.sizes)
+    data = np.frombuffer(payload, dtype=np.uint8)
+    out = []
+    digests = ref.checksums
+    for i in want:
+        o_at, v_at, vbytes, k = where[i]
+        t = types[i]
+        if o_at >= 0:
+            obuf = data[o_at:o_at + 4 * (n + 1)]
+            if _xxh3(obuf) != digests[k]:
+                raise Mismatch(ref.columns[i])
+            k += 1
+            off = obuf.view(np.int32)
+            width = t.value_type.bit_width if pa.types.is_list(t) else 8
+            a, b = int(off[lo]) * width >> 3, -(-int(off[hi]) * width // 8) if hi > lo else 0
+        else:
+            width = t.bit_width
+            a, b = lo * width >> 3, -(-hi * width // 8)
+        for p in range(a // PIECE, -(-b // PIECE)):
+            if _xxh3(data[v_at + p * PIECE:v_at + min((p + 1) * PIECE, vbytes)]) != digests[k + p]:
+                raise Mismatch(ref.columns[i])
+        values = payload.slice(v_at, vbytes)
+        if o_at < 0:
+            out.append(pa.Array.from_buffers(t, n, [None, values]))
+        elif pa.types.is_string(t):
+            out.append(pa.Array.from_buffers(t, n, [None, payload.slice(o_at, 4 * (n + 1)), values]))
+        else:
+            child = pa.Array.from_buffers(t.value_type, int(off[n]), [None, values])
+            out.append(pa.Array.from_buffers(t, n, [None, payload.slice(o_at, 4 * (n + 1))], children=[child]))
+    return out

@@ -11,7 +11,7 @@ import pyarrow as pa
 from dataplane_rl.errors import PartitionExistsError
 from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot, checksum
+from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot
 
 _ids = itertools.count()
 
@@ -50,8 +50,8 @@ class MemoryStore(ColumnStore):
         refs = []
         try:
             for block in blocks:
-                buf = chunks.encode_block(block.batch)
-                ref = ChunkRef.of(block, f"{meta.pid}/{meta.token}/{uuid.uuid4().hex}", checksum(buf))
+                buf, digests = chunks.encode_block(block)
+                ref = ChunkRef.of(block, f"{meta.pid}/{meta.token}/{uuid.uuid4().hex}", digests)
                 with self._lock:
                     self._blobs[ref.key] = buf
                 refs.append(ref)

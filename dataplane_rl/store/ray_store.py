@@ -38,7 +38,7 @@ import pyarrow as pa
 
 from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot, checksum
+from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot
 
 NAMESPACE = "dataplane-rl"
 _TIMEOUT_S = 300.0
@@ -195,8 +195,8 @@ class RayStore(ColumnStore):
         refs: list[ChunkRef] = []
         try:
             for block in blocks:
-                buf = chunks.encode_block(block.batch)
-                ref = ChunkRef.of(block, f"{meta.pid}/{uuid.uuid4().hex}", checksum(buf))
+                buf, digests = chunks.encode_block(block)
+                ref = ChunkRef.of(block, f"{meta.pid}/{uuid.uuid4().hex}", digests)
                 self._pending[ref.key] = ray.put(np.frombuffer(buf, dtype=np.uint8))
                 refs.append(ref)
         except BaseException:

@@ -1,4 +1,4 @@
-"""How a get becomes an Arrow table: the blocks holding the rows, read and checksummed once, sliced or taken."""
+"""How a get becomes an Arrow table: the blocks holding the rows, read, checksummed where the rows lie, sliced or taken."""
 
 from __future__ import annotations
 
@@ -8,14 +8,8 @@ import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.errors import CorruptChunkError, MissingColumnError, format_rows
-from dataplane_rl.store.arrow import block_schema, schema_of
-from dataplane_rl.store.chunks import (
-    ChunkRef,
-    PartitionMeta,
-    Snapshot,
-    checksum,
-    decode_block,
-)
+from dataplane_rl.store.arrow import block_schema, block_types, schema_of
+from dataplane_rl.store.chunks import ChunkRef, Mismatch, PartitionMeta, Snapshot, decode_block
 from dataplane_rl.store.rows import distinct, gather, runs_of
 
 
@@ -55,10 +49,13 @@ class Reads:
         else:
             used = distinct(np.concatenate([g[0] for g in groups.values()]))
         needed = [refs[i] for i in used]
-        self._counters.values["get_bytes_total"] += sum(r.nbytes for r in needed)
-        batches = dict(zip(used, (self._decode(meta, r, p) for r, p in zip(needed, self._read(meta.pid, needed)))))
-        out_schema = block_schema(meta.schema_json, tuple(fields))
         plans = [(which, pos, runs_of(which, pos), where) for which, pos, where in groups.values()]
+        lo, hi = _spans(plans, len(refs))
+        self._counters.values["get_bytes_total"] += sum(r.nbytes for r in needed)
+        want = set(fields)
+        batches = {b: self._decode(meta, r, p, want, lo[b], hi[b])
+                   for b, r, p in zip(used, needed, self._read(meta.pid, needed))}
+        out_schema = block_schema(meta.schema_json, tuple(fields))
         if len(plans) == 1 and plans[0][2] is not None:  # the common case: one slice of a record batch per run
             pieces = [batches[b].slice(p, n) for b, p, n in plans[0][2]]
             pieces = [x if x.schema.names == fields else x.select(fields) for x in pieces]
@@ -91,10 +88,34 @@ class Reads:
                                      f"so write {length_col} first or in the same put") from None
         return col.to_numpy().astype(np.int64)
 
-    def _decode(self, meta: PartitionMeta, ref: ChunkRef, payload: pa.Buffer) -> pa.RecordBatch:
-        if payload.size != ref.nbytes or checksum(payload) != ref.checksum:
+    def _decode(self, meta: PartitionMeta, ref: ChunkRef, payload: pa.Buffer, fields: set[str], lo: int,
+                hi: int) -> pa.RecordBatch:
+        """`fields` of a stored block as a record batch of all its rows, of which rows lo..hi-1 (and only
+        those) are checksummed."""
+        want = [i for i, c in enumerate(ref.columns) if c in fields]
+        try:
+            if payload.size != ref.nbytes:
+                raise Mismatch()
+            arrays = decode_block(payload, ref, block_types(meta.schema_json, ref.columns), want, lo, hi)
+        except Mismatch:
             what = "missing (evicted or lost)" if payload.size == 0 else f"corrupt ({payload.size} bytes, checksum mismatch)"
             cols = ", ".join(f"'{c}'" for c in ref.columns)
             raise CorruptChunkError(f"partition {meta.pid} column(s) {cols} rows {format_rows(ref.rows)}: stored block "
-                                    f"{ref.key} is {what}; the data is gone, regenerate the step")
-        return decode_block(payload, block_schema(meta.schema_json, ref.columns))
+                                    f"{ref.key} is {what}; the data is gone, regenerate the step") from None
+        return pa.RecordBatch.from_arrays(arrays, schema=block_schema(meta.schema_json,
+                                                                      tuple(ref.columns[i] for i in want)))
+
+
+def _spans(plans: list, nrefs: int) -> tuple[list[int], list[int]]:
+    """Per block: the first and one past the last of its positions that the plans read (what it must
+    checksum)."""
+    lo, hi = [1 << 62] * nrefs, [0] * nrefs
+    for which, pos, runs, _ in plans:
+        if runs is None:
+            first, last = np.full(nrefs, 1 << 62, dtype=np.int64), np.zeros(nrefs, dtype=np.int64)
+            np.minimum.at(first, which, pos)
+            np.maximum.at(last, which, pos + 1)
+            runs = [(b, int(first[b]), int(last[b] - first[b])) for b in np.flatnonzero(last).tolist()]
+        for b, p, n in runs:
+            lo[b], hi[b] = min(lo[b], p), max(hi[b], p + n)
+    return lo, hi

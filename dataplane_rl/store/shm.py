@@ -11,18 +11,18 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
     DIR/<pid>/lock                     flock'd exclusively by commit and drop
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
     DIR/<pid>/refs/<n>.json            the n-th committed put (10 digits): its ChunkRefs
-    DIR/<pid>/chunks/put-<hex>         a segment (shm_arena.py): the row blocks of one or more puts of one
-                                       writer (chunks.py), each an Arrow IPC record batch at a 64-byte-aligned
-                                       offset; key put-<hex>@<offset>
+    DIR/<pid>/chunks/put-<hex>         a segment (shm_arena.py): the blocks of one or more puts of one writer,
+                                       each every column of its rows as flat buffers (chunks.py) at a
+                                       64-byte-aligned offset; key put-<hex>@<offset>
 
 Folders are 0700 and files 0600: the store is private to its user. Metadata files (meta.json, refs) start
 with the xxh3 of their text, so a damaged one is a CorruptChunkError, never wrong rows. Space for a put
 is reserved (posix_fallocate) before its file is mapped, so a full /dev/shm is a StoreFullError instead
 of a SIGBUS in the writer.
 
-A put serializes every block straight into the next free range of its writer's open segment of the
-partition, kept mapped (one copy, no claim, map or rename per put: shm_arena.py); each block keeps its own
-checksum, so a shard reader checksums only the blocks it reads. It becomes visible when its refs file is
+A put copies each column buffer straight into the next free range of its writer's open segment of the
+partition, kept mapped (one copy, no claim, map or rename per put: shm_arena.py); checksums go per column
+and piece, so a shard reader checksums only what it reads. It becomes visible when its refs file is
 renamed to the next number under the partition lock, after re-checking that no cell is already committed;
 a writer that dies before that leaves only unreferenced bytes, freed with the partition. While it writes,
 a put holds a shared flock on its segment, so a drop never pools a segment that a put still writes. Refs files are numbered, so a
@@ -56,9 +56,8 @@ from dataplane_rl.errors import (
     StoreUnavailableError,
 )
 from dataplane_rl.store import chunks, owners
-from dataplane_rl.store.arrow import block_head
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, checksum, layout, split_key
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, layout, split_key
 from dataplane_rl.store.shm_arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, MiB, Arena
 from dataplane_rl.store.shm_catalog import ShmCatalog
 from dataplane_rl.store.shm_files import DIR_MODE, check_trusted, create_file, framed, open_file, read_file, unframe
@@ -66,7 +65,7 @@ from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
 
 _MARKER = owners.MARKER
-_FORMAT = b"dataplane-rl shm store v3\n"  # v3: one record batch of all a put's columns per row block
+_FORMAT = b"dataplane-rl shm store v4\n"  # v4: a put's columns as flat buffers, checksummed per column
 _POOL = ".pool"
 _STATS = ".stats"  # each process's counters (stats.py), for `store ls`
 DEFAULT_POOL_BYTES = 1 << 30
@@ -89,9 +88,9 @@ def _writing(fd: int) -> Iterator[None]:
 
 class ShmStore(ShmCatalog, ColumnStore):
     scheme = "shm"
-    # Smaller row blocks than the default: a shard reader checksums only the blocks holding its rows, and
-    # a block costs little here (all blocks of a put share one file).
-    chunk_bytes = 1 << 20
+    # One block per put (up to the largest segment): a shard reader checksums only the pieces holding its
+    # rows anyway, and gets one zero-copy slice per column instead of one per block and column.
+    chunk_bytes = DEFAULT_SEGMENT
 
     def __init__(self, path: str | os.PathLike | None = None, *, pool_bytes: int = DEFAULT_POOL_BYTES,
                  arena_mb: int = DEFAULT_ARENA // MiB, prefault_mb: int = DEFAULT_PREFAULT // MiB,
@@ -161,7 +160,7 @@ class ShmStore(ShmCatalog, ColumnStore):
                 fd = open_file(marker, os.O_RDONLY)
                 with os.fdopen(fd, "rb") as f:
                     version = f.read(64)
-                if version != _FORMAT:  # v1: metadata without checksums; v2: one chunk per column
+                if version != _FORMAT:  # v1: no metadata checksums; v2: a chunk per column; v3: Arrow IPC blocks
                     raise StoreUnavailableError(f"shm store {self._dir} was made by an older dataplane-rl (format "
                                                 f"{version.decode(errors='replace').strip()!r}, this one writes "
                                                 f"{_FORMAT.decode().strip()!r}); make a new store (drop this folder)")
@@ -249,11 +248,10 @@ class ShmStore(ShmCatalog, ColumnStore):
 
     # -- chunk hooks -----------------------------------------------------------------------------
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
-        """Serialize every block of the put in place into the next free range of this process's open
-        segment of the partition, each at an aligned offset with its own checksum."""
+        """Write every block of the put in place into the next free range of this process's open segment
+        of the partition, each at an aligned offset with its own checksums."""
         pid = meta.pid
-        head = block_head(meta.schema_json, blocks[0].columns)
-        offsets, end = layout(blocks, head)
+        offsets, end = layout(blocks)
         pdir = self._pdir(pid)
         folder = os.path.join(pdir, "chunks")
         gone = "was dropped while this put was writing (nothing was written)"
@@ -271,14 +269,9 @@ class ShmStore(ShmCatalog, ColumnStore):
                     raise FileNotFoundError(pdir)
                 f.prepare(base, end)
                 for block, off in zip(blocks, offsets):
-                    room = head + chunks.room(block)
-                    sink = f.sink(base + off - head, room)  # a writer that cannot go past the block's room
-                    chunks.write_block(sink, block.batch)
-                    if sink.tell() != room:
-                        raise RuntimeError(f"shm block {name}@{base + off}: wrote {sink.tell() - head} bytes, "
-                                           f"expected {chunks.room(block)}")
-                    digest = checksum(f.buffer(base + off, block.nbytes))  # zero-copy view of what was written
-                    out.append(ChunkRef.of(block, f"{name}@{base + off}", digest))
+                    at = base + off
+                    digests = chunks.write_block(f.array[at:at + block.nbytes], block)
+                    out.append(ChunkRef.of(block, f"{name}@{at}", digests))
         except BaseException as e:
             self._give_back(pid, name, base, end)
             if isinstance(e, FileNotFoundError):
@@ -301,10 +294,8 @@ class ShmStore(ShmCatalog, ColumnStore):
             return
         if not refs or any(r.key in keep for r in refs):
             return
-        name, first = split_key(refs[0].key)
-        head = block_head(meta.schema_json, refs[0].columns)
-        base = first - chunks.align(head)  # where layout() put the put's first block
-        end = split_key(refs[-1].key)[1] + refs[-1].nbytes + chunks.EOS - base
+        name, base = split_key(refs[0].key)  # layout() put the put's first block at its range's start
+        end = split_key(refs[-1].key)[1] + refs[-1].nbytes - base
         with contextlib.suppress(Exception):
             self._give_back(meta.pid, name, base, end)
 

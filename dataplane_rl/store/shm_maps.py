@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.store.shm_files import check_trusted, open_file
@@ -64,7 +65,7 @@ class WriteMap:
             os.close(fd)
             raise
         self._fd = fd
-        self._view = memoryview(self._mm)
+        self.array = np.frombuffer(self._mm, dtype=np.uint8)  # writable: what puts copy into
         self._buf = pa.py_buffer(self._mm)
         self._ready = 0  # bytes from the start made present here (ranges of a segment are handed out upwards)
 
@@ -81,17 +82,13 @@ class WriteMap:
     def buffer(self, off: int, n: int) -> pa.Buffer:
         return self._buf.slice(off, n)
 
-    def sink(self, off: int, n: int) -> pa.FixedSizeBufferWriter:
-        """A writer of bytes off..off+n (it refuses to write past them)."""
-        return pa.FixedSizeBufferWriter(pa.py_buffer(self._view[off:off + n]))
-
     def fileno(self) -> int:
         return self._fd
 
     def close(self) -> None:
         # the map itself goes when the last buffer made from it does (mmap.close() would refuse while
         # buffers handed out still point into it)
-        self._buf = self._view = self._mm = None
+        self._buf = self.array = self._mm = None
         os.close(self._fd)
 
 

@@ -8,8 +8,8 @@ is always the master's address, so other processes (Ray actors, readers, the CLI
 clients, which never start or stop anything and contribute no memory: data outlives every client.
 
 Keys (a few per put, never one per cell or sample: over TCP Mooncake costs ~100 us per key): the
-catalog's (catalog.py), and `dprl/<pid>/c/<inc>/<id>`, the blocks of one put (up to PACK_BYTES): each an
-Arrow IPC record batch of every column of the put for a row block, at a 64-byte-aligned offset; a
+catalog's (catalog.py), and `dprl/<pid>/c/<inc>/<id>`, the blocks of one put (up to PACK_BYTES): each
+every column of the put for a row block as flat buffers (chunks.py), at a 64-byte-aligned offset; a
 ChunkRef's key is `<object>@<offset>`.
 
 Put: blocks are serialized straight into a registered arena (one copy), back to back, and stored with one
@@ -65,9 +65,8 @@ from dataplane_rl.errors import (
     format_rows,
 )
 from dataplane_rl.store import chunks
-from dataplane_rl.store.arrow import block_head
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import Block, ChunkRef, PartitionMeta, Snapshot, align, checksum, layout, split_key
+from dataplane_rl.store.chunks import Block, ChunkRef, PartitionMeta, Snapshot, align, layout, split_key
 from dataplane_rl.store.mooncake.buffers import Arenas, ReadPool
 from dataplane_rl.store.mooncake.catalog import PREFIX, Catalog, batches, block_object_key, inc_of
 from dataplane_rl.store.mooncake.client import (
@@ -233,18 +232,17 @@ class MooncakeStore(ColumnStore):
         and publish, one call each for the whole put."""
         groups: list[list[int]] = [[]]  # block indices per object
         size = 0
-        head = block_head(meta.schema_json, blocks[0].columns)
         for i, block in enumerate(blocks):
             n = block.nbytes
             if groups[-1] and size + n > PACK_BYTES:
                 groups.append([])
                 size = 0
             groups[-1].append(i)
-            size += n + 2 * chunks.ALIGN
+            size = align(size + n)
         plans = []  # (object key, arena start, size, [block offsets])
         at = 0
         for g in groups:
-            offsets, end = layout([blocks[i] for i in g], head)
+            offsets, end = layout([blocks[i] for i in g])
             plans.append((block_object_key(meta.pid, meta.token), at, end, offsets))
             at = align(at + end)
         arena = self._arenas.get("arena", max(at, self._arena_bytes))
@@ -252,8 +250,8 @@ class MooncakeStore(ColumnStore):
         for (key, start, _, offsets), g in zip(plans, groups):
             for i, off in zip(g, offsets):
                 block, at = blocks[i], start + off
-                chunks.write_block(pa.FixedSizeBufferWriter(pa.py_buffer(arena.array[at - head:])), block.batch)
-                refs.append(ChunkRef.of(block, f"{key}@{off}", checksum(arena.array[at:at + block.nbytes])))
+                digests = chunks.write_block(arena.array[at:at + block.nbytes], block)
+                refs.append(ChunkRef.of(block, f"{key}@{off}", digests))
         self._put_objects(meta.pid, [(key, arena.ptr + start, end) for key, start, end, _ in plans], refs)
         return refs
 
