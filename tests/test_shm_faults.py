@@ -100,26 +100,30 @@ def fill(mnt: Path) -> None:
 def test_create_partition_and_commit_on_a_full_filesystem(tmpfs):
     store = open_store(f"shm://{tmpfs}/s?pool_bytes=0")
     try:
-        store.create_partition("p", "grpo", 4)
+        store.create_partition("p", "grpo", 64)
         fill(tmpfs)
         with pytest.raises(StoreFullError, match=rf"shm store {tmpfs}/s is full: cannot create partition q"):
             store.create_partition("q", "grpo", 4)
         assert store.list_partitions() == ["p"] and not [n for n in os.listdir(tmpfs / "s") if n.startswith(".create")]
         (tmpfs / "filler").unlink()
 
-        real = store._pool.claim
-
-        def claim_then_fill(*a, **k):  # the chunk file fits; then the disk fills before the refs file is written
-            real(*a, **k)
-            fill(tmpfs)
-
-        store._pool.claim = claim_then_fill
+        # The put's segment fits; then the disk fills. Puts go on into the segment's allocated pages, and
+        # their commits into the log's page, until a commit needs a new page of the log: that put fails
+        # whole, and nothing of it is visible
+        store.put("p", grpo_columns([0], ["total_reward"]), [0])
+        fill(tmpfs)
+        size = os.path.getsize(tmpfs / "s" / "p" / "log")
         with pytest.raises(StoreFullError, match="cannot commit a put to partition p"):
-            store.put("p", grpo_columns(range(4), ["total_reward"]), range(4))
-        del store._pool.claim
+            for row in range(1, 64):  # each record ~0.2 kB: the log's last page (4 KiB) is full within 20 puts
+                store.put("p", {"total_reward": np.ones(1, np.float32) * row}, [row])
+        assert row > 1, "the log's page ran out at once: this test's puts did not reach the log"
+        assert os.path.getsize(tmpfs / "s" / "p" / "log") <= -(-size // 4096) * 4096
+        other = open_store(store.url)  # what another process sees: the rows before the failed put, no more
+        assert other.ready("p", "total_reward").tolist() == list(range(row))
+        other.close()
         (tmpfs / "filler").unlink()
-        assert os.listdir(tmpfs / "s" / "p" / "chunks") == [] and os.listdir(tmpfs / "s" / "p" / "refs") == []
-        store.put("p", grpo_columns(range(4), ["total_reward"]), range(4))
+        store.put("p", {"total_reward": np.ones(1, np.float32) * row}, [row])  # the failed put's rows: free
+        assert store.get("p", "total_reward", [row]).column(0).to_pylist() == [float(row)]
     finally:
         store.close()
 
@@ -167,54 +171,74 @@ def shm():
     s.close()
 
 
-def refs_file(store) -> Path:
-    (f,) = (store.path / "p" / "refs").glob("*.json")
-    return f
+def log_of(store) -> Path:
+    return store.path / "p" / "log"
 
 
 def reopen(store):
-    return open_store(store.url)  # a process that has not cached the metadata
+    return open_store(store.url)  # a process that has not read the log
 
 
-def test_edited_refs_file_is_corrupt_not_wrong_rows(shm):
-    f = refs_file(shm)
+def set_end(log: Path, end: int) -> None:
+    """Move the log's committed end (a valid header: only the records can be wrong)."""
+    from dataplane_rl.store.shm_catalog import _head
+
+    with open(log, "r+b") as f:
+        f.write(_head(end))
+
+
+def test_edited_log_record_is_corrupt_not_wrong_rows(shm):
+    f = log_of(shm)
     f.write_bytes(f.read_bytes().replace(b'"rows": [[0, 8]]', b'"rows": [[1, 9]]', 1))
     other = reopen(shm)
-    with pytest.raises(CorruptChunkError, match=rf"shm metadata {f} is damaged"):
+    with pytest.raises(CorruptChunkError, match=rf"shm metadata {f} at \d+ is damaged"):
         other.get("p", ["total_reward"])
     other.close()
 
 
-def test_a_copied_refs_file_is_corrupt_not_rows_counted_twice(shm):
-    f = refs_file(shm)
-    copy = f.with_name(f"{int(f.stem) + 1:010d}.json")
-    copy.write_bytes(f.read_bytes())  # a valid checksum: the same commit, seen twice
+def test_a_copied_log_record_is_corrupt_not_rows_counted_twice(shm):
+    f = log_of(shm)
+    data = f.read_bytes()
+    last = data[data.rindex(b'[{"columns"') - 21:]  # the put's record: its length, checksum and JSON
+    f.write_bytes(data + last)  # a valid checksum: the same commit, seen twice
+    set_end(f, len(data) + len(last))
     other = reopen(shm)
-    with pytest.raises(CorruptChunkError, match=rf"shm refs file {copy} repeats chunk put-\w+@\d+ of an earlier commit"):
+    with pytest.raises(CorruptChunkError, match=rf"shm log {f} repeats chunk put-\w+@\d+ of an earlier commit"):
         other.status("p")
     other.close()
 
 
-def test_truncated_refs_and_meta_are_corrupt(shm):
-    f = refs_file(shm)
-    f.write_bytes(f.read_bytes()[:-7])
+def test_truncated_log_and_meta_are_corrupt(shm):
+    f = log_of(shm)
+    data = f.read_bytes()
+    f.write_bytes(data[:-7])
     other = reopen(shm)
-    with pytest.raises(CorruptChunkError, match="checksum mismatch"):
+    with pytest.raises(CorruptChunkError, match=rf"shm metadata {f} is damaged \({len(data) - 7} bytes, the header says"):
         other.get("p", ["total_reward"])
     other.close()
-    meta = shm.path / "p" / "meta.json"
-    meta.write_bytes(meta.read_bytes().replace(b'"num_rows": 8', b'"num_rows": 9'))
+    f.write_bytes(data.replace(b'"num_rows": 8', b'"num_rows": 9'))
     other = reopen(shm)
-    with pytest.raises(CorruptChunkError, match=rf"{meta} is damaged"):
+    with pytest.raises(CorruptChunkError, match=rf"{f} at 64 is damaged"):
+        other.num_rows("p")
+    other.close()
+    f.write_bytes(b"x" * len(data))
+    other = reopen(shm)
+    with pytest.raises(CorruptChunkError, match=rf"{f} is damaged \(no valid header\)"):
         other.num_rows("p")
     other.close()
 
 
-def test_refs_naming_a_path_outside_the_partition_are_refused(shm):
-    f = refs_file(shm)
-    body = json.loads(f.read_bytes()[17:])
+def test_log_naming_a_path_outside_the_partition_is_refused(shm):
+    from dataplane_rl.store.shm_catalog import _record
+
+    f = log_of(shm)
+    data = f.read_bytes()
+    at = data.rindex(b'[{"columns"') - 21
+    body = json.loads(data[at + 21:])
     body[0]["key"] = "../../../../etc/passwd@0"
-    f.write_bytes(framed(json.dumps(body)))  # a valid checksum: only the key check stands in the way
+    record = _record(json.dumps(body))  # a valid checksum: only the key check stands in the way
+    f.write_bytes(data[:at] + record)
+    set_end(f, at + len(record))
     other = reopen(shm)
     with pytest.raises(CorruptChunkError, match=r"names chunk key '\.\./\.\./\.\./\.\./etc/passwd@0'"):
         other.get("p", ["total_reward"])

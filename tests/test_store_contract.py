@@ -68,11 +68,11 @@ def refs_of(store, pid: str, column: str) -> list:
 def column_byte(store, pid: str, ref, column: str) -> int:
     """Where, in its stored block, `column`'s first value byte lies (its offsets' first byte if it has no
     values): a byte that a read of the block's first row of `column` must checksum."""
-    from dataplane_rl.store.arrow import block_types
-    from dataplane_rl.store.chunks import places
+    from dataplane_rl.store.arrow import block_columns
+    from dataplane_rl.store.chunks import block_layout
 
-    types = block_types(store._snapshot(pid).meta.schema_json, ref.columns)
-    o_at, v_at, vbytes, _ = places(types, ref.rows.size, ref.sizes)[0][ref.columns.index(column)]
+    cols = block_columns(store._snapshot(pid).meta.schema_json, ref.columns)
+    o_at, v_at, vbytes, _ = block_layout(cols.offsets, ref.rows.size, ref.sizes)[0][ref.columns.index(column)]
     return v_at if vbytes else o_at
 
 
@@ -204,7 +204,7 @@ def test_a_reader_keeps_a_bounded_cache_of_partitions(store, monkeypatch):
         store.put(pid, grpo_columns(range(N), ["input_lengths", "total_reward"], seed=i), range(N))
         assert_rows(store, pid, range(N), ["total_reward"], seed=i)
     assert len(store._known) <= 4 and len(store._indexes) <= 4
-    forgotten = {"shm": lambda: set(store._metas) | set(store._refs_cache),
+    forgotten = {"shm": lambda: set(store._logs),
                  "mooncake": lambda: set(store._catalog.parts)}.get(store.scheme)
     if forgotten is not None:  # the backend's own caches follow
         assert not forgotten() & set(pids[:6]), forgotten()

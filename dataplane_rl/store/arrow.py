@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from dataplane_rl.errors import SchemaError
 from dataplane_rl.schema import Column, Schema
-from dataplane_rl.store.chunks import Part, PartitionMeta, part_bytes
+from dataplane_rl.store.chunks import Columns, Part, PartitionMeta, part_bytes
 
 
 # ---- per-schema caches: decoded and built once per process, keyed by the schema's JSON text -------
@@ -40,10 +40,11 @@ def block_schema(schema_json: str, columns: tuple[str, ...]) -> pa.Schema:
 
 
 @lru_cache(maxsize=1024)
-def block_types(schema_json: str, columns: tuple[str, ...]) -> tuple[pa.DataType, ...]:
-    """The Arrow types of `columns`, in order (what a stored block of them is decoded with)."""
+def block_columns(schema_json: str, columns: tuple[str, ...]) -> Columns:
+    """How a stored block of `columns` decodes, made once per schema and column set, keyed by strings
+    (whose hashes Python caches; hashing Arrow types walks them on every call)."""
     types = arrow_types(schema_json)
-    return tuple(types[c] for c in columns)
+    return Columns.of([types[c] for c in columns])
 
 
 def list_array(values: np.ndarray, lengths, value_type: pa.DataType) -> pa.ListArray:

@@ -47,7 +47,7 @@ from dataplane_rl.schema import Schema, load_schema
 from dataplane_rl.store import stats
 from dataplane_rl.store.arrow import arrow_types, flatten, schema_of, to_arrow
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, make_blocks
-from dataplane_rl.store.index import RowIndex, overlap
+from dataplane_rl.store.index import RowIndex, as_slice, overlap
 from dataplane_rl.store.reads import Reads
 from dataplane_rl.store.stats import PartitionStatus
 from dataplane_rl.store.rows import PutWhere, row_ids
@@ -357,7 +357,8 @@ class ColumnStore(Reads, ABC):
             if refs is not None:
                 hit = overlap(idx, refs)
             else:
-                hit = next(((c, h) for c in columns if (h := idx.written(c, rows)).size), None)
+                at = as_slice(rows)
+                hit = next(((c, h) for c in columns if (h := idx.written(c, at)).size), None)
         if hit is None:
             return None
         name, cells = hit

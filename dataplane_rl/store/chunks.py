@@ -189,7 +189,9 @@ class Block:
 @lru_cache(maxsize=4096)
 def block_layout(has_offsets: tuple[bool, ...], n: int, sizes: tuple[int, ...]) -> tuple[tuple, int]:
     """Where each column of a block of `n` rows lies: ((offsets at or -1, values at, value bytes, index of
-    its first digest), ...) and the block's size. A pure function of what a ChunkRef records."""
+    its first digest), ...) and the block's size. A column's digests cover its region, from its first
+    byte (offsets, or values) to its last, in pieces of PIECE bytes: one digest for most columns of a
+    small put. A pure function of what a ChunkRef records."""
     at, k, out = 0, 0, []
     for offs, size in zip(has_offsets, sizes):
         if offs:
@@ -198,15 +200,34 @@ def block_layout(has_offsets: tuple[bool, ...], n: int, sizes: tuple[int, ...]) 
         else:
             o_at, vbytes = -1, size
         out.append((o_at, at, vbytes, k))
-        k += (o_at >= 0) + -(-vbytes // PIECE)
+        k += -(-(at + vbytes - (o_at if o_at >= 0 else at)) // PIECE)
         at = align(at + vbytes)
     end = out[-1][1] + out[-1][2] if out else 0
     return tuple(out), end
 
 
-def places(types: Sequence[pa.DataType], n: int, sizes: tuple[int, ...]) -> tuple[tuple, int]:
-    """`block_layout` of a block of columns of Arrow `types`."""
-    return block_layout(tuple(pa.types.is_list(t) or pa.types.is_string(t) for t in types), n, sizes)
+def _region(place: tuple) -> tuple[int, int]:
+    """A column's checksummed bytes [start, end) in its block."""
+    o_at, v_at, vbytes, _ = place
+    return (o_at if o_at >= 0 else v_at), v_at + vbytes
+
+
+class Columns(NamedTuple):
+    """How a block's columns decode: their Arrow types, which have offsets, the bits of one value, and a
+    list column's value type (else None). Made once per schema and column set (arrow.block_columns)."""
+
+    types: tuple[pa.DataType, ...]
+    offsets: tuple[bool, ...]
+    bits: tuple[int, ...]
+    child: tuple[pa.DataType | None, ...]
+
+    @classmethod
+    def of(cls, types: Sequence[pa.DataType]) -> "Columns":
+        lists = [pa.types.is_list(t) for t in types]
+        offsets = tuple(lst or pa.types.is_string(t) for t, lst in zip(types, lists))
+        bits = tuple(t.value_type.bit_width if lst else 8 if o else t.bit_width
+                     for t, lst, o in zip(types, lists, offsets))
+        return cls(tuple(types), offsets, bits, tuple(t.value_type if lst else None for t, lst in zip(types, lists)))
 
 
 def make_blocks(rows: np.ndarray, names: tuple[str, ...], parts: Sequence[Part], sizes: Sequence[int],
@@ -258,20 +279,21 @@ def write_block(dest: np.ndarray, block: Block) -> tuple[int, ...]:
     n = block.rows.size
     where, _ = block_layout(tuple(p.offsets is not None for p in block.parts), n, block.sizes)
     digests = []
-    for part, (o_at, v_at, vbytes, _) in zip(block.parts, where):
+    for part, place in zip(block.parts, where):
+        o_at, v_at, vbytes, _ = place
         if o_at >= 0:
-            o = dest[o_at:o_at + 4 * (n + 1)]
             src, first = part.offsets, int(part.offsets[0])
+            o = dest[o_at:o_at + 4 * (n + 1)].view(np.int32)
             if first:
-                np.subtract(src, first, out=o.view(np.int32))
+                np.subtract(src, first, out=o)
             else:
-                o.view(np.int32)[:] = src
-            digests.append(_xxh3(o))
-        v = dest[v_at:v_at + vbytes]
+                o[:] = src
         if vbytes:
             values = part.values
-            v[:] = np.packbits(values, bitorder="little") if values.dtype == np.bool_ else values.view(np.uint8)
-            digests.extend(_xxh3(v[at:at + PIECE]) for at in range(0, vbytes, PIECE))
+            dest[v_at:v_at + vbytes] = np.packbits(values, bitorder="little") if values.dtype == np.bool_ else \
+                values.view(np.uint8)
+        start, end = _region(place)
+        digests.extend(_xxh3(dest[at:min(at + PIECE, end)]) for at in range(start, end, PIECE))
     return tuple(digests)
 
 
@@ -289,39 +311,41 @@ class Mismatch(Exception):
     """A stored block's bytes differ from their checksum (`args[0]`: the column)."""
 
 
-def decode_block(payload: pa.Buffer, ref: "ChunkRef", types: Sequence[pa.DataType], want: Sequence[int],
-                 lo: int, hi: int) -> list[pa.Array]:
-    """Columns `want` (indices into ref.columns, of Arrow `types`) of a stored block, each over the
+def decode_block(payload: pa.Buffer, ref: "ChunkRef", cols: Columns, want: Sequence[int], lo: int,
+                 hi: int) -> list[pa.Array]:
+    """Columns `want` (indices into ref.columns, decoded as `cols` says) of a stored block, each over the
     block's rows, zero-copy. Only what rows lo..hi-1 of them hold is checksummed (so only those rows may
-    be used): each column's offsets, then the pieces of its values holding those rows. Raises Mismatch."""
+    be used): the pieces holding each column's offsets, then those holding the rows' values. Raises
+    Mismatch."""
     n = ref.rows.size
-    where, _ = places(types, n, ref.sizes)
+    where, _ = block_layout(cols.offsets, n, ref.sizes)
     data = np.frombuffer(payload, dtype=np.uint8)
-    out = []
     digests = ref.checksums
+    out = []
     for i in want:
-        o_at, v_at, vbytes, k = where[i]
-        t = types[i]
+        place = where[i]
+        o_at, v_at, vbytes, k = place
+        t, bits, child_type = cols.types[i], cols.bits[i], cols.child[i]
+        start, end = _region(place)
         if o_at >= 0:
-            obuf = data[o_at:o_at + 4 * (n + 1)]
-            if _xxh3(obuf) != digests[k]:
-                raise Mismatch(ref.columns[i])
-            k += 1
-            off = obuf.view(np.int32)
-            width = t.value_type.bit_width if pa.types.is_list(t) else 8
-            a, b = int(off[lo]) * width >> 3, -(-int(off[hi]) * width // 8) if hi > lo else 0
+            last = (o_at + 4 * (n + 1) - 1 - start) // PIECE  # the offsets' last piece: verified first
+            for p in range(last + 1):
+                if _xxh3(data[start + p * PIECE:min(start + (p + 1) * PIECE, end)]) != digests[k + p]:
+                    raise Mismatch(ref.columns[i])
+            off = data[o_at:o_at + 4 * (n + 1)].view(np.int32)
+            a, b = v_at + (int(off[lo]) * bits >> 3), v_at + (-(-int(off[hi]) * bits // 8) if hi > lo else 0)
         else:
-            width = t.bit_width
-            a, b = lo * width >> 3, -(-hi * width // 8)
-        for p in range(a // PIECE, -(-b // PIECE)):
-            if _xxh3(data[v_at + p * PIECE:v_at + min((p + 1) * PIECE, vbytes)]) != digests[k + p]:
+            last = -1
+            a, b = v_at + (lo * bits >> 3), v_at + (-(-hi * bits // 8))
+        for p in range(max(last + 1, (a - start) // PIECE), -(-(b - start) // PIECE)):
+            if _xxh3(data[start + p * PIECE:min(start + (p + 1) * PIECE, end)]) != digests[k + p]:
                 raise Mismatch(ref.columns[i])
         values = payload.slice(v_at, vbytes)
         if o_at < 0:
             out.append(pa.Array.from_buffers(t, n, [None, values]))
-        elif pa.types.is_string(t):
+        elif child_type is None:  # string
             out.append(pa.Array.from_buffers(t, n, [None, payload.slice(o_at, 4 * (n + 1)), values]))
         else:
-            child = pa.Array.from_buffers(t.value_type, int(off[n]), [None, values])
+            child = pa.Array.from_buffers(child_type, int(off[n]), [None, values])
             out.append(pa.Array.from_buffers(t, n, [None, payload.slice(o_at, 4 * (n + 1))], children=[child]))
     return out

@@ -20,6 +20,7 @@ class RowIndex:
     def __init__(self, num_rows: int) -> None:
         self.num_rows = num_rows
         self.refs: list[ChunkRef] = []
+        self.first: list[int] = []  # per ref: its first row if its rows are one increasing run, else -1
         self.owner: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
         self.pos: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
         # column -> (owner [K, num_rows], pos [K, num_rows], k): columns first written by one block share
@@ -55,10 +56,8 @@ class RowIndex:
                 bases.setdefault(id(owner), (owner, pos, []))[2].append(k)
             where = np.arange(n, dtype=np.int32)
             # a block of consecutive rows (every put of a range) is written by slice, not by fancy index
-            if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n < 3 or bool((rows[1:] > rows[:-1]).all())):
-                at: slice | np.ndarray = slice(int(rows[0]), int(rows[0]) + n)
-            else:
-                at = rows
+            at = as_slice(rows)
+            self.first.append(at.start if isinstance(at, slice) else -1)
             for owner, pos, ks in bases.values():
                 if len(ks) == owner.shape[0]:
                     ix = (slice(None), at)
@@ -82,9 +81,13 @@ class RowIndex:
             self.lengths = np.full(self.num_rows, -1, dtype=np.int64)
         self.lengths[rows] = values
 
-    def written(self, column: str, rows: np.ndarray) -> np.ndarray:
-        """The rows of `rows` on which `column` is written."""
+    def written(self, column: str, rows: np.ndarray | slice) -> np.ndarray:
+        """The rows of `rows` (ids, or a slice of them) on which `column` is written."""
         owner = self.owner.get(column)
+        if isinstance(rows, slice):
+            if owner is None or int(owner[rows].max(initial=-1)) < 0:  # the common case: none
+                return np.zeros(0, dtype=np.int64)
+            rows = np.arange(rows.start, rows.stop, dtype=np.int64)
         return rows[:0] if owner is None else rows[owner[rows] >= 0]
 
     def unwritten(self, column: str, rows: np.ndarray) -> np.ndarray:
@@ -103,6 +106,14 @@ class RowIndex:
         return np.flatnonzero(mask).astype(np.int64) if mask is not None else np.zeros(0, dtype=np.int64)
 
 
+def as_slice(rows: np.ndarray) -> np.ndarray | slice:
+    """`rows` as a slice if they are one increasing run (a put of a range), else as they are."""
+    n = rows.size
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n < 3 or bool((rows[1:] > rows[:-1]).all())):
+        return slice(int(rows[0]), int(rows[0]) + n)
+    return rows
+
+
 def overlap(index: RowIndex, refs: list[ChunkRef]) -> tuple[str, np.ndarray] | None:
     """The first (column, rows) of `refs` already written in `index`, or None: one lookup per column."""
     by_cols: dict[tuple[str, ...], list[np.ndarray]] = {}
@@ -110,6 +121,7 @@ def overlap(index: RowIndex, refs: list[ChunkRef]) -> tuple[str, np.ndarray] | N
         by_cols.setdefault(ref.columns, []).append(ref.rows)
     for cols, parts in by_cols.items():
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        rows = as_slice(rows)
         for col in cols:
             hit = index.written(col, rows)
             if hit.size:

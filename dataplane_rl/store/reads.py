@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.errors import CorruptChunkError, MissingColumnError, format_rows
-from dataplane_rl.store.arrow import block_schema, block_types, schema_of
+from dataplane_rl.store.arrow import block_columns, block_schema, schema_of
 from dataplane_rl.store.chunks import ChunkRef, Mismatch, PartitionMeta, Snapshot, decode_block
 from dataplane_rl.store.rows import distinct, gather, runs_of
 
@@ -21,6 +21,9 @@ class Reads:
         that are runs within blocks served as zero-copy slices of the mapped record batches."""
         meta, schema = snap.meta, schema_of(snap.meta)
         idx = self._index_of(snap)
+        table = self._whole_blocks(snap, idx, fields, rows)
+        if table is not None:
+            return table
         # fields written together share a plan (the same blocks at the same positions): one per distinct
         # (which, pos), found by their bytes instead of comparing every pair of arrays
         groups: dict[bytes, list] = {}  # -> [which, pos, field positions]
@@ -68,11 +71,55 @@ class Reads:
                 for i, col in zip(where, gather(batches, (which, pos, runs), names, types)):
                     cols[i] = col
             table = pa.Table.from_arrays(cols, schema=out_schema)
-        if schema.length_column in fields and rows.size:  # read and checksummed: later puts check against it
-            lengths = table.column(fields.index(schema.length_column)).to_numpy()
+        self._learn_lengths(snap, idx, table, fields, rows)
+        return table
+
+    def _whole_blocks(self, snap: Snapshot, idx, fields: list[str], rows: np.ndarray) -> pa.Table | None:
+        """The common get, without a per-row plan: contiguous rows that, per field, lie in one block holding a
+        contiguous run of rows (a put of a range), so the field's slice of it is the answer. None otherwise.
+        The rows a..b-1 of a field lie in one such block k when rows a and b-1 do: the block holds every
+        row between them, and each cell is written once."""
+        n = rows.size
+        if not n or int(rows[-1]) - int(rows[0]) != n - 1 or (n > 2 and not bool((rows[1:] - rows[:-1] == 1).all())):
+            return None
+        a = int(rows[0])
+        blocks: dict[int, list[int]] = {}  # block -> positions in `fields`
+        with idx.lock:
+            refs, first = idx.refs, idx.first
+            for i, f in enumerate(fields):
+                owner = idx.owner.get(f)
+                if owner is None:
+                    return None
+                k = int(owner[a])
+                if k < 0 or int(owner[a + n - 1]) != k or first[k] < 0:
+                    return None
+                blocks.setdefault(k, []).append(i)
+        meta = snap.meta
+        used = list(blocks)
+        needed = [refs[k] for k in used]
+        self._counters.values["get_bytes_total"] += sum(r.nbytes for r in needed)
+        cols: list[Any] = [None] * len(fields)
+        for k, ref, payload in zip(used, needed, self._read(meta.pid, needed)):
+            p = a - first[k]
+            where = blocks[k]
+            batch = self._decode(meta, ref, payload, {fields[i] for i in where}, p, p + n).slice(p, n)
+            if len(used) == 1:
+                table = pa.Table.from_batches([batch if batch.schema.names == fields else batch.select(fields)])
+                break
+            for i in where:
+                cols[i] = batch.column(fields[i])
+        else:
+            table = pa.Table.from_arrays(cols, schema=block_schema(meta.schema_json, tuple(fields)))
+        self._learn_lengths(snap, idx, table, fields, rows)
+        return table
+
+    def _learn_lengths(self, snap: Snapshot, idx, table: pa.Table, fields: list[str], rows: np.ndarray) -> None:
+        """A get that read the length column tells later puts of token columns what to check against."""
+        length_col = schema_of(snap.meta).length_column
+        if length_col in fields and rows.size:
+            lengths = table.column(fields.index(length_col)).to_numpy()
             with idx.lock:
                 idx.learn_lengths(rows, lengths)
-        return table
 
     def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str]) -> np.ndarray:
         length_col = schema_of(snap.meta).length_column
@@ -96,7 +143,7 @@ class Reads:
         try:
             if payload.size != ref.nbytes:
                 raise Mismatch()
-            arrays = decode_block(payload, ref, block_types(meta.schema_json, ref.columns), want, lo, hi)
+            arrays = decode_block(payload, ref, block_columns(meta.schema_json, ref.columns), want, lo, hi)
         except Mismatch:
             what = "missing (evicted or lost)" if payload.size == 0 else f"corrupt ({payload.size} bytes, checksum mismatch)"
             cols = ", ".join(f"'{c}'" for c in ref.columns)

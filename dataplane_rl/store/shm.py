@@ -7,26 +7,26 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
     DIR/.owner                         the process that made it, and whether it is kept (owners.py)
     DIR/.kept                          made once by keep(): the folder outlives its run (owners.py)
     DIR/.pool/<bytes>-<hex>            segments of dropped partitions (and pre-touched ones), kept for reuse
-    DIR/<pid>/meta.json                the PartitionMeta: a JSON line (pid, num_rows), then the schema
+    DIR/<pid>/log                      the partition's meta, then each committed put's ChunkRefs, appended
+                                       (shm_catalog.py); a header says how far it is committed
     DIR/<pid>/lock                     flock'd exclusively by commit and drop
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
-    DIR/<pid>/refs/<n>.json            the n-th committed put (10 digits): its ChunkRefs
     DIR/<pid>/chunks/put-<hex>         a segment (shm_arena.py): the blocks of one or more puts of one writer,
                                        each every column of its rows as flat buffers (chunks.py) at a
                                        64-byte-aligned offset; key put-<hex>@<offset>
 
-Folders are 0700 and files 0600: the store is private to its user. Metadata files (meta.json, refs) start
-with the xxh3 of their text, so a damaged one is a CorruptChunkError, never wrong rows. Space for a put
+Folders are 0700 and files 0600: the store is private to its user. Each record of a log starts with the
+xxh3 of its text, so a damaged one is a CorruptChunkError, never wrong rows. Space for a put
 is reserved (posix_fallocate) before its file is mapped, so a full /dev/shm is a StoreFullError instead
 of a SIGBUS in the writer.
 
 A put copies each column buffer straight into the next free range of its writer's open segment of the
 partition, kept mapped (one copy, no claim, map or rename per put: shm_arena.py); checksums go per column
-and piece, so a shard reader checksums only what it reads. It becomes visible when its refs file is
-renamed to the next number under the partition lock, after re-checking that no cell is already committed;
-a writer that dies before that leaves only unreferenced bytes, freed with the partition. While it writes,
-a put holds a shared flock on its segment, so a drop never pools a segment that a put still writes. Refs files are numbered, so a
-reader finds new commits by opening the next number (one failed open when nothing changed), never by
+and piece, so a shard reader checksums only what it reads. It becomes visible when its record is appended
+to the partition's log under the partition lock, after re-checking that no cell is already committed; a
+writer that dies before that leaves only unreferenced bytes, freed with the partition. While it writes, a
+put holds a shared flock on its segment, so a drop never pools a segment that a put still writes. A
+process keeps each log it follows open and learns of new commits from its header (one read), never by
 listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
 under the lock, so no new reader finds it, while open mappings stay readable. The file pool is in
 shm_pool.py, the per-process maps and leases in shm_maps.py.
@@ -59,7 +59,7 @@ from dataplane_rl.store import chunks, owners
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, layout, split_key
 from dataplane_rl.store.shm_arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, MiB, Arena
-from dataplane_rl.store.shm_catalog import ShmCatalog
+from dataplane_rl.store.shm_catalog import Log, ShmCatalog
 from dataplane_rl.store.shm_files import DIR_MODE, check_trusted, create_file, framed, open_file, read_file, unframe
 from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
@@ -110,9 +110,9 @@ class ShmStore(ShmCatalog, ColumnStore):
         self._pool_bytes, self._arena_mb, self._prefault_mb = pool_bytes, arena_mb, prefault_mb
         made = self._open_dir(create)
         self._maps = Maps(pool_bytes)
-        self._refs_cache: dict[str, tuple[str, list[ChunkRef], int, set[str]]] = {}  # pid -> (token, refs, puts, keys)
+        self._logs: dict[str, Log] = {}  # pid -> what this process read of its log (shm_catalog.py)
         self._refs_lock = threading.RLock()
-        self._metas: dict[str, PartitionMeta] = {}
+        self._commit_lock = threading.Lock()
         self._pool = Pool(os.path.join(self._dir, _POOL), pool_bytes)
         self._arena = Arena(self._dir, self._pool, arena_mb * MiB, DEFAULT_SEGMENT)
         if made:  # pages the first round writes into; pooled, so bounded by pool_bytes
@@ -212,7 +212,7 @@ class ShmStore(ShmCatalog, ColumnStore):
     def _pdir(self, pid: str) -> str:
         if not isinstance(pid, str) or not PID.fullmatch(pid):  # also keeps '../x' out of the folder
             raise self._not_found(pid)
-        return os.path.join(self._dir, pid)
+        return f"{self._dir}/{pid}"
 
     @contextlib.contextmanager
     def _locked(self, pid: str) -> Iterator[str]:
@@ -236,14 +236,17 @@ class ShmStore(ShmCatalog, ColumnStore):
             os.close(fd)
 
     def _lease(self, pid: str) -> Lease:
-        path = os.path.join(self._pdir(pid), "readers")
-        try:
-            ino = os.stat(path).st_ino
+        """This process's lease on the partition it just read the catalog of (one at a time per partition)."""
+        with self._refs_lock:
+            log = self._logs.get(pid)
+            if log is None:
+                raise self._not_found(pid)
             lease = self._leases.get(pid)
-            if lease is None or lease.ino != ino:
-                lease = self._leases[pid] = Lease(path)
-        except (FileNotFoundError, BlockingIOError):  # BlockingIOError: a drop holds it right now
-            raise self._not_found(pid) from None
+            if lease is None or lease.owner is not log:
+                try:
+                    lease = self._leases[pid] = Lease(log, log.readers_fd)
+                except BlockingIOError:  # a drop holds it right now
+                    raise self._not_found(pid) from None
         return lease
 
     # -- chunk hooks -----------------------------------------------------------------------------
@@ -253,14 +256,14 @@ class ShmStore(ShmCatalog, ColumnStore):
         pid = meta.pid
         offsets, end = layout(blocks)
         pdir = self._pdir(pid)
-        folder = os.path.join(pdir, "chunks")
+        folder = f"{pdir}/chunks"
         gone = "was dropped while this put was writing (nothing was written)"
         try:
             with self._os_errors(f"write a put of partition {pid}", max(end, 1)):
                 name, base, _ = self._arena.place(pid, meta.token, folder, end)
         except FileNotFoundError:
             raise self._not_found(pid, gone) from None
-        path, out = os.path.join(folder, name), []
+        path, out = f"{folder}/{name}", []
         try:
             with self._maps.file(path, base + end, writable=True) as f, _writing(f.fileno()):
                 # under the segment's shared lock, which a drop must win to pool the segment: a partition
@@ -301,7 +304,7 @@ class ShmStore(ShmCatalog, ColumnStore):
 
     def _read(self, pid: str, refs: list[ChunkRef]) -> list[pa.Buffer]:
         lease = self._lease(pid)
-        folder = os.path.join(self._pdir(pid), "chunks")
+        folder = f"{self._pdir(pid)}/chunks"
         by_file: dict[str, list[tuple[int, int, int]]] = {}  # file -> (index in refs, offset, nbytes)
         for i, ref in enumerate(refs):
             file, off = split_key(ref.key)
@@ -309,7 +312,7 @@ class ShmStore(ShmCatalog, ColumnStore):
         empty = pa.py_buffer(b"")
         out: list[pa.Buffer] = [empty] * len(refs)  # a committed chunk without its bytes: reported as missing
         for file, parts in by_file.items():
-            path = os.path.join(folder, file)
+            path = f"{folder}/{file}"
             try:
                 # never map or read past the end of the file (SIGBUS); a short chunk fails its checksum
                 st = os.lstat(path)
@@ -331,19 +334,19 @@ class ShmStore(ShmCatalog, ColumnStore):
         trash = os.path.join(self._dir, f".drop-{uuid.uuid4().hex}")
         with self._locked(pid) as pdir, self._os_errors(f"drop partition {pid}"):
             os.rename(pdir, trash)
-        self._refs_cache.pop(pid, None)
+        self._close_log(pid)
         self._arena.forget(pid)
         self._pool.take_back(trash)
 
     def _forget(self, pid: str) -> None:
-        with self._refs_lock:
-            self._refs_cache.pop(pid, None)
-        self._metas.pop(pid, None)
+        self._close_log(pid)
         self._arena.forget(pid)
 
     def _close(self) -> None:
-        self._refs_cache.clear()
-        self._metas.clear()
+        with self._refs_lock:
+            for log in self._logs.values():
+                log.close()
+            self._logs.clear()
         self._maps.close()
         self._arena.clear()
         if self._cleanup is not None:

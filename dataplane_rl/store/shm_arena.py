@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from dataplane_rl.errors import StoreFullError
@@ -61,6 +61,7 @@ class Arena:
         self._dir, self._pool = store_dir, pool
         self.limit_bytes, self.segment_bytes = limit_bytes, segment_bytes
         self._open: dict[str, Segment] = {}  # pid -> the segment the next put of this process goes to
+        self._mine: OrderedDict[str, int] = OrderedDict()  # hex -> bytes: segments this process wrote lately
         self._lock = threading.Lock()
 
     def place(self, pid: str, token: str, folder: str, need: int) -> tuple[str, int, bool]:
@@ -74,18 +75,25 @@ class Arena:
                 return seg.name, off, False
             previous = seg.size if seg is not None and seg.token == token else 0
         size = segment_size(need, previous, self.segment_bytes)
-        name = f"put-{uuid.uuid4().hex}"
-        self.claim(os.path.join(folder, name), size)
+        hex_, cap = self.claim(folder, size)
         with self._lock:
-            self._open[pid] = Segment(token, name, size, need)
-        return name, 0, True
+            self._open[pid] = Segment(token, f"put-{hex_}", cap, need)
+            self._mine.pop(hex_, None)
+            self._mine[hex_] = cap
+            while len(self._mine) > 8:
+                self._mine.popitem(last=False)
+        return f"put-{hex_}", 0, True
 
-    def claim(self, target: str, size: int) -> None:
-        """A segment of at least `size` bytes at `target`: a pooled one if any fits, else a new one if the
-        arena's bound allows it (pooled files of other sizes go first: the pool is only a cache)."""
+    def claim(self, folder: str, size: int) -> tuple[str, int]:
+        """(hex, bytes) of a segment of at least `size` bytes claimed into `folder`: a pooled one if any
+        fits (one this process wrote before first), else a new one if the arena's bound allows it (pooled
+        files of other sizes go first: the pool is only a cache)."""
         most = max(4 * size, PREFAULT_SEGMENT)  # a pooled segment far larger than asked would strand its pages
-        if self._pool.take(target, size, most):  # pooled bytes are counted already
-            return
+        with self._lock:
+            mine = list(reversed(self._mine.items()))  # the most recent first
+        got = self._pool.take(folder, size, most, mine)  # pooled bytes are counted already
+        if got is not None:
+            return got, os.stat(os.path.join(folder, f"put-{got}")).st_size
         used = self.bytes_used()  # a new file: counted against the bound first
         if used + size > self.limit_bytes:
             self._pool.clear()
@@ -95,7 +103,8 @@ class Arena:
                 f"shm store {self._dir}: the arena is full ({used} of {self.limit_bytes} bytes in partitions and "
                 f"pooled segments, {size} more asked); nothing of this put was kept. Drop partitions, or raise "
                 "data_plane.shm.arena_mb (the shm:// URL's ?arena_mb=N)")
-        self._pool.claim(target, size, most)  # another process's drop may have pooled one since
+        got = self._pool.claim(folder, size, most)  # another process's drop may have pooled one since
+        return got, os.stat(os.path.join(folder, f"put-{got}")).st_size
 
     def done(self, pid: str, name: str, off: int, need: int, ok: bool) -> bool:
         """A put placed at `off` of segment `name` committed (`ok`) or failed. A failed put gives its range

@@ -1,31 +1,55 @@
-"""The catalog of an shm store: partition folders, their meta.json and numbered refs files (see shm.py)."""
+"""The catalog of an shm store: one append-only log per partition (see shm.py).
+
+    DIR/<pid>/log    a header (magic, the committed end, its checksum), then framed records up to that end:
+                     record 0 the PartitionMeta, each later one the ChunkRefs of one committed put
+
+Why a log: a refs file per put cost a new file, a rename and, in every process that followed the
+partition, a failed open per call and an open, read and close per commit. Here a reader keeps the log
+open and reads the header (one pread) to learn whether anything was committed, and the new records with
+one more; a commit writes its record past the end, then moves the end, under the partition lock. A
+writer that dies between the two leaves bytes past the end that nobody reads and the next commit
+overwrites, so a reader only ever sees whole records. A record is its length, then the xxh3 of its JSON
+and the JSON (shm_files.framed), so a damaged log is a CorruptChunkError, never wrong rows.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
+import struct
 import uuid
+from typing import Iterator
 
-from dataplane_rl.errors import CorruptChunkError, PartitionExistsError
+import xxhash
+
+from dataplane_rl.errors import CorruptChunkError, PartitionExistsError, StoreUnavailableError
 from dataplane_rl.store import chunks
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot
-from dataplane_rl.store.shm_files import (
-    CHUNK_KEY,
-    DIR_MODE,
-    check_trusted,
-    create_file,
-    framed,
-    read_file,
-    unframe,
-)
+from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, check_trusted, create_file, framed, open_file, unframe, untrusted
+
+LOG = "log"
+_HEAD = struct.Struct("<8sQQ")  # magic, committed end, xxh3 of the end's 8 bytes
+_MAGIC = b"dprl-log"
+HEAD_BYTES = 64  # the first record starts here
+_LEN = struct.Struct("<I")  # a record: its framed JSON's length, then the framed JSON
+
+
+def _head(end: int) -> bytes:
+    return _HEAD.pack(_MAGIC, end, xxhash.xxh3_64_intdigest(end.to_bytes(8, "little")))
+
+
+def _record(text: str) -> bytes:
+    body = framed(text)
+    return _LEN.pack(len(body)) + body
 
 
 def _meta_text(meta: PartitionMeta) -> str:
-    """meta.json's body: a line of JSON (pid, num_rows), then the schema JSON verbatim, so a reader
-    parses only the small line and decodes the schema once per process (schema_of caches by its text)."""
+    """Record 0: a line of JSON (pid, num_rows), then the schema JSON verbatim, so a reader parses only
+    the small line and decodes the schema once per process (schema_of caches by its text)."""
     return json.dumps({"pid": meta.pid, "num_rows": meta.num_rows}) + "\n" + meta.schema_json
 
 
@@ -37,120 +61,255 @@ def _parse_meta(text: str, token: str) -> PartitionMeta:
     return PartitionMeta(d["pid"], schema_json, int(d["num_rows"]), token)
 
 
+class Log:
+    """One process's view of a partition incarnation: its log, lock and readers files, open (opened
+    together through the partition's folder, so all of one incarnation), the meta, the refs read so far (a
+    list replaced, never changed, as commits arrive: snapshots handed out stay as they were) and their
+    keys. Its files close when the last user lets go of it (a commit or a lease in flight keeps it)."""
+
+    def __init__(self, path: str, fd: int, token: str) -> None:
+        self.path, self.fd, self.token = path, fd, token  # fd: read-only (a read-only store can be read)
+        self.folder = os.path.dirname(path)
+        self.lock_fd = self.readers_fd = self.write_fd = -1
+        self.meta: PartitionMeta | None = None
+        self.refs: list[ChunkRef] = []
+        self.keys: set[str] = set()
+        self.end = HEAD_BYTES  # how far this process has read
+
+    def committed(self) -> int:
+        """The committed end, from the header. A header read while a commit rewrites it may mix the two
+        (its checksum says so): read again."""
+        for _ in range(100):
+            magic, end, check = _HEAD.unpack(os.pread(self.fd, _HEAD.size, 0).ljust(_HEAD.size, b"\0"))
+            if magic == _MAGIC and check == xxhash.xxh3_64_intdigest(end.to_bytes(8, "little")):
+                return end
+            if magic != _MAGIC:
+                break
+        raise CorruptChunkError(f"shm metadata {self.path} is damaged (no valid header); the partition cannot be "
+                                "trusted, drop it and regenerate the step")
+
+    def records(self, end: int) -> list[str]:
+        """The JSON of each record from what this process has read up to `end`."""
+        data = os.pread(self.fd, end - self.end, self.end) if end > self.end else b""
+        if len(data) != end - self.end:
+            raise CorruptChunkError(f"shm metadata {self.path} is damaged ({self.end + len(data)} bytes, the header "
+                                    f"says {end}); the partition cannot be trusted, drop it and regenerate the step")
+        out, at = [], 0
+        while at < len(data):
+            n = _LEN.unpack_from(data, at)[0] if at + _LEN.size <= len(data) else -1
+            body = data[at + _LEN.size:at + _LEN.size + n] if n >= 0 else b""
+            # a cut record reads as empty: unframe names the log as damaged
+            out.append(unframe(body if len(body) == n else b"", f"{self.path} at {self.end + at}"))
+            at += _LEN.size + n
+        return out
+
+    def writer(self) -> int:
+        """A descriptor to append with, opened at this process's first commit; the same file as `fd`."""
+        if self.write_fd < 0:
+            fd = open_file(self.path, os.O_RDWR)
+            if os.fstat(fd).st_ino != os.fstat(self.fd).st_ino:  # dropped and made again meanwhile
+                os.close(fd)
+                raise FileNotFoundError(self.path)
+            self.write_fd = fd
+        return self.write_fd
+
+    def close(self) -> None:
+        for name in ("fd", "lock_fd", "readers_fd", "write_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                os.close(fd)
+
+    __del__ = close
+
+
 class ShmCatalog:
     """ShmStore's catalog hooks (a mixin: it uses the store's folder, caches, locks and error helpers)."""
 
     # -- catalog hooks ---------------------------------------------------------------------------
     def _create(self, meta: PartitionMeta) -> None:
+        """Build the partition in a hidden folder, then rename it into place (atomic; refuses an existing
+        one). The creator keeps its files open: it knows the meta, so its first put or get reads nothing."""
         tmp = os.path.join(self._dir, f".create-{uuid.uuid4().hex}")
+        log = None
         try:
             with self._os_errors(f"create partition {meta.pid}"):
-                for sub in ("", "refs", "chunks"):
+                for sub in ("", "chunks"):
                     os.mkdir(os.path.join(tmp, sub), DIR_MODE)
-                for name, data in (("lock", b""), ("readers", b""), ("meta.json", framed(_meta_text(meta)))):
+                record = _record(_meta_text(meta))
+                end = HEAD_BYTES + len(record)
+                for name, data in (("lock", b""), ("readers", b""), (LOG, _head(end).ljust(HEAD_BYTES, b"\0") + record)):
                     create_file(os.path.join(tmp, name), data)
+                pdir = os.path.join(self._dir, meta.pid)
+                dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
                 try:
-                    os.rename(tmp, os.path.join(self._dir, meta.pid))  # atomic; refuses an existing (non-empty) one
-                    ino = os.stat(os.path.join(self._dir, meta.pid)).st_ino
-                    self._metas[meta.pid] = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, str(ino))
+                    log = Log(os.path.join(pdir, LOG), os.open(LOG, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd),
+                              str(os.fstat(dfd).st_ino))
+                    log.lock_fd = os.open("lock", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+                    log.readers_fd = os.open("readers", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+                finally:
+                    os.close(dfd)
+                log.meta, log.end = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, log.token), end
+                try:
+                    os.rename(tmp, pdir)
                 except OSError as e:
                     if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
                         raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it "
                                                    "first or use a new id") from None
                     raise
+            with self._refs_lock:
+                self._logs[meta.pid] = log
         except BaseException:
+            if log is not None:
+                log.close()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
     def _snapshot(self, pid: str) -> Snapshot:
-        """The meta (cached: it never changes; a partition dropped and made again is a new folder, a new
-        inode, and the inode is the token) and the refs files, each parsed once: a stat and a listdir."""
+        """The meta and the committed refs: a stat of the folder (its inode is the incarnation token: a
+        partition dropped and made again is a new folder) and a read of the log's header; new records,
+        each parsed once per process, with one more read."""
         pdir = self._pdir(pid)
         try:
-            st = os.lstat(pdir)
-            ino = st.st_ino
-            cached = self._metas.get(pid)
-            if cached is not None and cached.token == str(ino):
-                meta = cached
-            else:  # first sight of this partition here: it and its folders must be the store's own
-                for folder in (pdir, os.path.join(pdir, "refs"), os.path.join(pdir, "chunks")):
-                    check_trusted(folder)
-                path = os.path.join(pdir, "meta.json")
-                text = unframe(read_file(path), path)
-                try:
-                    meta = _parse_meta(text, str(ino))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CorruptChunkError(f"shm metadata {path} does not describe a partition ({e!r})") from None
-                self._metas[pid] = meta
+            token = str(os.lstat(pdir).st_ino)
         except (FileNotFoundError, NotADirectoryError):
             raise self._not_found(pid) from None
         with self._refs_lock:
-            token, refs, n, keys = self._refs_cache.get(pid, (meta.token, [], 0, set()))
-            if token != meta.token:
-                refs, n, keys = [], 0, set()
-            grown = None  # the cached list stays as callers saw it; a copy grows
-            while True:  # commits are numbered: the next one not there yet ends the list (one failed open)
-                path = self._refs_path(pdir, n)
+            log = self._logs.get(pid)
+            if log is None or log.token != token:
+                log = self._logs[pid] = self._open_log(pid, pdir)
+            end = log.committed()
+            if end != log.end:
+                self._follow(pid, log, end)
+            return Snapshot(log.meta, log.refs)
+
+    def _open_log(self, pid: str, pdir: str) -> Log:
+        """First sight of a partition incarnation here: its folder, chunks folder and files must be the
+        store's own; they are opened through the folder's descriptor, so all belong to the incarnation
+        whose inode is the token, even if it is dropped and made again meanwhile."""
+        try:
+            dfd = open_file(pdir, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            check_trusted(pdir)  # a symlink (O_DIRECTORY says ENOTDIR, not ELOOP) or a file is named as such
+            raise self._not_found(pid) from None
+        log = None
+        try:
+            st = os.fstat(dfd)
+            for path, where in ((pdir, st), (os.path.join(pdir, "chunks"), os.lstat("chunks", dir_fd=dfd))):
+                why = untrusted(path, where, folder=True)
+                if why:
+                    raise StoreUnavailableError(why)
+            fd = open_file(LOG, os.O_RDONLY, folder=pdir, dir_fd=dfd)
+            log = Log(os.path.join(pdir, LOG), fd, str(st.st_ino))
+            for name, what in ((LOG, fd), ("lock", None), ("readers", None)):
+                if what is None:
+                    what = open_file(name, os.O_RDONLY, folder=pdir, dir_fd=dfd)
+                    setattr(log, f"{name}_fd", what)
+                why = untrusted(os.path.join(pdir, name), os.fstat(what), folder=False)
+                if why:
+                    raise StoreUnavailableError(why)
+            self._follow(pid, log, log.committed())
+        except BaseException as e:
+            if log is not None:
+                log.close()
+            if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+                raise self._not_found(pid) from None
+            raise
+        finally:
+            os.close(dfd)
+        return log
+
+    def _follow(self, pid: str, log: Log, end: int) -> None:
+        """Read the records up to `end` into `log`: the meta first, then each put's refs."""
+        new: list[ChunkRef] = []
+        for text in log.records(end):
+            if log.meta is None:
                 try:
-                    new = self._load_refs(path)
-                except (FileNotFoundError, NotADirectoryError):
-                    break
-                # every put writes chunks under fresh keys: a key seen twice is a copied refs file, whose
-                # rows would count (and read) twice. `keys`: every key of the cached refs (kept, not rebuilt
-                # per commit, so following a partition of many puts stays linear)
-                again = next((r.key for r in new if r.key in keys), None)
-                if again is not None:
-                    self._refs_cache.pop(pid, None)  # `keys` may hold keys of files not in the cache's refs
-                    raise CorruptChunkError(f"shm refs file {path} repeats chunk {again} of an earlier commit of "
-                                            f"partition {pid}; the partition cannot be trusted, drop it")
-                keys.update(r.key for r in new)
-                grown = (grown if grown is not None else list(refs)) + new
-                n += 1
-            if grown is not None:
-                refs = grown
-            self._refs_cache[pid] = (meta.token, refs, n, keys)
-        return Snapshot(meta, refs)
+                    log.meta = _parse_meta(text, log.token)
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CorruptChunkError(f"shm metadata {log.path} does not describe a partition ({e!r})") from None
+                continue
+            refs = self._parse_refs(log.path, text)
+            # every put writes chunks under fresh keys: a key seen twice is a copied record, whose rows would
+            # count (and read) twice
+            again = next((r.key for r in refs if r.key in log.keys), None)
+            if again is not None:
+                raise CorruptChunkError(f"shm log {log.path} repeats chunk {again} of an earlier commit of "
+                                        f"partition {pid}; the partition cannot be trusted, drop it")
+            log.keys.update(r.key for r in refs)
+            new += refs
+        if log.meta is None:
+            raise CorruptChunkError(f"shm metadata {log.path} is damaged (no partition record); the partition cannot "
+                                    "be trusted, drop it and regenerate the step")
+        if new:
+            log.refs = log.refs + new
+        log.end = end
 
     @staticmethod
-    def _refs_path(pdir: str, n: int) -> str:
-        return os.path.join(pdir, "refs", f"{n:010d}.json")
-
-    @staticmethod
-    def _load_refs(path: str) -> list[ChunkRef]:
-        text = unframe(read_file(path), path)
+    def _parse_refs(path: str, text: str) -> list[ChunkRef]:
         try:
             refs = chunks.refs_from_json(text)
         except (ValueError, KeyError, TypeError) as e:
-            raise CorruptChunkError(f"shm refs file {path} does not hold chunk refs ({e!r})") from None
+            raise CorruptChunkError(f"shm log {path} does not hold chunk refs ({e!r})") from None
         for ref in refs:  # checksummed already; still, never join an unchecked name to a path
             if not CHUNK_KEY.fullmatch(ref.key) or ref.nbytes < 0:
-                raise CorruptChunkError(f"shm refs file {path} names chunk key {ref.key!r}, not one this store "
-                                        "writes; the partition cannot be trusted, drop it")
+                raise CorruptChunkError(f"shm log {path} names chunk key {ref.key!r}, not one this store writes; "
+                                        "the partition cannot be trusted, drop it")
         return refs
 
     def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
         pid = meta.pid
-        with self._locked(pid) as pdir:
-            with self._refs_lock:  # the snapshot and its cache entry together (another thread may forget it)
-                snap = self._snapshot(pid)
-                _, _, n, keys = self._refs_cache[pid]  # n: the next number, under the partition lock
-            if snap.meta.token != meta.token:
-                raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
+        with self._refs_lock:
+            log = self._logs.get(pid)
+        if log is None or log.token != meta.token:
+            self._snapshot(pid)
+            with self._refs_lock:
+                log = self._logs[pid]
+        if log.token != meta.token:
+            raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
+        # flock keeps other processes out (a drop too: it takes the same lock); the thread lock, other
+        # threads of this one, which share the descriptor
+        with self._commit_lock, _flocked(log.lock_fd):
+            try:
+                if str(os.lstat(log.folder).st_ino) != log.token:
+                    raise FileNotFoundError
+            except (FileNotFoundError, NotADirectoryError):
+                raise self._not_found(pid, "was dropped while this put was writing (nothing was written)") from None
+            with self._refs_lock:
+                end = log.committed()  # under the lock: every commit so far
+                if end != log.end:
+                    self._follow(pid, log, end)
+                snap = Snapshot(log.meta, log.refs)
             err = self._conflict(snap, refs)
             if err:
                 raise err
-            target, tmp = self._refs_path(pdir, n), os.path.join(pdir, f".refs-{os.urandom(16).hex()}")
-            try:
-                with self._os_errors(f"commit a put to partition {pid}"):
-                    create_file(tmp, framed(chunks.refs_to_json(refs)))
-                    os.rename(tmp, target)  # atomic; only the lock holder writes number n
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-            with self._refs_lock:  # our own commit: no parse
-                keys.update(r.key for r in refs)
-                self._refs_cache[pid] = (meta.token, snap.refs + list(refs), n + 1, keys)
+            record = _record(chunks.refs_to_json(refs))
+            end = log.end + len(record)
+            with self._os_errors(f"commit a put to partition {pid}"):
+                try:
+                    fd = log.writer()
+                except FileNotFoundError:
+                    raise self._not_found(pid, "was dropped while this put was writing (nothing was written)") from None
+                if os.pwrite(fd, record, log.end) != len(record):  # past the end: no reader looks there
+                    raise OSError(errno.ENOSPC, "short write", log.path)
+                os.pwrite(fd, _head(end), 0)  # the commit: one small write of a page that exists
+            with self._refs_lock:  # our own commit: no read back
+                log.keys.update(r.key for r in refs)
+                log.refs, log.end = snap.refs + list(refs), end
 
     def _list(self) -> list[str]:
         return [n for n in os.listdir(self._dir) if PID.fullmatch(n)]
+
+    def _close_log(self, pid: str) -> None:
+        """Forget what this process read of `pid`; its files close when no commit or lease still uses them."""
+        with self._refs_lock:
+            self._logs.pop(pid, None)
+
+
+@contextlib.contextmanager
+def _flocked(fd: int) -> Iterator[None]:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)

@@ -64,14 +64,15 @@ def check_trusted(path: str, folder: bool = True) -> bool:
     return True
 
 
-def open_file(path: str, flags: int, mode: int = FILE_MODE) -> int:
-    """os.open that never follows a symlink: one planted where a store file belongs is refused by name."""
+def open_file(path: str, flags: int, mode: int = FILE_MODE, *, folder: str | None = None, dir_fd: int | None = None) -> int:
+    """os.open that never follows a symlink: one planted where a store file belongs is refused by name.
+    With `dir_fd`, `path` is a name in the open folder `dir_fd`, whose path is `folder`."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW, mode)
+        return os.open(path, flags | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
-        check_trusted(path, folder=False)
+        check_trusted(os.path.join(folder, path) if folder else path, folder=False)
         raise
 
 

@@ -158,20 +158,17 @@ class Maps:
 
 
 class Lease:
-    """A shared flock on DIR/<pid>/readers, held while any buffer of the partition lives here.
+    """A shared flock on DIR/<pid>/readers (`fd`, open as long as `owner` is), held while any buffer of the
+    partition lives here.
 
     Every buffer a get returns references its lease, so the lock goes when the last array does."""
 
-    def __init__(self, path: str) -> None:
-        self.fd = -1
-        fd = open_file(path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise
-        self.fd, self.ino = fd, os.fstat(fd).st_ino
+    def __init__(self, owner, fd: int) -> None:
+        self.owner, self.fd = owner, -1
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        self.fd = fd
 
     def __del__(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
+        if self.fd >= 0 and self.owner.readers_fd == self.fd:  # not closed with its owner meanwhile
+            with contextlib.suppress(OSError):
+                fcntl.flock(self.fd, fcntl.LOCK_UN)

@@ -3,8 +3,10 @@
 Why: a fresh tmpfs page costs an allocation (measured ~1.1 GB/s writing new /dev/shm files vs ~8.6 GB/s
 into pages already faulted in), and RL steps write the same shapes every step. A dropped partition's
 segments are pooled only when no process still maps it (its `readers` lock), so reuse never changes bytes
-under a live zero-copy array, and only those no put is writing (the segment's own lock). Pooled files are named `<bytes>-<hex>`; a claim renames one into place,
-which is atomic: of two writers wanting one file, one gets it.
+under a live zero-copy array, and only those no put is writing (the segment's own lock). A segment
+DIR/<pid>/chunks/put-<hex> is pooled as `<bytes>-<hex>` and claimed back as put-<hex> (its hex is its name
+for life), so a writer can ask for the segments it wrote before by name; a claim is a rename, which is
+atomic: of two writers wanting one file, one gets it.
 """
 
 from __future__ import annotations
@@ -40,22 +42,37 @@ class Pool:
     def bytes(self) -> int:
         return sum(cap for _, cap in self.files())
 
-    def claim(self, target: str, size: int, most: int | None = None) -> None:
-        """Put a file of at least `size` bytes at `target`: the smallest pooled one that fits (of at most `most`
-        bytes), else a new one. A pooled file is never truncated: its pages are the point of pooling it."""
-        if not self.take(target, size, most):
-            self._reserve(target, size)
+    def claim(self, folder: str, size: int, most: int | None = None, mine: list[tuple[str, int]] = ()) -> str:
+        """Put a segment of at least `size` bytes in `folder` as put-<hex>; return the hex. A pooled one
+        (see `take`) if any fits, else a new one. A pooled file is never truncated: its pages are the point
+        of pooling it."""
+        got = self.take(folder, size, most, mine)
+        if got is None:
+            got = uuid.uuid4().hex
+            self._reserve(os.path.join(folder, f"put-{got}"), size)
+        return got
 
-    def take(self, target: str, size: int, most: int | None = None) -> bool:
-        """Move the smallest pooled file of `size` to `most` bytes to `target`; False if none is there. One
-        listing of the pool: a steady run's first put of each partition comes here."""
+    def take(self, folder: str, size: int, most: int | None = None, mine: list[tuple[str, int]] = ()) -> str | None:
+        """Move a pooled segment of `size` to `most` bytes into `folder` as put-<hex> (a pooled file keeps
+        its hex) and return the hex, or None if none is there. `mine`: (hex, bytes) of segments this
+        process wrote before, tried first by name (no listing): in a steady run they come back, their
+        pages already mapped here. Else the smallest that fits, from one listing of the pool."""
+        top = most if most is not None else float("inf")
+        tried = 0
+        for hex_, cap in mine:
+            if size <= cap <= top and tried < 3:
+                tried += 1
+                with contextlib.suppress(FileNotFoundError):  # not pooled (yet): still mapped by a reader
+                    os.rename(os.path.join(self._dir, f"{cap}-{hex_}"), os.path.join(folder, f"put-{hex_}"))
+                    return hex_
         for cand, _ in self._candidates(size, most):
+            hex_ = os.path.basename(cand).partition("-")[2]
             try:
-                os.rename(cand, target)  # atomic: of two writers wanting one file, one gets it
+                os.rename(cand, os.path.join(folder, f"put-{hex_}"))  # atomic: of two writers wanting one, one gets it
             except FileNotFoundError:
                 continue
-            return True
-        return False
+            return hex_
+        return None
 
     def clear(self) -> None:
         """Delete every pooled file (to make room for a segment of another size)."""
@@ -64,18 +81,11 @@ class Pool:
                 os.unlink(cand)
 
     def add_new(self, size: int) -> bool:
-        """Pool a new file of `size` bytes whose pages are allocated and zeroed now (a writable
-        MAP_POPULATE map faults every page in once; posix_fallocate alone leaves tmpfs pages to be
-        cleared at first touch). False if the filesystem has no room for it."""
+        """Pool a new segment of `size` bytes (see `_reserve`). False if the filesystem has no room for it."""
         path = os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}")
         tmp = os.path.join(self._dir, f".new-{uuid.uuid4().hex}")  # not a pool name until it is whole
         try:
             self._reserve(tmp, size)
-            fd = open_file(tmp, os.O_RDWR)
-            try:
-                mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()
-            finally:
-                os.close(fd)
             os.rename(tmp, path)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -86,8 +96,11 @@ class Pool:
         return True
 
     def _reserve(self, path: str, size: int) -> None:
-        """Make `path` at least `size` bytes with every page allocated now: a mapped page the filesystem
-        cannot back later would SIGBUS the writer. When space is short, pooled files go first."""
+        """Make `path` a segment of `size` bytes with every page allocated and touched now: a mapped page the
+        filesystem cannot back later would SIGBUS the writer (posix_fallocate says ENOSPC instead), and a
+        page's first write costs ~10x a later one here (tmpfs clears it, and the VM backs it), so a segment
+        that only its first step used part of would make later steps pay that per put (a writable
+        MAP_POPULATE map touches every page once). When space is short, pooled files go first."""
         fd = open_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             try:
@@ -99,8 +112,13 @@ class Pool:
                     with contextlib.suppress(OSError):
                         os.unlink(cand)
                 os.posix_fallocate(fd, 0, size)
-        finally:
+            mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()
+        except BaseException:
             os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        os.close(fd)
 
     def _candidates(self, size: int, most: int | None = None) -> list[tuple[str, int]]:
         """Pooled files to try, best first: the smallest that fits. Listed each time: a segment is claimed
@@ -128,9 +146,9 @@ class Pool:
             room = self._limit - self.bytes()
             for entry in os.scandir(os.path.join(trash, "chunks")):
                 size = entry.stat().st_size
-                if entry.name.startswith(".") or not 0 < size <= room or not _idle(entry.path):
+                if not entry.name.startswith("put-") or not 0 < size <= room or not _idle(entry.path):
                     continue
-                os.rename(entry.path, os.path.join(self._dir, f"{size}-{uuid.uuid4().hex}"))
+                os.rename(entry.path, os.path.join(self._dir, f"{size}-{entry.name[4:]}"))  # keeps its hex
                 room -= size
         except OSError:
             pass  # still mapped somewhere (BlockingIOError): deleted below, freed when the last mapping goes
