@@ -11,6 +11,9 @@ not read yet): `cold`; after a warm-up round, the median of the rest is the stea
 References measured in the same run on the same bytes:
 - memcpy: copy the batch's buffers into pre-faulted memory, then touch every byte (the steady ceiling);
 - fresh pages: the same into a new tmpfs file's pages, allocated by the copy (the cold ceiling);
+- shm floor: this harness's processes and hand-offs doing only the work no checksummed shm store can
+  skip (the writer copies and checksums each buffer into a pre-touched shared mapping, each reader
+  checksums and touches its share): what is left between a store and it is the store's own cost;
 - raw Mooncake: batch_put_from / batch_get_into of the same bytes with registered buffers.
 Workers are started once and reused across repeats, so process start-up is not timed.
 """
@@ -30,6 +33,7 @@ from dataplane_rl.bench.store_refs import (
     fresh_page_ceiling,
     memcpy_ceiling,
     raw_mooncake,
+    shm_floor,
 )
 from dataplane_rl.bench.store_report import plot, table
 from dataplane_rl.bench.store_work import (
@@ -246,8 +250,11 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
                                             "readers": readers, "repeats": repeats, "bytes": nbytes}}
     results["memcpy"] = memcpy_ceiling(batch, repeats)
     results["fresh_pages"] = fresh_page_ceiling(batch, max(repeats, 3))
+    if "shm" in backends:
+        results["shm_floor"] = shm_floor(samples, min_len, max_len, readers, repeats, nbytes, _recv)
     log(f"[bench] memcpy ceiling e2e {results['memcpy']['e2e_gbps']['median']:.2f} GB/s, fresh tmpfs pages "
-        f"{results['fresh_pages']['e2e_gbps']['median']:.2f} GB/s")
+        f"{results['fresh_pages']['e2e_gbps']['median']:.2f} GB/s" +
+        (f", shm floor {results['shm_floor']['e2e_gbps']['median']:.2f} GB/s" if "shm_floor" in results else ""))
     for name in backends:
         if name == "memory":
             log("[bench] memory:// is in-process only; it has no cross-process readers to measure")
@@ -266,9 +273,12 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
     ceiling = results["memcpy"]["e2e_gbps"]["median"]
     fresh = results["fresh_pages"]["e2e_gbps"]["median"]
     raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
+    floor = results.get("shm_floor", {}).get("e2e_gbps", {}).get("median")
     for name in backends:
         if name in results:
             results[name]["ratio_to_memcpy"] = results[name]["e2e_gbps"]["median"] / ceiling
+            if floor:
+                results[name]["ratio_to_shm_floor"] = results[name]["e2e_gbps"]["median"] / floor
             results[name]["cold"]["ratio_to_fresh_pages"] = results[name]["cold"]["e2e_gbps"] / fresh
             if raw:
                 results[name]["ratio_to_raw_mooncake"] = results[name]["e2e_gbps"]["median"] / raw

@@ -1,4 +1,4 @@
-"""`bench store`'s references on the same bytes: memcpy, fresh tmpfs pages, raw Mooncake."""
+"""`bench store`'s references on the same bytes: memcpy, fresh tmpfs pages, the shm floor, raw Mooncake."""
 
 from __future__ import annotations
 
@@ -72,3 +72,116 @@ def raw_mooncake(batch: dict[str, pa.Array], readers: int, repeats: int, cluster
     bufs = [v.view(np.uint8) for v in views_of(pa.table(batch)) if v.size]
     res = raw_mooncake_roundtrip(cluster, bufs, repeats=repeats, readers=readers)
     return {k: res[k] for k in ("write_gbps", "read_gbps", "e2e_gbps")}
+
+
+# ---- the shm floor: what the harness allows a store that copies once and checksums ------------------
+def _floor_writer(path: str, nbytes: int, conn, samples: int, min_len: int, max_len: int) -> None:
+    import mmap
+    import os
+
+    import xxhash
+
+    from dataplane_rl.bench.store_work import make_batch
+
+    srcs = [v.view(np.uint8) for v in views_of(pa.table(make_batch(samples, min_len, max_len))) if v.size]
+    fd = os.open(path, os.O_RDWR)
+    mm = mmap.mmap(fd, nbytes)
+    dst = np.frombuffer(mm, dtype=np.uint8)
+    conn.send("ready")
+    while conn.recv() is not None:
+        t0, at = time.perf_counter(), 0
+        for src in srcs:  # one copy and one checksum per buffer, nothing else
+            part = dst[at:at + src.size]
+            np.copyto(part, src)
+            xxhash.xxh3_64_intdigest(part)
+            at += src.size
+        conn.send(time.perf_counter() - t0)
+    del dst
+    mm.close()
+    os.close(fd)
+
+
+def _floor_reader(path: str, nbytes: int, sizes: list[int], conn, barrier, share: tuple[int, int]) -> None:
+    import mmap
+    import os
+
+    import xxhash
+
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+    data = np.frombuffer(mm, dtype=np.uint8)
+    parts, at = [], 0
+    for n in sizes:  # this reader's share of each buffer, as a row shard has of each column
+        parts.append(data[at + n * share[0] // share[1]:at + n * (share[0] + 1) // share[1]])
+        at += n
+    conn.send("ready")
+    while conn.recv() is not None:
+        barrier.wait()
+        t0 = time.perf_counter()
+        for p in parts:
+            xxhash.xxh3_64_intdigest(p)
+        touched = touch(parts)
+        conn.send((t0, time.perf_counter(), touched))
+    del data, parts
+    mm.close()
+    os.close(fd)
+
+
+def shm_floor(samples: int, min_len: int, max_len: int, readers: int, repeats: int, nbytes: int,
+              recv) -> dict[str, Any]:
+    """The floor of this harness for an shm store: the store's processes and hand-offs (a writer process,
+    `readers` processes released by a barrier, pipes between rounds), and only the work no checksummed
+    shm store can skip: the writer copies each buffer of the batch into a pre-touched shared mapping
+    and checksums it, each reader checksums its share of each buffer and touches it. No catalog,
+    validation, Arrow objects or locks. Timed like a store's rounds (`recv(conn, procs)`: bench.store's)."""
+    import multiprocessing as mp
+    import os
+    import uuid
+
+    from dataplane_rl.bench.store_work import make_batch
+
+    sizes = [v.nbytes for v in views_of(pa.table(make_batch(samples, min_len, max_len))) if v.size]
+    path = f"/dev/shm/.dataplane-rl-bench-floor-{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    ctx = mp.get_context("spawn")
+    procs, pipes = [], []
+    try:
+        os.posix_fallocate(fd, 0, sum(sizes))
+        import mmap
+
+        mmap.mmap(fd, sum(sizes), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()  # pre-touched
+        barrier = ctx.Barrier(readers)
+        w_parent, w_child = ctx.Pipe()
+        procs.append(ctx.Process(target=_floor_writer, args=(path, sum(sizes), w_child, samples, min_len, max_len),
+                                 daemon=True))
+        for i in range(readers):
+            parent, child = ctx.Pipe()
+            pipes.append(parent)
+            procs.append(ctx.Process(target=_floor_reader, args=(path, sum(sizes), sizes, child, barrier, (i, readers)),
+                                     daemon=True))
+        for p in procs:
+            p.start()
+        for c in [w_parent, *pipes]:
+            if recv(c, procs, 120) != "ready":
+                raise RuntimeError("a floor worker failed to start")
+        rounds = []
+        for _ in range(repeats + 2):
+            w_parent.send(1)
+            w = recv(w_parent, procs)
+            for c in pipes:
+                c.send(1)
+            r = max(t1 - t0 for t0, t1, _ in (recv(c, procs) for c in pipes))
+            rounds.append((w, r))
+        for c in [w_parent, *pipes]:
+            c.send(None)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        os.close(fd)
+        os.unlink(path)
+    steady = rounds[2:]
+    return {"write_gbps": _stats([nbytes / w / 1e9 for w, _ in steady]),
+            "read_gbps": _stats([nbytes / r / 1e9 for _, r in steady]),
+            "e2e_gbps": _stats([nbytes / (w + r) / 1e9 for w, r in steady])}

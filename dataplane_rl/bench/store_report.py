@@ -15,10 +15,11 @@ def table(results: dict[str, Any]) -> str:
     """Two markdown tables: throughput (steady and cold) and the small calls' µs."""
     mem, fresh = results["memcpy"]["e2e_gbps"]["median"], results["fresh_pages"]["e2e_gbps"]["median"]
     raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
-    rows = ["| backend | write GB/s | read GB/s | steady e2e GB/s (min-max) | x memcpy | x raw Mooncake | "
+    floor = results.get("shm_floor", {}).get("e2e_gbps", {}).get("median")
+    rows = ["| backend | write GB/s | read GB/s | steady e2e GB/s (min-max) | x memcpy | x shm floor | x raw Mooncake | "
             "cold e2e GB/s | cold x fresh pages |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in ("memcpy", "fresh_pages", "raw_mooncake", "shm", "mooncake", "ray"):
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in ("memcpy", "fresh_pages", "shm_floor", "raw_mooncake", "shm", "mooncake", "ray"):
         if name not in results:
             continue
         r = results[name]
@@ -26,10 +27,11 @@ def table(results: dict[str, Any]) -> str:
         w = f"{r['write_gbps']['median']:.3f}" if "write_gbps" in r else "-"
         rd = f"{r['read_gbps']['median']:.3f}" if "read_gbps" in r else "-"
         ratio_r = f"{e['median'] / raw:.2f}" if raw else "-"
+        ratio_f = f"{e['median'] / floor:.2f}" if floor and name != "fresh_pages" else "-"
         cold = r.get("cold")
         c = f"{cold['e2e_gbps']:.3f} | {cold['e2e_gbps'] / fresh:.2f}" if cold else "- | -"
         rows.append(f"| {name} | {w} | {rd} | {e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | "
-                    f"{e['median'] / mem:.2f} | {ratio_r} | {c} |")
+                    f"{e['median'] / mem:.2f} | {ratio_f} | {ratio_r} | {c} |")
     small = [n for n in ("shm", "mooncake", "ray") if n in results and "small" in results[n]]
     if small:
         s0 = results[small[0]]["small"]
@@ -57,7 +59,7 @@ def plot(results: dict[str, Any], path: str, title: str = "") -> None:
     small = [n for n in backends if "small" in results[n]]
     fig, axes = plt.subplots(1, 2 if small else 1, figsize=(11 if small else 6, 4), squeeze=False)
     ax = axes[0][0]
-    names = ["memcpy", "fresh_pages", *(["raw_mooncake"] if "raw_mooncake" in results else []), *backends]
+    names = ["memcpy", "fresh_pages", *(n for n in ("shm_floor", "raw_mooncake") if n in results), *backends]
     x = np.arange(len(names))
     steady = [results[n]["e2e_gbps"]["median"] if n != "fresh_pages" else np.nan for n in names]
     cold = [results[n]["cold"]["e2e_gbps"] if "cold" in results[n] else

@@ -4,7 +4,6 @@ builder everything else uses, and each partition schema's decoded form and Arrow
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import Any
 
@@ -203,9 +202,11 @@ def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | N
             validate: bool = True) -> tuple[list[Part], list[int]] | None:
     """Each column of a put (arrays already of the declared types) as flat buffers (`chunks.Part`: zero-copy
     views of the caller's offsets and values) with its bytes as `ChunkRef.sizes` counts them. With
-    `validate`, None unless the put certainly passes `schema.check`: no nulls, no NaN/inf where not
-    allowed, token lengths equal to the length column, no negative length (None sends the put through
-    `schema.check` to name what is wrong). A few vectorised calls per column, no per-row work."""
+    `validate`, None unless the put certainly passes `schema.check`: no nulls, token lengths equal to the
+    length column, no negative length (None sends the put through `schema.check` to name what is wrong);
+    NaN/inf, where refused, are left to the write (`Part.finite`), which checks each piece of the values
+    as it copies it, in cache, instead of one more pass over them here. A few vectorised calls per
+    column, no per-row work."""
     if validate and lengths is None and schema.length_column in arrays:
         arr = arrays[schema.length_column]
         if arr.null_count:
@@ -227,7 +228,7 @@ def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | N
                         return None
                     if first == 0:  # the common case: one memcmp of the offsets, no diff array
                         if ends is None:
-                            ends = np.cumsum(lengths, dtype=np.int64).astype(np.int32)
+                            ends = lengths.cumsum(dtype=np.int32)  # wraps only where int32 offsets cannot match
                         if offsets[1:].tobytes() != ends.tobytes():
                             return None
                     elif not np.array_equal(np.diff(offsets), lengths):
@@ -239,15 +240,10 @@ def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | N
             else:  # string: offsets index its data buffer
                 values = np.frombuffer(arr.buffers()[2], dtype=np.uint8, count=last)[first:] if last else \
                     np.zeros(0, dtype=np.uint8)
-            part = Part(offsets, values)
+            part = Part(offsets, values, validate and finite)
         else:
             values = arr.to_numpy(zero_copy_only=not is_bool)
-            part = Part(None, values)
-        if validate and finite and values.size:
-            # v.v is NaN or inf if any value is (it may also overflow on huge finite values: then the
-            # exact check decides). One BLAS pass, no temporary array: half the time of max and min.
-            if not math.isfinite(np.dot(values, values)):
-                return None
+            part = Part(None, values, validate and finite)
         parts.append(part)
         sizes.append(part_bytes(part))
     if validate and lengths is not None and len(lengths) and int(lengths.min()) < 0:

@@ -6,8 +6,9 @@ supplies only storage, through hooks with one fixed return type each and no stat
 
     _snapshot(pid) -> Snapshot           the partition's meta and committed refs, in one catalog read
     _store(meta, blocks) -> [ChunkRef]   store the bytes of a put's row blocks, not yet visible
-    _commit(meta, refs) -> None          make them visible atomically, re-checking under the catalog's
-                                         lock that no cell is already written (`self._conflict`)
+    _commit(meta, refs, seen) -> None    make them visible atomically, re-checking under the catalog's
+                                         lock that no cell is already written (`self._conflict`), which
+                                         can be skipped while the committed refs are still `seen`
     _discard(meta, refs) -> None         remove stored bytes of a put that did not commit
     _read(pid, refs) -> [pa.Buffer]      the bytes of committed blocks
     _create, _drop, _list, _close
@@ -46,7 +47,7 @@ from dataplane_rl.errors import (
 from dataplane_rl.schema import Schema, load_schema
 from dataplane_rl.store import stats
 from dataplane_rl.store.arrow import arrow_types, flatten, schema_of, to_arrow
-from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, Snapshot, make_blocks
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, NotFinite, PartitionMeta, Snapshot, make_blocks
 from dataplane_rl.store.index import RowIndex, as_slice, overlap
 from dataplane_rl.store.reads import Reads
 from dataplane_rl.store.stats import PartitionStatus
@@ -93,10 +94,11 @@ class ColumnStore(Reads, ABC):
         Nothing is visible to readers yet. If it raises, it removes whatever it stored."""
 
     @abstractmethod
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
+    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen: list[ChunkRef]) -> None:
         """Atomically make refs visible, after checking under the catalog's lock that none of their
-        cells is already committed (raise `self._conflict(...)`); PartitionNotFoundError if the
-        incarnation `meta.token` is gone."""
+        cells is already committed (raise `self._conflict(...)`; the put checked against the committed
+        refs `seen` already, so while they are still that list the check may be skipped);
+        PartitionNotFoundError if the incarnation `meta.token` is gone."""
 
     @abstractmethod
     def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
@@ -197,9 +199,14 @@ class ColumnStore(Reads, ABC):
         err = self._conflict(snap, rows=rows, columns=list(arrays))
         if err:
             raise err
-        refs = self._store(meta, make_blocks(rows, tuple(arrays), *flat, self.chunk_bytes))
         try:
-            self._commit(meta, refs)
+            refs = self._store(meta, make_blocks(rows, tuple(arrays), *flat, self.chunk_bytes))
+        except NotFinite:  # the store gave back what it wrote; the exact check names the cells
+            schema.check(arrays, lengths, where=str(where)[:-1], rows=rows)
+            parts = [p._replace(finite=False) for p in flat[0]]  # huge finite values overflowed v.v: fine
+            refs = self._store(meta, make_blocks(rows, tuple(arrays), parts, flat[1], self.chunk_bytes))
+        try:
+            self._commit(meta, refs, snap.refs)
         except BaseException:
             self._discard(meta, refs)
             raise

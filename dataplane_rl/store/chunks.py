@@ -16,6 +16,7 @@ per column, the offsets' digest (if it has offsets), then one per piece of its v
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -157,10 +158,16 @@ PIECE = 256 << 10  # bytes of a column's values per checksum: a shard reader ver
 class Part(NamedTuple):
     """One column of a put as flat buffers: `offsets` [n+1] int32 of a list or string column (as the caller's
     array has them: they need not start at 0), and `values` the values of exactly these rows, 1-D (bool
-    unpacked, one byte per value)."""
+    unpacked, one byte per value). `finite`: NaN/inf are refused in it and not yet checked: the write
+    checks each piece as it copies it (NotFinite)."""
 
     offsets: np.ndarray | None
     values: np.ndarray
+    finite: bool = False
+
+
+class NotFinite(Exception):
+    """A write found NaN or inf in a column that refuses them (`args[0]`: the column's position)."""
 
 
 def value_bytes(values: np.ndarray) -> int:
@@ -275,11 +282,12 @@ def layout(blocks: Sequence[Block]) -> tuple[list[int], int]:
 # ---- block encoding ----------------------------------------------------------------------------
 def write_block(dest: np.ndarray, block: Block) -> tuple[int, ...]:
     """Write `block` into `dest` (writable uint8, at least block.nbytes, 64-byte aligned); return its
-    checksums, each of the bytes as written. One copy per buffer, no per-row work."""
+    checksums, each of the bytes as written. One copy per buffer, no per-row work; a column's values go
+    piece by piece, each checksummed (and, for a `finite` part, checked: NotFinite) while it is in cache."""
     n = block.rows.size
     where, _ = block_layout(tuple(p.offsets is not None for p in block.parts), n, block.sizes)
     digests = []
-    for part, place in zip(block.parts, where):
+    for i, (part, place) in enumerate(zip(block.parts, where)):
         o_at, v_at, vbytes, _ = place
         if o_at >= 0:
             src, first = part.offsets, int(part.offsets[0])
@@ -288,12 +296,24 @@ def write_block(dest: np.ndarray, block: Block) -> tuple[int, ...]:
                 np.subtract(src, first, out=o)
             else:
                 o[:] = src
-        if vbytes:
-            values = part.values
-            dest[v_at:v_at + vbytes] = np.packbits(values, bitorder="little") if values.dtype == np.bool_ else \
-                values.view(np.uint8)
+        values = part.values
+        if values.dtype == np.bool_:
+            values = np.packbits(values, bitorder="little")
+        raw = values.view(np.uint8)
         start, end = _region(place)
-        digests.extend(_xxh3(dest[at:min(at + PIECE, end)]) for at in range(start, end, PIECE))
+        for at in range(start, end, PIECE):
+            stop = min(at + PIECE, end)
+            a, b = max(at, v_at), stop  # the piece's values: it may start with the offsets
+            if b > a:
+                piece = dest[a:b]
+                piece[:] = raw[a - v_at:b - v_at]
+                if part.finite:
+                    # v.v is NaN or inf if any value is (it may also overflow on huge finite values: then
+                    # the exact check decides). One BLAS pass over bytes still in cache, no temporary array
+                    x = piece.view(values.dtype)
+                    if not math.isfinite(np.dot(x, x)):
+                        raise NotFinite(i)
+            digests.append(_xxh3(dest[at:stop]))
     return tuple(digests)
 
 

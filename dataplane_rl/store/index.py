@@ -30,6 +30,7 @@ class RowIndex:
         # not read. Cells are written once, so a value read stays right for this incarnation; a put of token
         # columns without the length column checks against it instead of reading the blocks again.
         self.lengths: np.ndarray | None = None
+        self._learned: list[tuple[slice | np.ndarray, np.ndarray]] = []  # (rows, values) not yet in `lengths`
         self.lock = threading.Lock()
 
     def extends(self, refs: list[ChunkRef]) -> bool:
@@ -70,16 +71,26 @@ class RowIndex:
 
     def known_lengths(self, rows: np.ndarray) -> np.ndarray | None:
         """The length column's values on `rows` if this process has read all of them, else None."""
+        self._fold()
         if self.lengths is None:
             return None
         got = self.lengths[rows]
         return got if not got.size or int(got.min()) >= 0 else None
 
     def learn_lengths(self, rows: np.ndarray, values: np.ndarray) -> None:
-        """Remember the length column's values on `rows`, as a get just read them."""
-        if self.lengths is None:
-            self.lengths = np.full(self.num_rows, -1, dtype=np.int64)
-        self.lengths[rows] = values
+        """Remember the length column's values on `rows`, as a get just read them (a copy: the get's
+        buffers must not outlive its arrays). Kept as given until a put asks (most readers never do)."""
+        self._learned.append((as_slice(rows), np.array(values)))
+        if len(self._learned) > 64:  # a process that reads and reads: bounded
+            self._fold()
+
+    def _fold(self) -> None:
+        if self._learned:
+            if self.lengths is None:
+                self.lengths = np.full(self.num_rows, -1, dtype=np.int64)
+            for at, values in self._learned:
+                self.lengths[at] = values
+            self._learned.clear()
 
     def written(self, column: str, rows: np.ndarray | slice) -> np.ndarray:
         """The rows of `rows` (ids, or a slice of them) on which `column` is written."""

@@ -60,7 +60,7 @@ class MemoryStore(ColumnStore):
             raise
         return refs
 
-    def _commit(self, meta, refs) -> None:
+    def _commit(self, meta, refs, seen=None) -> None:
         with self._lock:
             live = self._metas.get(meta.pid)
             if live is None or live.token != meta.token:

@@ -204,7 +204,7 @@ class RayStore(ColumnStore):
             raise
         return refs
 
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
+    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen=None) -> None:
         pid = meta.pid
         version, committed = self._fetch(pid)
         payload = [r.to_json() for r in refs]

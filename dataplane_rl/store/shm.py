@@ -244,7 +244,7 @@ class ShmStore(ShmCatalog, ColumnStore):
             lease = self._leases.get(pid)
             if lease is None or lease.owner is not log:
                 try:
-                    lease = self._leases[pid] = Lease(log, log.readers_fd)
+                    lease = self._leases[pid] = Lease(log, log.readers())
                 except BlockingIOError:  # a drop holds it right now
                     raise self._not_found(pid) from None
         return lease

@@ -62,19 +62,47 @@ def _parse_meta(text: str, token: str) -> PartitionMeta:
 
 
 class Log:
-    """One process's view of a partition incarnation: its log, lock and readers files, open (opened
-    together through the partition's folder, so all of one incarnation), the meta, the refs read so far (a
-    list replaced, never changed, as commits arrive: snapshots handed out stay as they were) and their
-    keys. Its files close when the last user lets go of it (a commit or a lease in flight keeps it)."""
+    """One process's view of a partition incarnation: its folder and log, open (the folder's descriptor
+    names the incarnation: files opened through it are its own, even if the partition is dropped and made
+    again meanwhile), the meta, the refs read so far (a list replaced, never changed, as commits arrive:
+    snapshots handed out stay as they were) and their keys. The lock and readers files, and the log for
+    writing, are opened when first needed (a reader never needs the lock). Its files close when the last
+    user lets go of it (a commit or a lease in flight keeps it)."""
 
-    def __init__(self, path: str, fd: int, token: str) -> None:
-        self.path, self.fd, self.token = path, fd, token  # fd: read-only (a read-only store can be read)
-        self.folder = os.path.dirname(path)
-        self.lock_fd = self.readers_fd = self.write_fd = -1
+    def __init__(self, folder: str, dir_fd: int, token: str) -> None:
+        self.folder, self.dir_fd, self.token = folder, dir_fd, token
+        self.path = os.path.join(folder, LOG)
+        self.fd = self.lock_fd = self.readers_fd = self.write_fd = -1
         self.meta: PartitionMeta | None = None
         self.refs: list[ChunkRef] = []
         self.keys: set[str] = set()
         self.end = HEAD_BYTES  # how far this process has read
+
+    def open(self, name: str, flags: int) -> int:
+        """A file of this incarnation's folder (trusted: the user's own, private, no symlink)."""
+        fd = open_file(name, flags, folder=self.folder, dir_fd=self.dir_fd)
+        why = untrusted(os.path.join(self.folder, name), os.fstat(fd), folder=False)
+        if why:
+            os.close(fd)
+            raise StoreUnavailableError(why)
+        return fd
+
+    def lock(self) -> int:
+        if self.lock_fd < 0:
+            self.lock_fd = self.open("lock", os.O_RDONLY)
+        return self.lock_fd
+
+    def readers(self) -> int:
+        if self.readers_fd < 0:
+            self.readers_fd = self.open("readers", os.O_RDONLY)
+        return self.readers_fd
+
+    def writer(self) -> int:
+        """The log opened for appending, at this process's first commit (`fd` is read-only: a read-only
+        store can still be read)."""
+        if self.write_fd < 0:
+            self.write_fd = self.open(LOG, os.O_RDWR)
+        return self.write_fd
 
     def committed(self) -> int:
         """The committed end, from the header. A header read while a commit rewrites it may mix the two
@@ -114,7 +142,7 @@ class Log:
         return self.write_fd
 
     def close(self) -> None:
-        for name in ("fd", "lock_fd", "readers_fd", "write_fd"):
+        for name in ("fd", "lock_fd", "readers_fd", "write_fd", "dir_fd"):
             fd = getattr(self, name)
             if fd >= 0:
                 setattr(self, name, -1)
@@ -142,13 +170,8 @@ class ShmCatalog:
                     create_file(os.path.join(tmp, name), data)
                 pdir = os.path.join(self._dir, meta.pid)
                 dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-                try:
-                    log = Log(os.path.join(pdir, LOG), os.open(LOG, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd),
-                              str(os.fstat(dfd).st_ino))
-                    log.lock_fd = os.open("lock", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-                    log.readers_fd = os.open("readers", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-                finally:
-                    os.close(dfd)
+                log = Log(pdir, dfd, str(os.fstat(dfd).st_ino))
+                log.fd = log.open(LOG, os.O_RDONLY)
                 log.meta, log.end = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, log.token), end
                 try:
                     os.rename(tmp, pdir)
@@ -184,39 +207,27 @@ class ShmCatalog:
             return Snapshot(log.meta, log.refs)
 
     def _open_log(self, pid: str, pdir: str) -> Log:
-        """First sight of a partition incarnation here: its folder, chunks folder and files must be the
-        store's own; they are opened through the folder's descriptor, so all belong to the incarnation
-        whose inode is the token, even if it is dropped and made again meanwhile."""
+        """First sight of a partition incarnation here: its folder, chunks folder and log must be the
+        store's own."""
         try:
             dfd = open_file(pdir, os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
             check_trusted(pdir)  # a symlink (O_DIRECTORY says ENOTDIR, not ELOOP) or a file is named as such
             raise self._not_found(pid) from None
-        log = None
+        st = os.fstat(dfd)
+        log = Log(pdir, dfd, str(st.st_ino))
         try:
-            st = os.fstat(dfd)
             for path, where in ((pdir, st), (os.path.join(pdir, "chunks"), os.lstat("chunks", dir_fd=dfd))):
                 why = untrusted(path, where, folder=True)
                 if why:
                     raise StoreUnavailableError(why)
-            fd = open_file(LOG, os.O_RDONLY, folder=pdir, dir_fd=dfd)
-            log = Log(os.path.join(pdir, LOG), fd, str(st.st_ino))
-            for name, what in ((LOG, fd), ("lock", None), ("readers", None)):
-                if what is None:
-                    what = open_file(name, os.O_RDONLY, folder=pdir, dir_fd=dfd)
-                    setattr(log, f"{name}_fd", what)
-                why = untrusted(os.path.join(pdir, name), os.fstat(what), folder=False)
-                if why:
-                    raise StoreUnavailableError(why)
+            log.fd = log.open(LOG, os.O_RDONLY)
             self._follow(pid, log, log.committed())
         except BaseException as e:
-            if log is not None:
-                log.close()
+            log.close()
             if isinstance(e, (FileNotFoundError, NotADirectoryError)):
                 raise self._not_found(pid) from None
             raise
-        finally:
-            os.close(dfd)
         return log
 
     def _follow(self, pid: str, log: Log, end: int) -> None:
@@ -257,7 +268,7 @@ class ShmCatalog:
                                         "the partition cannot be trusted, drop it")
         return refs
 
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
+    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen: list[ChunkRef] | None = None) -> None:
         pid = meta.pid
         with self._refs_lock:
             log = self._logs.get(pid)
@@ -269,7 +280,7 @@ class ShmCatalog:
             raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
         # flock keeps other processes out (a drop too: it takes the same lock); the thread lock, other
         # threads of this one, which share the descriptor
-        with self._commit_lock, _flocked(log.lock_fd):
+        with self._commit_lock, _flocked(log.lock()):
             try:
                 if str(os.lstat(log.folder).st_ino) != log.token:
                     raise FileNotFoundError
@@ -280,7 +291,7 @@ class ShmCatalog:
                 if end != log.end:
                     self._follow(pid, log, end)
                 snap = Snapshot(log.meta, log.refs)
-            err = self._conflict(snap, refs)
+            err = self._conflict(snap, refs) if snap.refs is not seen else None  # else the put's own check stands
             if err:
                 raise err
             record = _record(chunks.refs_to_json(refs))

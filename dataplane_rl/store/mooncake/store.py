@@ -213,7 +213,7 @@ class MooncakeStore(ColumnStore):
     def _list(self) -> list[str]:
         return self._catalog.list()
 
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
+    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen=None) -> None:
         self._catalog.commit(meta, refs, lambda part: self._conflict(Snapshot(part.meta, part.refs), refs))
 
     def _drop(self, pid: str) -> None:
