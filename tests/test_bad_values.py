@@ -52,6 +52,23 @@ def test_non_finite_floats_are_refused_in_every_float_column(store, column, bad)
     assert sum(store.status("p").rows_written.values()) == 0
 
 
+def test_a_nan_found_while_writing_leaves_nothing_and_huge_finite_values_pass(store):
+    """NaN/inf are found as the write copies each piece (a put of 3 pieces of 256 KiB here, the NaN in the
+    last one): the put fails whole, its cells stay free; values whose squares overflow the check's sum
+    (1e30 in float32) are finite, and the exact check lets them through."""
+    n = 200_000  # 800 kB of float32 values: the last piece holds the NaN
+    store.create_partition("p", "grpo", 2)
+    store.put("p", lengths(n, 1), range(2))
+    bad = np.ones(n, np.float32)
+    bad[-1] = np.nan
+    with pytest.raises(SchemaError, match="column 'prev_logprobs' rows 0: has NaN or infinite values"):
+        store.put("p", {"prev_logprobs": [bad, np.ones(1, np.float32)]}, range(2))
+    assert store.status("p").rows_written["prev_logprobs"] == 0
+    huge = np.full(n, 1e30, np.float32)  # finite, but v.v overflows to inf
+    store.put("p", {"prev_logprobs": [huge, np.ones(1, np.float32)]}, range(2))
+    assert np.array_equal(store.get("p", "prev_logprobs", [0]).column(0).chunk(0).flatten().to_numpy(), huge)
+
+
 def test_a_column_may_declare_non_finite_values_valid(store):
     schema = Schema(name="nf", columns=(Column(name="score", dtype="float32", kind="sample", writer="rollout",
                                                allow_nonfinite=True),

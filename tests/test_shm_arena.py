@@ -51,6 +51,23 @@ def test_a_dropped_partition_gives_its_segment_to_the_next_one(store):
     assert_rows(store, "b", range(16), FIELDS, seed=2)
 
 
+def test_a_writer_gets_its_own_segment_back_by_name(store, monkeypatch):
+    """A pooled segment keeps its name; the writer that wrote it asks for it by name first (its pages are
+    mapped in that process already), without listing the pool, even with other segments pooled."""
+    store.create_partition("a", "grpo", 16)
+    store.put("a", grpo_columns(range(16), FIELDS, seed=1), range(16))
+    (name,) = os.listdir(store.path / "a" / "chunks")
+    store.drop_partition("a")
+    assert any(n.endswith(name.removeprefix("put-")) for n in os.listdir(store.path / ".pool"))
+    listed = []
+    real = store._pool.files
+    monkeypatch.setattr(store._pool, "files", lambda: listed.append(1) or real())
+    store.create_partition("b", "grpo", 16)
+    store.put("b", grpo_columns(range(16), FIELDS, seed=2), range(16))
+    assert os.listdir(store.path / "b" / "chunks") == [name] and not listed
+    assert_rows(store, "b", range(16), FIELDS, seed=2)
+
+
 def test_a_new_store_has_ready_pages_and_its_first_put_takes_them(tmp_path):
     s = open_store(f"shm://{tmp_path}/s?prefault_mb=2")
     try:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dataplane_rl.errors import StoreUnavailableError
+from dataplane_rl.errors import CorruptChunkError, StoreUnavailableError
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, refs_to_json
 from dataplane_rl.store.mooncake.buffers import Arenas
 from dataplane_rl.store.mooncake.client import (
@@ -234,7 +234,12 @@ class Catalog:
             doc = json.loads(v) if v is not None else None
             if doc is None or doc["inc"] != part.inc:  # not there, or left by an earlier partition of this id
                 return i
-            part.refs = part.refs + [ChunkRef.from_json(d) for d in doc["refs"]]
+            try:
+                part.refs = part.refs + [ChunkRef.from_json(d) for d in doc["refs"]]
+            except (KeyError, ValueError, TypeError) as e:  # e.g. refs of the IPC-block format (before v4)
+                raise CorruptChunkError(f"partition {part.meta.pid}: commit {part.puts} is not in this dataplane-rl's "
+                                        f"format ({e!r}); it was written by another version: drop the partition "
+                                        "and regenerate the step") from None
             part.puts += 1
         return len(values)
 
