@@ -64,6 +64,13 @@ def test_a_nan_found_while_writing_leaves_nothing_and_huge_finite_values_pass(st
     with pytest.raises(SchemaError, match="column 'prev_logprobs' rows 0: has NaN or infinite values"):
         store.put("p", {"prev_logprobs": [bad, np.ones(1, np.float32)]}, range(2))
     assert store.status("p").rows_written["prev_logprobs"] == 0
+    store.chunk_bytes = 64  # a block per row: the NaN in the second block is found there too
+    try:
+        with pytest.raises(SchemaError, match="column 'prev_logprobs' rows 1: has NaN or infinite values"):
+            store.put("p", {"prev_logprobs": [np.ones(n, np.float32), np.full(1, np.inf, np.float32)]}, range(2))
+    finally:
+        del store.chunk_bytes
+    assert store.status("p").rows_written["prev_logprobs"] == 0
     huge = np.full(n, 1e30, np.float32)  # finite, but v.v overflows to inf
     store.put("p", {"prev_logprobs": [huge, np.ones(1, np.float32)]}, range(2))
     assert np.array_equal(store.get("p", "prev_logprobs", [0]).column(0).chunk(0).flatten().to_numpy(), huge)

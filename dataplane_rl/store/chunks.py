@@ -7,10 +7,10 @@ Arrow has them). No schema, header or IPC message: the layout follows from the c
 count and the bytes of each column (`ChunkRef.sizes`), so a writer copies each column with one call and a
 reader wraps each with `pa.Array.from_buffers`, zero-copy.
 
-Checksums (xxh3) are per column, and a column's values are checksummed in pieces of PIECE bytes: a reader
-verifies just the columns it reads and, of those, the pieces holding its rows, so a reader of a row shard
-of a big put checksums about its share, not the whole put. `ChunkRef.checksums` lists them in layout order:
-per column, the offsets' digest (if it has offsets), then one per piece of its values.
+Checksums (xxh3) are per column, over its region (offsets, then values) in pieces of PIECE bytes: a reader
+verifies just the columns it reads and, of those, the pieces holding its offsets and its rows, so a reader
+of a row shard of a big put checksums about its share, not the whole put, and a small column is one
+checksum. `ChunkRef.checksums` lists them in layout order: per column, one per piece of its region.
 """
 
 from __future__ import annotations
@@ -261,10 +261,11 @@ def make_blocks(rows: np.ndarray, names: tuple[str, ...], parts: Sequence[Part],
         sub = []
         for p in parts:
             if p.offsets is None:
-                sub.append(Part(None, p.values[lo:hi]))
+                sub.append(p._replace(values=p.values[lo:hi]))
             else:
                 first = int(p.offsets[0])
-                sub.append(Part(p.offsets[lo:hi + 1], p.values[int(p.offsets[lo]) - first:int(p.offsets[hi]) - first]))
+                sub.append(p._replace(offsets=p.offsets[lo:hi + 1],
+                                      values=p.values[int(p.offsets[lo]) - first:int(p.offsets[hi]) - first]))
         size = tuple(part_bytes(p) for p in sub)
         out.append(Block(rows[lo:hi], names, tuple(sub), size, block_layout(offs, hi - lo, size)[1]))
     return out
