@@ -1,7 +1,9 @@
 """Which committed block holds each cell: per column, the block index and position of every row.
 
 Built once per partition incarnation and extended as commits arrive (refs are append-only), so put,
-get, ready and wait look cells up with numpy indexing instead of re-walking every ref per call.
+get, ready and wait look cells up with numpy indexing instead of re-walking every ref per call. The
+per-row arrays are built when first asked for: a get of rows that one block holds (most gets of a
+partition of a few puts) finds that block from the refs alone (`holder`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ class RowIndex:
         self.num_rows = num_rows
         self.refs: list[ChunkRef] = []
         self.first: list[int] = []  # per ref: its first row if its rows are one increasing run, else -1
-        self.owner: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
-        self.pos: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
+        self._owner: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
+        self._pos: dict[str, np.ndarray] = {}  # column -> [num_rows] int32
+        self._built = 0  # refs[:_built] are in the per-row arrays
         # column -> (owner [K, num_rows], pos [K, num_rows], k): columns first written by one block share
         # one pair of 2-D arrays (owner[column] is row k), so a block of K columns is two numpy writes
         self._rows: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
@@ -41,8 +44,39 @@ class RowIndex:
 
     def add(self, refs: list[ChunkRef]) -> None:
         for ref in refs:
-            i = len(self.refs)
             self.refs.append(ref)
+            at = as_slice(ref.rows)
+            self.first.append(at.start if isinstance(at, slice) else -1)
+
+    @property
+    def owner(self) -> dict[str, np.ndarray]:
+        self._build()
+        return self._owner
+
+    @property
+    def pos(self) -> dict[str, np.ndarray]:
+        self._build()
+        return self._pos
+
+    def holder(self, column: str, a: int, b: int) -> int:
+        """The block holding `column` on every row a..b-1, if one block whose rows are one run does (it holds
+        every cell of its run, and each cell is written once), else -1. From the refs, without the
+        per-row arrays while they are not built and the refs are few; else from them."""
+        if self._built < len(self.refs) and len(self.refs) <= 8:
+            for k, (ref, first) in enumerate(zip(self.refs, self.first)):
+                if 0 <= first <= a and b <= first + ref.rows.size and column in ref.columns:
+                    return k
+            return -1
+        owner = self.owner.get(column)
+        if owner is None:
+            return -1
+        k = int(owner[a])
+        return k if k >= 0 and int(owner[b - 1]) == k and self.first[k] >= 0 else -1
+
+    def _build(self) -> None:
+        """Bring the per-row arrays up to date with the refs added since."""
+        for i in range(self._built, len(self.refs)):
+            ref = self.refs[i]
             rows, n = ref.rows, len(ref.rows)
             fresh = [c for c in ref.columns if c not in self._rows]
             if fresh:
@@ -50,15 +84,14 @@ class RowIndex:
                 pos = np.zeros((len(fresh), self.num_rows), dtype=np.int32)  # [K, num_rows]
                 for k, c in enumerate(fresh):
                     self._rows[c] = (owner, pos, k)
-                    self.owner[c], self.pos[c] = owner[k], pos[k]
+                    self._owner[c], self._pos[c] = owner[k], pos[k]
             bases: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
             for c in ref.columns:
                 owner, pos, k = self._rows[c]
                 bases.setdefault(id(owner), (owner, pos, []))[2].append(k)
             where = np.arange(n, dtype=np.int32)
             # a block of consecutive rows (every put of a range) is written by slice, not by fancy index
-            at = as_slice(rows)
-            self.first.append(at.start if isinstance(at, slice) else -1)
+            at: slice | np.ndarray = slice(self.first[i], self.first[i] + n) if self.first[i] >= 0 else rows
             for owner, pos, ks in bases.values():
                 if len(ks) == owner.shape[0]:
                     ix = (slice(None), at)
@@ -68,6 +101,7 @@ class RowIndex:
                     ix = np.ix_(ks, at)
                 owner[ix] = i
                 pos[ix] = where
+        self._built = len(self.refs)
 
     def known_lengths(self, rows: np.ndarray) -> np.ndarray | None:
         """The length column's values on `rows` if this process has read all of them, else None."""

@@ -77,8 +77,7 @@ class Reads:
     def _whole_blocks(self, snap: Snapshot, idx, fields: list[str], rows: np.ndarray) -> pa.Table | None:
         """The common get, without a per-row plan: contiguous rows that, per field, lie in one block holding a
         contiguous run of rows (a put of a range), so the field's slice of it is the answer. None otherwise.
-        The rows a..b-1 of a field lie in one such block k when rows a and b-1 do: the block holds every
-        row between them, and each cell is written once."""
+        (`RowIndex.holder`)."""
         n = rows.size
         if not n or int(rows[-1]) - int(rows[0]) != n - 1 or (n > 2 and not bool((rows[1:] - rows[:-1] == 1).all())):
             return None
@@ -87,11 +86,8 @@ class Reads:
         with idx.lock:
             refs, first = idx.refs, idx.first
             for i, f in enumerate(fields):
-                owner = idx.owner.get(f)
-                if owner is None:
-                    return None
-                k = int(owner[a])
-                if k < 0 or int(owner[a + n - 1]) != k or first[k] < 0:
+                k = idx.holder(f, a, a + n)
+                if k < 0:
                     return None
                 blocks.setdefault(k, []).append(i)
         meta = snap.meta
