@@ -82,7 +82,7 @@ def test_symlink_at_the_store_path_refused(folder, tmp_path, existing):
     assert listing(target) == before  # nothing built in the link's target
 
 
-@pytest.mark.parametrize("inside", [".dataplane-rl", ".pool", "p", "p/chunks", "p/log", "p/lock", "p/readers",
+@pytest.mark.parametrize("inside", [".dataplane-rl", ".pool", "p", "p/chunks", "p/log", "p/readers",
                                     "chunk"])
 def test_symlink_inside_the_store_refused(folder, tmp_path, inside):
     """Each file or folder replaced by a symlink to an identical copy: only the symlink can be refused."""

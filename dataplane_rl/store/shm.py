@@ -8,8 +8,8 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
     DIR/.kept                          made once by keep(): the folder outlives its run (owners.py)
     DIR/.pool/<bytes>-<hex>            segments of dropped partitions (and pre-touched ones), kept for reuse
     DIR/<pid>/log                      the partition's meta, then each committed put's ChunkRefs, appended
-                                       (shm_catalog.py); a header says how far it is committed
-    DIR/<pid>/lock                     flock'd exclusively by commit and drop
+                                       (shm_catalog.py); a header says how far it is committed;
+                                       flock'd exclusively by commit and drop
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
     DIR/<pid>/chunks/put-<hex>         a segment (shm_arena.py): the blocks of one or more puts of one writer,
                                        each every column of its rows as flat buffers (chunks.py) at a
@@ -216,11 +216,12 @@ class ShmStore(ShmCatalog, ColumnStore):
 
     @contextlib.contextmanager
     def _locked(self, pid: str) -> Iterator[str]:
-        """Hold the partition's lock; raise PartitionNotFoundError if it is (or gets) dropped."""
+        """Hold the partition's lock (an flock of its log, which commits take too); raise
+        PartitionNotFoundError if it is (or gets) dropped."""
         pdir = self._pdir(pid)
-        lock = os.path.join(pdir, "lock")
+        lock = os.path.join(pdir, "log")
         try:
-            fd = open_file(lock, os.O_RDWR)
+            fd = open_file(lock, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             raise self._not_found(pid) from None
         try:

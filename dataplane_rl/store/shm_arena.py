@@ -93,7 +93,7 @@ class Arena:
             mine = list(reversed(self._mine.items()))  # the most recent first
         got = self._pool.take(folder, size, most, mine)  # pooled bytes are counted already
         if got is not None:
-            return got, os.stat(os.path.join(folder, f"put-{got}")).st_size
+            return got
         used = self.bytes_used()  # a new file: counted against the bound first
         if used + size > self.limit_bytes:
             self._pool.clear()
@@ -103,8 +103,7 @@ class Arena:
                 f"shm store {self._dir}: the arena is full ({used} of {self.limit_bytes} bytes in partitions and "
                 f"pooled segments, {size} more asked); nothing of this put was kept. Drop partitions, or raise "
                 "data_plane.shm.arena_mb (the shm:// URL's ?arena_mb=N)")
-        got = self._pool.claim(folder, size, most)  # another process's drop may have pooled one since
-        return got, os.stat(os.path.join(folder, f"put-{got}")).st_size
+        return self._pool.claim(folder, size, most)  # another process's drop may have pooled one since
 
     def done(self, pid: str, name: str, off: int, need: int, ok: bool) -> bool:
         """A put placed at `off` of segment `name` committed (`ok`) or failed. A failed put gives its range

@@ -65,14 +65,14 @@ class Log:
     """One process's view of a partition incarnation: its folder and log, open (the folder's descriptor
     names the incarnation: files opened through it are its own, even if the partition is dropped and made
     again meanwhile), the meta, the refs read so far (a list replaced, never changed, as commits arrive:
-    snapshots handed out stay as they were) and their keys. The lock and readers files, and the log for
-    writing, are opened when first needed (a reader never needs the lock). Its files close when the last
-    user lets go of it (a commit or a lease in flight keeps it)."""
+    snapshots handed out stay as they were) and their keys. The readers file, and the log for writing (a
+    committer's lock: an flock of it), are opened when first needed. Its files close when the last user
+    lets go of it (a commit or a lease in flight keeps it)."""
 
     def __init__(self, folder: str, dir_fd: int, token: str) -> None:
         self.folder, self.dir_fd, self.token = folder, dir_fd, token
         self.path = os.path.join(folder, LOG)
-        self.fd = self.lock_fd = self.readers_fd = self.write_fd = -1
+        self.fd = self.readers_fd = self.write_fd = -1
         self.meta: PartitionMeta | None = None
         self.refs: list[ChunkRef] = []
         self.keys: set[str] = set()
@@ -86,11 +86,6 @@ class Log:
             os.close(fd)
             raise StoreUnavailableError(why)
         return fd
-
-    def lock(self) -> int:
-        if self.lock_fd < 0:
-            self.lock_fd = self.open("lock", os.O_RDONLY)
-        return self.lock_fd
 
     def readers(self) -> int:
         if self.readers_fd < 0:
@@ -131,18 +126,8 @@ class Log:
             at += _LEN.size + n
         return out
 
-    def writer(self) -> int:
-        """A descriptor to append with, opened at this process's first commit; the same file as `fd`."""
-        if self.write_fd < 0:
-            fd = open_file(self.path, os.O_RDWR)
-            if os.fstat(fd).st_ino != os.fstat(self.fd).st_ino:  # dropped and made again meanwhile
-                os.close(fd)
-                raise FileNotFoundError(self.path)
-            self.write_fd = fd
-        return self.write_fd
-
     def close(self) -> None:
-        for name in ("fd", "lock_fd", "readers_fd", "write_fd", "dir_fd"):
+        for name in ("fd", "readers_fd", "write_fd", "dir_fd"):
             fd = getattr(self, name)
             if fd >= 0:
                 setattr(self, name, -1)
@@ -166,7 +151,7 @@ class ShmCatalog:
                     os.mkdir(os.path.join(tmp, sub), DIR_MODE)
                 record = _record(_meta_text(meta))
                 end = HEAD_BYTES + len(record)
-                for name, data in (("lock", b""), ("readers", b""), (LOG, _head(end).ljust(HEAD_BYTES, b"\0") + record)):
+                for name, data in (("readers", b""), (LOG, _head(end).ljust(HEAD_BYTES, b"\0") + record)):
                     create_file(os.path.join(tmp, name), data)
                 pdir = os.path.join(self._dir, meta.pid)
                 dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -278,9 +263,19 @@ class ShmCatalog:
                 log = self._logs[pid]
         if log.token != meta.token:
             raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
-        # flock keeps other processes out (a drop too: it takes the same lock); the thread lock, other
-        # threads of this one, which share the descriptor
-        with self._commit_lock, _flocked(log.lock()):
+        # an flock of the log keeps other processes out (a drop too: it takes the same lock); the thread
+        # lock, other threads of this one, which share the descriptor
+        with self._commit_lock:
+            with self._os_errors(f"commit a put to partition {pid}"):
+                try:
+                    fd = log.writer()
+                except FileNotFoundError:
+                    raise self._not_found(pid, "was dropped while this put was writing (nothing was written)") from None
+            self._append(pid, log, fd, refs, seen)
+
+    def _append(self, pid: str, log: Log, fd: int, refs: list[ChunkRef], seen: list[ChunkRef] | None) -> None:
+        """The commit under the partition's lock: follow what others committed, check, append, move the end."""
+        with _flocked(fd):
             try:
                 if str(os.lstat(log.folder).st_ino) != log.token:
                     raise FileNotFoundError
@@ -297,10 +292,6 @@ class ShmCatalog:
             record = _record(chunks.refs_to_json(refs))
             end = log.end + len(record)
             with self._os_errors(f"commit a put to partition {pid}"):
-                try:
-                    fd = log.writer()
-                except FileNotFoundError:
-                    raise self._not_found(pid, "was dropped while this put was writing (nothing was written)") from None
                 if os.pwrite(fd, record, log.end) != len(record):  # past the end: no reader looks there
                     raise OSError(errno.ENOSPC, "short write", log.path)
                 os.pwrite(fd, _head(end), 0)  # the commit: one small write of a page that exists

@@ -42,19 +42,21 @@ class Pool:
     def bytes(self) -> int:
         return sum(cap for _, cap in self.files())
 
-    def claim(self, folder: str, size: int, most: int | None = None, mine: list[tuple[str, int]] = ()) -> str:
-        """Put a segment of at least `size` bytes in `folder` as put-<hex>; return the hex. A pooled one
-        (see `take`) if any fits, else a new one. A pooled file is never truncated: its pages are the point
-        of pooling it."""
+    def claim(self, folder: str, size: int, most: int | None = None,
+              mine: list[tuple[str, int]] = ()) -> tuple[str, int]:
+        """Put a segment of at least `size` bytes in `folder` as put-<hex>; return (hex, its bytes). A pooled
+        one (see `take`) if any fits, else a new one. A pooled file is never truncated: its pages are the
+        point of pooling it."""
         got = self.take(folder, size, most, mine)
         if got is None:
-            got = uuid.uuid4().hex
-            self._reserve(os.path.join(folder, f"put-{got}"), size)
+            got = uuid.uuid4().hex, size
+            self._reserve(os.path.join(folder, f"put-{got[0]}"), size)
         return got
 
-    def take(self, folder: str, size: int, most: int | None = None, mine: list[tuple[str, int]] = ()) -> str | None:
+    def take(self, folder: str, size: int, most: int | None = None,
+             mine: list[tuple[str, int]] = ()) -> tuple[str, int] | None:
         """Move a pooled segment of `size` to `most` bytes into `folder` as put-<hex> (a pooled file keeps
-        its hex) and return the hex, or None if none is there. `mine`: (hex, bytes) of segments this
+        its hex; its name says its bytes) and return (hex, bytes), or None if none is there. `mine`: (hex, bytes) of segments this
         process wrote before, tried first by name (no listing): in a steady run they come back, their
         pages already mapped here. Else the smallest that fits, from one listing of the pool."""
         top = most if most is not None else float("inf")
@@ -64,14 +66,14 @@ class Pool:
                 tried += 1
                 with contextlib.suppress(FileNotFoundError):  # not pooled (yet): still mapped by a reader
                     os.rename(os.path.join(self._dir, f"{cap}-{hex_}"), os.path.join(folder, f"put-{hex_}"))
-                    return hex_
-        for cand, _ in self._candidates(size, most):
+                    return hex_, cap
+        for cand, cap in self._candidates(size, most):
             hex_ = os.path.basename(cand).partition("-")[2]
             try:
                 os.rename(cand, os.path.join(folder, f"put-{hex_}"))  # atomic: of two writers wanting one, one gets it
             except FileNotFoundError:
                 continue
-            return hex_
+            return hex_, cap
         return None
 
     def clear(self) -> None:
