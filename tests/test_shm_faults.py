@@ -15,7 +15,6 @@ import pytest
 
 from dataplane_rl.errors import CorruptChunkError, StoreFullError, StoreUnavailableError
 from dataplane_rl.store import open_store
-from dataplane_rl.store.shm_files import framed
 from store_workers import grpo_columns
 
 NOBODY = 65534

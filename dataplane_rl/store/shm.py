@@ -57,10 +57,32 @@ from dataplane_rl.errors import (
 )
 from dataplane_rl.store import chunks, owners
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, layout, split_key
-from dataplane_rl.store.shm_arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, MiB, Arena
+from dataplane_rl.store.chunks import (
+    PID,
+    Block,
+    ChunkRef,
+    PartitionMeta,
+    layout,
+    split_key,
+)
+from dataplane_rl.store.shm_arena import (
+    DEFAULT_ARENA,
+    DEFAULT_PREFAULT,
+    DEFAULT_SEGMENT,
+    Arena,
+    MiB,
+)
 from dataplane_rl.store.shm_catalog import Log, ShmCatalog
-from dataplane_rl.store.shm_files import DIR_MODE, check_trusted, create_file, framed, open_file, read_file, unframe
+from dataplane_rl.store.shm_files import (
+    DIR_MODE,
+    check_trusted,
+    create_file,
+    flocked,
+    framed,
+    open_file,
+    read_file,
+    unframe,
+)
 from dataplane_rl.store.shm_maps import Lease, Maps
 from dataplane_rl.store.shm_pool import Pool
 
@@ -74,16 +96,6 @@ OPTIONS = {"pool_bytes": (DEFAULT_POOL_BYTES, "bytes of dropped segments kept fo
            "arena_mb": (DEFAULT_ARENA // MiB, "MiB the store's segments may hold in all, data_plane.shm.arena_mb"),
            "prefault_mb": (DEFAULT_PREFAULT // MiB, "MiB of pages made ready when the store is made, "
                            "data_plane.shm.prefault_mb")}
-
-
-@contextlib.contextmanager
-def _writing(fd: int) -> Iterator[None]:
-    """A shared flock on a segment file while a put writes into it (shm_pool.take_back)."""
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 class ShmStore(ShmCatalog, ColumnStore):
@@ -266,7 +278,8 @@ class ShmStore(ShmCatalog, ColumnStore):
             raise self._not_found(pid, gone) from None
         path, out = f"{folder}/{name}", []
         try:
-            with self._maps.file(path, base + end, writable=True) as f, _writing(f.fileno()):
+            # a shared flock on the segment while the put writes into it (shm_pool.take_back)
+            with self._maps.file(path, base + end, writable=True) as f, flocked(f.fileno(), fcntl.LOCK_SH):
                 # under the segment's shared lock, which a drop must win to pool the segment: a partition
                 # still here now cannot pool this segment (to another writer) before the write ends
                 if str(os.lstat(pdir).st_ino) != meta.token:

@@ -14,22 +14,33 @@ and the JSON (shm_files.framed), so a damaged log is a CorruptChunkError, never 
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import json
 import os
 import shutil
 import struct
 import uuid
-from typing import Iterator
 
 import xxhash
 
-from dataplane_rl.errors import CorruptChunkError, PartitionExistsError, StoreUnavailableError
+from dataplane_rl.errors import (
+    CorruptChunkError,
+    PartitionExistsError,
+    StoreUnavailableError,
+)
 from dataplane_rl.store import chunks
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot
-from dataplane_rl.store.shm_files import CHUNK_KEY, DIR_MODE, check_trusted, create_file, framed, open_file, unframe, untrusted
+from dataplane_rl.store.shm_files import (
+    CHUNK_KEY,
+    DIR_MODE,
+    check_trusted,
+    create_file,
+    flocked,
+    framed,
+    open_file,
+    unframe,
+    untrusted,
+)
 
 LOG = "log"
 _HEAD = struct.Struct("<8sQQ")  # magic, committed end, xxh3 of the end's 8 bytes
@@ -275,7 +286,7 @@ class ShmCatalog:
 
     def _append(self, pid: str, log: Log, fd: int, refs: list[ChunkRef], seen: list[ChunkRef] | None) -> None:
         """The commit under the partition's lock: follow what others committed, check, append, move the end."""
-        with _flocked(fd):
+        with flocked(fd):
             try:
                 if str(os.lstat(log.folder).st_ino) != log.token:
                     raise FileNotFoundError
@@ -306,12 +317,3 @@ class ShmCatalog:
         """Forget what this process read of `pid`; its files close when no commit or lease still uses them."""
         with self._refs_lock:
             self._logs.pop(pid, None)
-
-
-@contextlib.contextmanager
-def _flocked(fd: int) -> Iterator[None]:
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import pwd
 import re
 import stat
+from typing import Iterator
 
 from dataplane_rl.errors import CorruptChunkError, StoreUnavailableError
 from dataplane_rl.store.chunks import checksum
@@ -74,6 +76,16 @@ def open_file(path: str, flags: int, mode: int = FILE_MODE, *, folder: str | Non
             raise
         check_trusted(os.path.join(folder, path) if folder else path, folder=False)
         raise
+
+
+@contextlib.contextmanager
+def flocked(fd: int, mode: int = fcntl.LOCK_EX) -> Iterator[None]:
+    """Hold an flock (`mode`: LOCK_EX or LOCK_SH) on `fd` for the block."""
+    fcntl.flock(fd, mode)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def create_file(path: str, data: bytes = b"") -> None:
