@@ -49,29 +49,11 @@ from urllib.parse import parse_qsl
 
 import pyarrow as pa
 
-from dataplane_rl.errors import (
-    ConfigError,
-    CorruptChunkError,
-    StoreFullError,
-    StoreUnavailableError,
-)
+from dataplane_rl.errors import ConfigError, CorruptChunkError, StoreFullError, StoreUnavailableError
 from dataplane_rl.store import chunks, owners
 from dataplane_rl.store.base import ColumnStore
-from dataplane_rl.store.chunks import (
-    PID,
-    Block,
-    ChunkRef,
-    PartitionMeta,
-    layout,
-    split_key,
-)
-from dataplane_rl.store.shm_arena import (
-    DEFAULT_ARENA,
-    DEFAULT_PREFAULT,
-    DEFAULT_SEGMENT,
-    Arena,
-    MiB,
-)
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, layout, split_key
+from dataplane_rl.store.shm_arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, Arena, MiB
 from dataplane_rl.store.shm_catalog import Log, ShmCatalog
 from dataplane_rl.store.shm_files import (
     DIR_MODE,

@@ -23,11 +23,7 @@ import uuid
 
 import xxhash
 
-from dataplane_rl.errors import (
-    CorruptChunkError,
-    PartitionExistsError,
-    StoreUnavailableError,
-)
+from dataplane_rl.errors import CorruptChunkError, PartitionExistsError, StoreUnavailableError
 from dataplane_rl.store import chunks
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot
 from dataplane_rl.store.shm_files import (
