@@ -10,6 +10,7 @@ import pyarrow as pa
 from dataplane_rl.errors import CorruptChunkError, MissingColumnError, format_rows
 from dataplane_rl.store.arrow import block_columns, block_schema, schema_of
 from dataplane_rl.store.chunks import ChunkRef, Mismatch, PartitionMeta, Snapshot, decode_block
+from dataplane_rl.store.index import as_slice
 from dataplane_rl.store.rows import distinct, gather, runs_of
 
 
@@ -78,10 +79,10 @@ class Reads:
         """The common get, without a per-row plan: contiguous rows that, per field, lie in one block holding a
         contiguous run of rows (a put of a range), so the field's slice of it is the answer. None otherwise.
         (`RowIndex.holder`)."""
-        n = rows.size
-        if not n or int(rows[-1]) - int(rows[0]) != n - 1 or (n > 2 and not bool((rows[1:] - rows[:-1] == 1).all())):
+        run = as_slice(rows)
+        if not isinstance(run, slice):
             return None
-        a = int(rows[0])
+        a, n = run.start, rows.size
         blocks: dict[int, list[int]] = {}  # block -> positions in `fields`
         with idx.lock:
             refs, first = idx.refs, idx.first
