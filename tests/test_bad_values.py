@@ -52,6 +52,7 @@ def test_non_finite_floats_are_refused_in_every_float_column(store, column, bad)
     assert sum(store.status("p").rows_written.values()) == 0
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in dot:RuntimeWarning")  # the huge values: the point
 def test_a_nan_found_while_writing_leaves_nothing_and_huge_finite_values_pass(store):
     """NaN/inf are found as the write copies each piece (a put of 3 pieces of 256 KiB here, the NaN in the
     last one): the put fails whole, its cells stay free; values whose squares overflow the check's sum

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from contextlib import nullcontext
 
 import torch
@@ -24,21 +22,16 @@ CFG = LossConfig(ratio_clip_min=0.1, ratio_clip_max=0.15, ratio_clip_c=2.0, refe
                  positive_example_nll_weight=0.3, use_importance_sampling_correction=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup():
     torch.manual_seed(0)
     policy = TinyPolicy()
     return policy, make_batch(policy, B=B, seed=7)
 
 
-def worker(rank: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def worker(rank: int, rendezvous: str, out: str) -> None:
+    # a file rendezvous: a free port picked here could be taken by another test's process before rank 0
+    # binds it (CI runs two halves of the suite side by side), and gloo then aborts the ranks (SIGABRT)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
         policy, batch = setup()
         shard = rows(batch, torch.tensor_split(torch.arange(B), WORLD)[rank])
@@ -61,7 +54,7 @@ def worker(rank: int, port: int, out: str) -> None:
 
 def test_two_gloo_ranks_match_full_batch(tmp_path):
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(worker, args=(free_port(), out), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), out), nprocs=WORLD, join=True)
     got = torch.load(out, weights_only=False)
 
     policy, batch = setup()
