@@ -40,8 +40,8 @@ def split_key(key: str) -> tuple[str, int]:
     return obj, int(off)
 
 
-def checksum(buf) -> int:
-    return xxhash.xxh3_64_intdigest(buf)
+# xxh3 of any buffer, zero-copy (the GIL released above 64 KiB); the function itself, no wrapper: it runs per piece
+checksum = xxhash.xxh3_64_intdigest
 
 
 # ---- row sets ----------------------------------------------------------------------------------
@@ -314,11 +314,8 @@ def write_block(dest: np.ndarray, block: Block) -> tuple[int, ...]:
                     x = piece.view(values.dtype)
                     if not math.isfinite(np.dot(x, x)):
                         raise NotFinite(i)
-            digests.append(_xxh3(dest[at:stop]))
+            digests.append(checksum(dest[at:stop]))
     return tuple(digests)
-
-
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
 def encode_block(block: Block) -> tuple[pa.Buffer, tuple[int, ...]]:
@@ -330,6 +327,14 @@ def encode_block(block: Block) -> tuple[pa.Buffer, tuple[int, ...]]:
 
 class Mismatch(Exception):
     """A stored block's bytes differ from their checksum (`args[0]`: the column)."""
+
+
+def _verify(data: np.ndarray, start: int, end: int, digests: tuple[int, ...], k: int, pieces: range,
+            column: str) -> None:
+    """Check pieces `pieces` of the column region start..end of a block against its digests from `k` on."""
+    for p in pieces:
+        if checksum(data[start + p * PIECE:min(start + (p + 1) * PIECE, end)]) != digests[k + p]:
+            raise Mismatch(column)
 
 
 def decode_block(payload: pa.Buffer, ref: "ChunkRef", cols: Columns, want: Sequence[int], lo: int,
@@ -350,17 +355,14 @@ def decode_block(payload: pa.Buffer, ref: "ChunkRef", cols: Columns, want: Seque
         start, end = _region(place)
         if o_at >= 0:
             last = (o_at + 4 * (n + 1) - 1 - start) // PIECE  # the offsets' last piece: verified first
-            for p in range(last + 1):
-                if _xxh3(data[start + p * PIECE:min(start + (p + 1) * PIECE, end)]) != digests[k + p]:
-                    raise Mismatch(ref.columns[i])
+            _verify(data, start, end, digests, k, range(last + 1), ref.columns[i])
             off = data[o_at:o_at + 4 * (n + 1)].view(np.int32)
             a, b = v_at + (int(off[lo]) * bits >> 3), v_at + (-(-int(off[hi]) * bits // 8) if hi > lo else 0)
         else:
             last = -1
             a, b = v_at + (lo * bits >> 3), v_at + (-(-hi * bits // 8))
-        for p in range(max(last + 1, (a - start) // PIECE), -(-(b - start) // PIECE)):
-            if _xxh3(data[start + p * PIECE:min(start + (p + 1) * PIECE, end)]) != digests[k + p]:
-                raise Mismatch(ref.columns[i])
+        _verify(data, start, end, digests, k, range(max(last + 1, (a - start) // PIECE), -(-(b - start) // PIECE)),
+                ref.columns[i])
         values = payload.slice(v_at, vbytes)
         if o_at < 0:
             out.append(pa.Array.from_buffers(t, n, [None, values]))

@@ -21,11 +21,9 @@ import shutil
 import struct
 import uuid
 
-import xxhash
-
 from dataplane_rl.errors import CorruptChunkError, PartitionExistsError, StoreUnavailableError
 from dataplane_rl.store import chunks
-from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot
+from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot, checksum
 from dataplane_rl.store.shm_files import (
     CHUNK_KEY,
     DIR_MODE,
@@ -45,8 +43,12 @@ HEAD_BYTES = 64  # the first record starts here
 _LEN = struct.Struct("<I")  # a record: its framed JSON's length, then the framed JSON
 
 
+def _end_check(end: int) -> int:
+    return checksum(end.to_bytes(8, "little"))
+
+
 def _head(end: int) -> bytes:
-    return _HEAD.pack(_MAGIC, end, xxhash.xxh3_64_intdigest(end.to_bytes(8, "little")))
+    return _HEAD.pack(_MAGIC, end, _end_check(end))
 
 
 def _record(text: str) -> bytes:
@@ -111,7 +113,7 @@ class Log:
         (its checksum says so): read again."""
         for _ in range(100):
             magic, end, check = _HEAD.unpack(os.pread(self.fd, _HEAD.size, 0).ljust(_HEAD.size, b"\0"))
-            if magic == _MAGIC and check == xxhash.xxh3_64_intdigest(end.to_bytes(8, "little")):
+            if magic == _MAGIC and check == _end_check(end):
                 return end
             if magic != _MAGIC:
                 break
