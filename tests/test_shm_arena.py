@@ -197,7 +197,7 @@ def test_a_drop_while_a_put_writes_never_pools_that_segment(store):
 
 
 def test_segment_sizes_double_per_partition_and_fit_a_large_put():
-    from dataplane_rl.store.shm_arena import MiB, segment_size
+    from dataplane_rl.store.shm.arena import MiB, segment_size
 
     assert segment_size(1000, 0, 64 * MiB) == 64 << 10  # a small first put: the smallest segment
     assert segment_size(1000, 64 << 10, 64 * MiB) == 128 << 10  # the partition's next one doubles

@@ -180,7 +180,7 @@ def reopen(store):
 
 def set_end(log: Path, end: int) -> None:
     """Move the log's committed end (a valid header: only the records can be wrong)."""
-    from dataplane_rl.store.shm_catalog import _head
+    from dataplane_rl.store.shm.catalog import _head
 
     with open(log, "r+b") as f:
         f.write(_head(end))
@@ -228,7 +228,7 @@ def test_truncated_log_and_meta_are_corrupt(shm):
 
 
 def test_log_naming_a_path_outside_the_partition_is_refused(shm):
-    from dataplane_rl.store.shm_catalog import _record
+    from dataplane_rl.store.shm.catalog import _record
 
     f = log_of(shm)
     data = f.read_bytes()

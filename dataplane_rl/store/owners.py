@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from dataplane_rl.errors import CorruptChunkError
-from dataplane_rl.store.shm_files import create_file, framed, read_file, unframe, untrusted
+from dataplane_rl.store.files import create_file, framed, read_file, unframe, untrusted
 
 OWNER_FILE = ".owner"
 KEPT_FILE = ".kept"

@@ -8,10 +8,10 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
     DIR/.kept                          made once by keep(): the folder outlives its run (owners.py)
     DIR/.pool/<bytes>-<hex>            segments of dropped partitions (and pre-touched ones), kept for reuse
     DIR/<pid>/log                      the partition's meta, then each committed put's ChunkRefs, appended
-                                       (shm_catalog.py); a header says how far it is committed;
+                                       (catalog.py); a header says how far it is committed;
                                        flock'd exclusively by commit and drop
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
-    DIR/<pid>/chunks/put-<hex>         a segment (shm_arena.py): the blocks of one or more puts of one writer,
+    DIR/<pid>/chunks/put-<hex>         a segment (arena.py): the blocks of one or more puts of one writer,
                                        each every column of its rows as flat buffers (chunks.py) at a
                                        64-byte-aligned offset; key put-<hex>@<offset>
 
@@ -21,7 +21,7 @@ is reserved (posix_fallocate) before its file is mapped, so a full /dev/shm is a
 of a SIGBUS in the writer.
 
 A put copies each column buffer straight into the next free range of its writer's open segment of the
-partition, kept mapped (one copy, no claim, map or rename per put: shm_arena.py); checksums go per column
+partition, kept mapped (one copy, no claim, map or rename per put: arena.py); checksums go per column
 and piece, so a shard reader checksums only what it reads. It becomes visible when its record is appended
 to the partition's log under the partition lock, after re-checking that no cell is already committed; a
 writer that dies before that leaves only unreferenced bytes, freed with the partition. While it writes, a
@@ -29,7 +29,7 @@ put holds a shared flock on its segment, so a drop never pools a segment that a 
 process keeps each log it follows open and learns of new commits from its header (one read), never by
 listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
 under the lock, so no new reader finds it, while open mappings stay readable. The file pool is in
-shm_pool.py, the per-process maps and leases in shm_maps.py.
+pool.py, the per-process maps and leases in maps.py.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ from dataplane_rl.errors import ConfigError, CorruptChunkError, StoreFullError, 
 from dataplane_rl.store import chunks, owners
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, layout, split_key
-from dataplane_rl.store.shm_arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, Arena, MiB
-from dataplane_rl.store.shm_catalog import Log, ShmCatalog
-from dataplane_rl.store.shm_files import (
+from dataplane_rl.store.shm.arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, Arena, MiB
+from dataplane_rl.store.shm.catalog import Log, ShmCatalog
+from dataplane_rl.store.files import (
     DIR_MODE,
     check_trusted,
     create_file,
@@ -65,8 +65,8 @@ from dataplane_rl.store.shm_files import (
     read_file,
     unframe,
 )
-from dataplane_rl.store.shm_maps import Lease, Maps
-from dataplane_rl.store.shm_pool import Pool
+from dataplane_rl.store.shm.maps import Lease, Maps
+from dataplane_rl.store.shm.pool import Pool
 
 _MARKER = owners.MARKER
 _FORMAT = b"dataplane-rl shm store v4\n"  # v4: a put's columns as flat buffers, checksummed per column
@@ -104,7 +104,7 @@ class ShmStore(ShmCatalog, ColumnStore):
         self._pool_bytes, self._arena_mb, self._prefault_mb = pool_bytes, arena_mb, prefault_mb
         made = self._open_dir(create)
         self._maps = Maps(pool_bytes)
-        self._logs: dict[str, Log] = {}  # pid -> what this process read of its log (shm_catalog.py)
+        self._logs: dict[str, Log] = {}  # pid -> what this process read of its log (catalog.py)
         self._refs_lock = threading.RLock()
         self._commit_lock = threading.Lock()
         self._pool = Pool(os.path.join(self._dir, _POOL), pool_bytes)
@@ -260,7 +260,7 @@ class ShmStore(ShmCatalog, ColumnStore):
             raise self._not_found(pid, gone) from None
         path, out = f"{folder}/{name}", []
         try:
-            # a shared flock on the segment while the put writes into it (shm_pool.take_back)
+            # a shared flock on the segment while the put writes into it (pool.take_back)
             with self._maps.file(path, base + end, writable=True) as f, flocked(f.fileno(), fcntl.LOCK_SH):
                 # under the segment's shared lock, which a drop must win to pool the segment: a partition
                 # still here now cannot pool this segment (to another writer) before the write ends

@@ -9,7 +9,7 @@ open and reads the header (one pread) to learn whether anything was committed, a
 one more; a commit writes its record past the end, then moves the end, under the partition lock. A
 writer that dies between the two leaves bytes past the end that nobody reads and the next commit
 overwrites, so a reader only ever sees whole records. A record is its length, then the xxh3 of its JSON
-and the JSON (shm_files.framed), so a damaged log is a CorruptChunkError, never wrong rows.
+and the JSON (files.framed), so a damaged log is a CorruptChunkError, never wrong rows.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import uuid
 from dataplane_rl.errors import CorruptChunkError, PartitionExistsError, StoreUnavailableError
 from dataplane_rl.store import chunks
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot, checksum
-from dataplane_rl.store.shm_files import (
+from dataplane_rl.store.files import (
     CHUNK_KEY,
     DIR_MODE,
     check_trusted,

@@ -1,5 +1,5 @@
-"""Files of an shm store: private (0700 folders, 0600 files), trusted only if they are the user's own, and,
-for metadata, checksummed.
+"""A store's own files (shm folders, ownership records): private (0700 folders, 0600 files), trusted only if
+they are the user's own, and, for metadata, checksummed.
 
 A metadata file (meta.json, a refs file) is the xxh3 of its JSON in 16 hex digits, a space, then the
 JSON: a damaged or truncated one is a CorruptChunkError, never rows read from a wrong map.

@@ -1,0 +1,16 @@
+"""`shm://DIR`: the shared-memory store of one machine, the embedded default (DESIGN §4).
+
+    store.py    ShmStore: the backend hooks (create, put, get, commit, drop) over a folder on /dev/shm
+    catalog.py  a partition's append-only log: its meta, then one record per committed put
+    arena.py    each writer's open segments of a partition, bounded by data_plane.shm.arena_mb
+    pool.py     segments of dropped partitions, kept pre-touched for reuse
+    maps.py     the per-process map cache and the leases that keep a mapping alive
+
+The private, trusted files it is made of are ../files.py, shared with the ownership records (../owners.py).
+"""
+
+from __future__ import annotations
+
+from dataplane_rl.store.shm.store import ShmStore
+
+__all__ = ["ShmStore"]
