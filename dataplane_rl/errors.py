@@ -55,6 +55,11 @@ class StoreTimeoutError(DataPlaneError, TimeoutError):
     """store.wait gave up: the named rows were not all written within the timeout."""
 
 
+class RewardFunctionError(DataPlaneError, ValueError):
+    """The user's reward function (task.reward_function) raised, or returned NaN, an infinity or a non-number: a
+    failure of the data, never stored as a reward."""
+
+
 def format_rows(rows) -> str:
     """Compact row description for error messages: '0-255', '3,7,9', '0-9,12 (11 rows)'."""
     rows = sorted(int(r) for r in rows)

@@ -67,6 +67,8 @@ def _rollout_table(n=3, bad=False):
         "num_turns": pa.array([1, 1, 1], type=pa.int32()),
         "observation_tokens": pa.array([0, 0, 0], type=pa.int32()),
         "end_reason": pa.array(["done", "length", "done"]),
+        "data_source": pa.array(["repeat"] * 3),
+        "extra_info": pa.array(["{}"] * 3),
     }
     if bad:
         del cols["group_id"]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dataplane_rl.algorithms.loss import LossConfig
 from dataplane_rl.config.multi_turn import MultiTurnConfig
+from dataplane_rl.config.task import TaskConfig
 from dataplane_rl.config_types import CONFIG, StrictScalars
 from dataplane_rl.errors import ConfigError
 
@@ -184,22 +184,6 @@ class DataPlaneConfig(_Section):
         if scheme not in ("shm", "memory", "mooncake", "ray"):
             raise ValueError(f"'{url}' is not a store URL; use shm://, mooncake://HOST:PORT, memory:// or ray://")
         return url
-
-
-class TaskConfig(_Section):
-    """`task.*`: the prompts and the reward function."""
-
-    name: str = Field("repeat", description="Registered task (see dataplane_rl.tasks): repeat, next, count, math_jsonl; multi-turn: guess, tool (docs/multiturn.md).")
-    path: Optional[str] = Field(None, description="Data file for file-based tasks (math_jsonl: JSONL with question and answer fields; required).")
-
-    @model_validator(mode="after")
-    def _path_given(self) -> "TaskConfig":
-        if self.name == "math_jsonl" and self.path is None:
-            # refused rather than defaulted: a forgotten task.path would silently train on the sample
-            sample = Path(__file__).resolve().parent / "tasks" / "math_sample.jsonl"
-            raise ValueError(f"task.name=math_jsonl needs task.path, a JSONL file with question and answer "
-                             f"fields; e.g. the bundled sample: task.path={sample}")
-        return self
 
 
 class LoggerConfig(_Section):

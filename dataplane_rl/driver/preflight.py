@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataplane_rl.config import Config
-from dataplane_rl.model.load import resolve_model
+from dataplane_rl.model.load import load_tokenizer, resolve_model
 from dataplane_rl.store import MemoryStore, open_store
 from dataplane_rl.run import private_ray
 from dataplane_rl.rollout.multiturn import check_config as check_multi_turn
-from dataplane_rl.tasks import get_task
+from dataplane_rl.tasks import load_modules, load_task
 from dataplane_rl.tasks.multiturn import is_multi_turn
 
 
@@ -25,14 +25,16 @@ def open_run_store(cfg: Config):
 
 def preflight(cfg: Config):
     """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
-    an actor's traceback: the task and its file, the model folder, the engine. Returns (task, model folder)."""
-    task = get_task(cfg.task.name, cfg.task.path)
+    an actor's traceback: task.module, the task and its file, the model folder, the engine. Returns (task, model folder)."""
+    load_modules(cfg.task)  # first: a task.module that fails to import is the one error, not an unknown task.name
+    folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
+    tokenizer = load_tokenizer(folder)
+    task = load_task(cfg.task, tokenizer)
     if is_multi_turn(task):
         check_multi_turn(cfg, task)
-    folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     check_device(cfg)
     private_ray.check_dashboard(cfg)
-    check_prompt_lengths(cfg, task, folder)
+    check_prompt_lengths(cfg, task, tokenizer)
     if cfg.generation.backend == "vllm":
         from dataplane_rl.rollout.vllm_engine import require_vllm
 
@@ -54,7 +56,7 @@ def check_device(cfg: Config) -> None:
                           f"{device.type} (policy.device={cfg.policy.device}); use policy.precision=float32")
 
 
-def check_prompt_lengths(cfg: Config, task, folder: str) -> None:
+def check_prompt_lengths(cfg: Config, task, tok) -> None:
     """Every prompt of the task's pools leaves room for a response within policy.max_total_sequence_length
     (else the rollout actor fails mid-run on the first long prompt it draws). Tasks without pools are
     checked as their prompts come."""
@@ -62,10 +64,8 @@ def check_prompt_lengths(cfg: Config, task, folder: str) -> None:
     pools = [getattr(task, name, None) for name in ("train_pool", "val_pool")]
     if max_total is None or not any(pools):
         return
-    from dataplane_rl.model.load import load_tokenizer
     from dataplane_rl.rollout.worker import encode_prompt, response_rooms
 
-    tok = load_tokenizer(folder)
     for prompt in (p for pool in pools if pool for p in pool):
         ids = encode_prompt(tok, prompt)
         if len(ids) >= max_total:

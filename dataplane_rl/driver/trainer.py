@@ -28,6 +28,7 @@ from dataplane_rl.driver import validation
 from dataplane_rl.columns.rowsets import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.packing import balance_by_tokens, refuse_over_budget
 from dataplane_rl.run.reaper import deferred_sigint
+from dataplane_rl.driver.samples import source_rewards, train_data_rows
 from dataplane_rl.driver.rollouts import Rollouts, fresh_groups, rollout_actors_alive
 from dataplane_rl.driver.transport import DriverTransport
 from dataplane_rl.train.worker import TrainWorker
@@ -64,6 +65,7 @@ class Groups:
     scalars: pa.Table          # DRIVER_FIELDS of those rows, in row-set order
     pids: list[str]            # every round partition of the step (dropped at its end)
     rounds_rewards: list       # every generated reward, per round (train/reward)
+    rounds_sources: list       # every generated sample's data_source, all rounds in order (train/reward/<data_source>)
     dropped_stale: int = 0     # rows older than the staleness bound
     groups_generated: int = 0  # every group of every round
     zero_advantage_groups: int = 0  # of those, the groups whose rewards are all equal
@@ -232,7 +234,7 @@ class GRPOTrainer:
         oldest = step - 1 - (self.rollouts.ahead or 0)
         kept: list = []  # (pid, rows of one whole group)
         scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS, read once
-        rounds_rewards, dropped = [], 0
+        rounds_rewards, rounds_sources, dropped = [], [], 0
         generated = flat = 0
         rounds = g.max_gen_batches if g.use_dynamic_sampling or self.rollouts.ahead else 1
         for round_ in range(rounds):
@@ -246,6 +248,7 @@ class GRPOTrainer:
             rewards = to_numpy(sc.column("total_reward")).astype(np.float64)
             groups = to_numpy(sc.column("group_id"))
             rounds_rewards.append(rewards)
+            rounds_sources += sc.column("data_source").to_pylist()
             uniq = np.unique(groups)
             generated += len(uniq)
             flat += len(uniq) - len(informative_groups(rewards, groups))
@@ -267,7 +270,7 @@ class GRPOTrainer:
                 "grpo.num_prompts_per_step, or turn grpo.use_dynamic_sampling off")
         rs = merge([[k] for k in kept])  # the kept rows, whole groups in order, by partition
         sc = pa.concat_tables([scalars[pid].take(pa.array(rows)) for pid, rows in rs])
-        return Groups(rs, sc, list(scalars), rounds_rewards, dropped, generated, flat)
+        return Groups(rs, sc, list(scalars), rounds_rewards, rounds_sources, dropped, generated, flat)
 
     def advantages_and_masks(self, got: Groups, io: StepIO) -> np.ndarray:
         """Per-sample advantages and sample_mask, put as driver columns; returns the kept rewards."""
@@ -342,14 +345,7 @@ class GRPOTrainer:
         data = fetch(self.store, rs, self.schema.field_set("TRAIN_DATA_FIELDS"))
         io.driver_bytes_read += data.nbytes
         io.get_s += time.perf_counter() - t0
-        cols = [data.column(c).to_pylist() for c in ("group_id", "prompt_text", "response_text", "total_reward",
-                                                      "advantages", "sample_mask", "generation_policy_version",
-                                                      "num_turns", "end_reason")]
-        return [{"sample_id": f"{pid}/{int(row)}", "group_id": int(gid), "prompt": pr, "response": resp,
-                 "total_reward": float(rw), "advantage": float(a), "sample_mask": int(m), "generation_policy_version": int(v),
-                 "num_turns": int(nt), "end_reason": er}
-                for (pid, row), gid, pr, resp, rw, a, m, v, nt, er in zip(((pid, row) for pid, rows in rs for row in rows),
-                                                                          *cols)]
+        return train_data_rows(rs, data)
 
     def _drop(self, pids: list[str]) -> None:
         for pid in pids:
@@ -369,6 +365,7 @@ class GRPOTrainer:
         m["train/reward_std"] = float(np.std(generated))
         m["train/reward_min"] = float(np.min(generated))
         m["train/reward_max"] = float(np.max(generated))
+        m.update(source_rewards(generated, got.rounds_sources))
         m["train/zero_advantage_group_fraction"] = got.zero_advantage_groups / max(got.groups_generated, 1)
         m["generation/response_length_mean"] = train["response_length_mean"]
         m["generation/response_length_max"] = train["response_length_max"]

@@ -17,6 +17,9 @@ from dataplane_rl.errors import ConfigError
 # Characters of the tiny tokenizer: enough for the built-in tasks' prompts and answers.
 _CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=:?.,!() \n")
 _SPECIAL = ["<pad>", "<bos>", "<eos>"]
+# The tiny model's chat template: every character in its vocabulary, so chat prompts render without a download.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant: {% endif %}")
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
 
@@ -39,6 +42,7 @@ def build_tiny(seed: int, cache_dir: str | None = None) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
                                      unk_token="<pad>", clean_up_tokenization_spaces=False)
+    hf_tok.chat_template = TINY_CHAT_TEMPLATE
     cfg = Qwen2Config(vocab_size=len(vocab), tie_word_embeddings=True, bos_token_id=vocab["<bos>"],
                       eos_token_id=vocab["<eos>"], pad_token_id=vocab["<pad>"], **TINY)
     torch.manual_seed(seed)
@@ -97,6 +101,8 @@ def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
+    if tok.chat_template is None and (Path(folder) / "dataplane_rl.json").is_file():
+        tok.chat_template = TINY_CHAT_TEMPLATE  # a tiny folder built before the template was
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -24,6 +24,7 @@ import pyarrow as pa
 from dataplane_rl.errors import DataPlaneError
 from dataplane_rl.rollout.generation import Generation
 from dataplane_rl.store import list_array_of_rows
+from dataplane_rl.tasks import row_columns
 
 
 class EpisodeError(DataPlaneError, ValueError):
@@ -204,8 +205,8 @@ def episode_columns(episodes: list[Episode], group_ids: list[int], prompt_len: l
         "observation_tokens": pa.array(np.asarray([sum(map(len, e.observations)) for e in episodes], np.int32)),
         "end_reason": pa.array([e.end for e in episodes], type=pa.string()),
         "prompt_text": pa.array([e.prompt for e in episodes], type=pa.string()),
-        "response_text": pa.array([tokenizer.decode(e.ids[p:], skip_special_tokens=True)
-                                   for e, p in zip(episodes, prompt_len)], type=pa.string()),
+        "response_text": pa.array([response_text(tokenizer, e, p) for e, p in zip(episodes, prompt_len)],
+                                  type=pa.string()),
         "generation_policy_version": pa.array(np.full(n, version, np.int64)),
     })
 
@@ -221,9 +222,20 @@ def multi_turn_table(worker, job, prompt_ids: list[list[int]], seeds: list[int],
     run_episodes(worker.engine, env, episodes, max_turns=cfg.multi_turn.max_turns,
                  max_new_tokens=cfg.generation.max_new_tokens, max_total=cfg.policy.max_total_sequence_length,
                  temperature=temperature, top_k=top_k, top_p=top_p)
+    plen = [len(p) for p in prompt_ids for _ in range(G)]
+    if getattr(worker.task, "user_reward", None) is not None:  # task.reward_function scores the ended episode
+        for e, p in zip(episodes, plen):
+            e.reward = worker.task.reward(e.prompt, response_text(worker.tokenizer, e, p))
     groups = [gid for gid in job.group_ids for _ in range(G)]
-    return episode_columns(episodes, groups, [len(p) for p in prompt_ids for _ in range(G)], worker.tokenizer,
-                           worker.version, env)
+    table = episode_columns(episodes, groups, plen, worker.tokenizer, worker.version, env)
+    for name, col in row_columns(worker.task, job.prompts, G).items():
+        table = table.append_column(name, col)
+    return table
+
+
+def response_text(tokenizer, e: Episode, prompt_len: int) -> str:
+    """An episode's response_text: every turn and observation after the prompt, decoded."""
+    return tokenizer.decode(e.ids[prompt_len:], skip_special_tokens=True)
 
 
 def episode_metrics(scalars: pa.Table, policy_tokens: float) -> dict:

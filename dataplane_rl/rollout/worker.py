@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from dataplane_rl.rollout.generation import Generation
 from dataplane_rl.store import list_array
+from dataplane_rl.tasks import row_columns
 from dataplane_rl.tasks.multiturn import is_multi_turn
 
 
@@ -80,14 +81,16 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, 
         "prompt_text": pa.array(ptext, type=pa.string()),
         "response_text": pa.array(rtext, type=pa.string()),
         "generation_policy_version": pa.array(np.full(len(n), version, np.int64)),
+        **row_columns(task, job.prompts, G),  # data_source, extra_info
     })
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """A prompt's token ids as the engine gets them: BOS (if the tokenizer has one), then the text."""
-    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    """A prompt's token ids as the engine gets them: BOS (if the tokenizer has one and a chat template did not
+    already put it in the text), then the text."""
+    ids = list(tokenizer(prompt, add_special_tokens=False).input_ids)
     bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None else []) + list(ids)
+    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
 
 
 def response_rooms(prompt_ids: list[list[int]], max_new_tokens: int, max_total: int | None) -> list[int]:
@@ -120,14 +123,14 @@ class RolloutWorker:
 
         from dataplane_rl.config import Config
         from dataplane_rl.rollout.engine import make_engine
-        from dataplane_rl.tasks import get_task
+        from dataplane_rl.tasks import load_task
         from dataplane_rl.model.load import load_tokenizer
 
         torch.set_num_threads(threads)
         self.cfg = Config.model_validate(cfg)
         self.tokenizer = load_tokenizer(model_folder)
         self.engine = make_engine(self.cfg, model_folder, self.tokenizer)
-        self.task = get_task(self.cfg.task.name, self.cfg.task.path)
+        self.task = load_task(self.cfg.task, self.tokenizer)  # task.module imported here, in this actor
         from dataplane_rl.columns.actor_io import ActorIO
 
         self.io = ActorIO(store_url)

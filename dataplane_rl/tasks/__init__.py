@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.tasks.answers import extract_answer, normalize_number
+from dataplane_rl.tasks.answers import answer_reward, extract_answer
+from dataplane_rl.tasks.dataset import DatasetTask, PromptRow
 from dataplane_rl.tasks import multiturn
 from dataplane_rl.tasks.pools import VAL_SHARE, split_held_out  # noqa: F401  (VAL_SHARE: part of the tasks API)
 
@@ -165,13 +166,7 @@ class MathJsonlTask:
             answer = self.answers[prompt]
         except KeyError:
             raise ConfigError(f"math_jsonl: prompt {prompt[:40]!r} is not a question of {self.path}") from None
-        got = extract_answer(response)
-        if got is None:
-            return 0.0
-        want_n, got_n = normalize_number(answer), normalize_number(got)
-        if want_n is not None:
-            return 1.0 if got_n == want_n else 0.0
-        return 1.0 if got == answer else 0.0
+        return answer_reward(answer, response)
 
 
 TASKS: dict[str, Callable[..., Task]] = {
@@ -180,6 +175,9 @@ TASKS: dict[str, Callable[..., Task]] = {
     "count": lambda path=None: CountTask(),
     "math_jsonl": lambda path=None: MathJsonlTask(path or str(Path(__file__).parent / "math_sample.jsonl")),
     # multi-turn (tasks/multiturn.py)
+    # text prompts (load_task passes the keys and the tokenizer); no path: the bundled math sample, as math_jsonl
+    "dataset": lambda path=None: DatasetTask(path) if path else DatasetTask(
+        str(Path(__file__).parent / "math_sample.jsonl"), input_key="question", output_key="answer"),
     "guess": lambda path=None: multiturn.GuessTask(),
     "tool": lambda path=None: multiturn.ToolTask(),
 }
@@ -195,5 +193,63 @@ def get_task(name: str, path: str | None = None) -> Task:
 
 
 def register_task(name: str, factory: Callable[..., Task]) -> None:
-    """Add a task: `factory(path)` returns an object with prompts() and reward()."""
+    """Add a task: `factory(path)` returns an object with prompts(), val_prompts() and reward() (a multi-turn
+    environment: step() too, and `multi_turn = True`). From the CLI, in a file named by task.module."""
     TASKS[name] = factory
+
+
+def prompt_row(task, prompt: str) -> PromptRow:
+    """The row a prompt comes from (data_source, ground_truth, extra_info): the task's own `row(prompt)`, else
+    data_source = the task's name, no ground truth, extra_info {}."""
+    row = getattr(task, "row", None)
+    return row(prompt) if callable(row) else PromptRow(str(getattr(task, "name", type(task).__name__)))
+
+
+def row_columns(task, prompts: list[str], G: int) -> dict:
+    """The data_source and extra_info (JSON) columns of G samples per prompt, from each prompt's row."""
+    import pyarrow as pa
+
+    rows = [prompt_row(task, p) for p in prompts]
+    return {"data_source": pa.array([r.data_source for r in rows for _ in range(G)], type=pa.string()),
+            "extra_info": pa.array([r.extra_json for r in rows for _ in range(G)], type=pa.string())}
+
+
+class ScoredTask:
+    """A task whose reward is task.reward_function's, called with the prompt's row; everything else is the task's.
+    A multi-turn task's episodes are scored once, at their end, on the episode's response text."""
+
+    def __init__(self, task, user_reward) -> None:
+        self.task, self.user_reward = task, user_reward
+
+    def __getattr__(self, name: str):
+        if name == "task":  # not yet set (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.task, name)
+
+    def reward(self, prompt: str, response: str) -> float:
+        r = prompt_row(self.task, prompt)
+        return self.user_reward(r.data_source, response, r.ground_truth, r.extra_info)
+
+
+def load_modules(task_cfg) -> None:
+    """Import task.module in this process (once): every process of a run calls this before it looks up a task."""
+    if task_cfg.module:
+        from dataplane_rl.tasks.user_code import import_user_module
+
+        import_user_module(task_cfg.module)
+
+
+def load_task(task_cfg, tokenizer=None) -> Task:
+    """The task of a run's `task.*` config: task.module imported first, dataset prompts rendered with `tokenizer`
+    (needed for chat messages), the reward replaced by task.reward_function when it is set."""
+    load_modules(task_cfg)
+    c = task_cfg
+    if c.name == "dataset":
+        task = DatasetTask(c.path, c.val_path, c.input_key, c.output_key, c.shuffle, tokenizer)
+    else:
+        task = get_task(c.name, c.path)
+    if c.reward_function:
+        from dataplane_rl.tasks.user_code import UserReward
+
+        task = ScoredTask(task, UserReward(c.reward_function))
+    return task

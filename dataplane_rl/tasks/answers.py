@@ -57,3 +57,14 @@ def normalize_number(text: str | None) -> str | None:
     if d == d.to_integral_value():
         return str(int(d))
     return format(d.normalize(), "f")
+
+
+def answer_reward(gold: str, response: str) -> float:
+    """1.0 when the response's final answer equals `gold` (numbers after normalisation, else as text); else 0.0."""
+    got = extract_answer(response)
+    if got is None:
+        return 0.0
+    want_n, got_n = normalize_number(gold), normalize_number(got)
+    if want_n is not None:
+        return 1.0 if got_n == want_n else 0.0
+    return 1.0 if got == gold else 0.0

@@ -65,6 +65,9 @@ class TrainWorker:
 
         torch.set_num_threads(threads)
         self.cfg = Config.model_validate(cfg)
+        from dataplane_rl.tasks import load_modules
+
+        load_modules(self.cfg.task)  # the user's task.module, in every process of the run
         self.schema = load_schema(self.cfg.data_plane.schema_name)
         self.train_fields = self.cfg.train_fields(self.schema)
         self.rank, self.world = rank, world
