@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dataplane_rl.config import load_config
@@ -182,9 +183,39 @@ def test_refuses_nll_without_rewards_before_starting(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+# task.module for the CLI run: the examples' Parquet rows, with the pid of the process that made each row's
+# data_source; every import of the module (driver, each actor) appends its pid to a side file
+PID_MODULE = """
+import os
+from dataplane_rl.tasks import register_task
+from dataplane_rl.tasks.dataset import DatasetTask, PromptRow
+
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "imports.txt"), "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+
+class PidDataset(DatasetTask):
+    def row(self, prompt):
+        r = super().row(prompt)
+        return PromptRow(f"{r.data_source}@{os.getpid()}", r.ground_truth, r.extra_info)
+
+
+register_task("pid_dataset", lambda path=None, tokenizer=None: PidDataset(path, tokenizer=tokenizer))
+"""
+
+
 def test_train_cli_writes_the_run_folder(tmp_path):
+    """The CLI run, on your own data, reward and task (docs/tasks.md): the examples' verl-layout Parquet file and
+    reward file, through a task.module task, with 2 rollout actors."""
+    import pyarrow.parquet as pq
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    (tmp_path / "pid_task.py").write_text(PID_MODULE)
+    byo = [f"task.module={tmp_path / 'pid_task.py'}", "task.name=pid_dataset",
+           f"task.path={examples / 'data' / 'train.parquet'}", f"task.reward_function={examples / 'reward.py'}",
+           "generation.num_workers=2"]
     run_dir = tmp_path / "cli"
-    p = cli("train", *SMALL, "grpo.max_num_steps=2", f"logger.run_dir={run_dir}", "data_plane.enabled=true")
+    p = cli("train", *SMALL, "grpo.max_num_steps=2", f"logger.run_dir={run_dir}", "data_plane.enabled=true", *byo)
     assert p.returncode == 0, p.stderr[-3000:]
     # stdout is the summary alone (`| jq` works); logger.progress=false still prints the last step's line
     out = json.loads(p.stdout)
@@ -201,8 +232,31 @@ def test_train_cli_writes_the_run_folder(tmp_path):
         assert key in lines[0], key
     sample = json.loads((run_dir / "train_data/step_000001.jsonl").read_text().splitlines()[0])
     assert set(sample) == {"sample_id", "group_id", "prompt", "response", "total_reward", "advantage", "sample_mask",
-                           "generation_policy_version", "num_turns", "end_reason"}
+                           "generation_policy_version", "num_turns", "end_reason", "data_source", "extra_info"}
     assert sample["num_turns"] == 1 and sample["end_reason"] in ("done", "length")
+    # every stored total_reward is the user's function of the row; the module's task made every row
+    sys.path.insert(0, str(examples))
+    try:
+        from reward import compute_score
+    finally:
+        sys.path.pop(0)
+    truth = {f"user: {r['prompt'][0]['content']}\nassistant: ": r for r in pq.read_table(examples / "data" / "train.parquet").to_pylist()}
+    rows = [json.loads(x) for f in sorted((run_dir / "train_data").iterdir()) for x in f.read_text().splitlines()]
+    assert len(rows) == 2 * 32
+    for r in rows:
+        src, pid = truth[r["prompt"]], r["data_source"].split("@")[1]
+        assert r["data_source"] == f"{src['data_source']}@{pid}" and json.loads(r["extra_info"]) == src["extra_info"]
+        want = compute_score(src["data_source"], r["response"], src["reward_model"]["ground_truth"], src["extra_info"])
+        assert r["total_reward"] == float(np.float32(want["score"]))
+    pids = {r["data_source"].split("@")[1] for r in rows}
+    imports = set((tmp_path / "imports.txt").read_text().split())
+    assert len(pids) == 2 and pids <= imports, "each of the 2 rollout actors must make rows with the module's task"
+    assert len(imports) >= 4, "imported in the driver, both rollout actors and the train worker"
+    for m in lines:  # train/reward/<data_source>: the mean of that source's rows (no dynamic sampling: all kept)
+        mine = [r for r in rows if r["sample_id"].startswith(f"step-{m['step']:06d}/")]
+        for s in {r["data_source"] for r in mine}:
+            want = np.mean([np.float32(r["total_reward"]) for r in mine if r["data_source"] == s])
+            assert m[f"train/reward/{s}"] == pytest.approx(want, rel=1e-6)
     assert load_config(run_dir / "config.yaml").grpo.max_num_steps == 2  # the resolved config reloads
     store_url = json.loads((run_dir / "summary.json").read_text())["store_url"]
     assert store_url.startswith("shm:///") and not Path(store_url[len("shm://"):]).exists(), \

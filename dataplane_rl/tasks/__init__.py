@@ -8,6 +8,7 @@ of the prompt text: `prompts()` draws only from the first, `val_prompts()` lists
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 from dataclasses import dataclass, field
@@ -183,18 +184,27 @@ TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
-def get_task(name: str, path: str | None = None) -> Task:
-    """The registered task `name` (path: its data file, for file-based tasks)."""
+def get_task(name: str, path: str | None = None, tokenizer=None) -> Task:
+    """The registered task `name` (path: its data file, for file-based tasks). A factory with a `tokenizer`
+    parameter gets the model's tokenizer (to render chat prompts, as DatasetTask does)."""
     try:
         factory = TASKS[name]
     except KeyError:
-        raise ConfigError(f"unknown task.name '{name}'; registered tasks: {', '.join(TASKS)}") from None
+        hint = "" if name in _BUILT_IN else "; a task of your own needs task.module=FILE.py, the file that registers it"
+        raise ConfigError(f"unknown task.name '{name}'; registered tasks: {', '.join(TASKS)}{hint}") from None
+    if tokenizer is not None and "tokenizer" in inspect.signature(factory).parameters:
+        return factory(path, tokenizer=tokenizer)
     return factory(path)
+
+
+_BUILT_IN = frozenset(TASKS)
 
 
 def register_task(name: str, factory: Callable[..., Task]) -> None:
     """Add a task: `factory(path)` returns an object with prompts(), val_prompts() and reward() (a multi-turn
-    environment: step() too, and `multi_turn = True`). From the CLI, in a file named by task.module."""
+    environment: step() too, and `multi_turn = True`), and may have row(prompt) -> PromptRow (data_source, ground
+    truth, extra_info for task.reward_function). `factory(path, tokenizer=None)` also gets the model's tokenizer.
+    From the CLI: in a file named by task.module, imported in every process of the run."""
     TASKS[name] = factory
 
 
@@ -247,7 +257,7 @@ def load_task(task_cfg, tokenizer=None) -> Task:
     if c.name == "dataset":
         task = DatasetTask(c.path, c.val_path, c.input_key, c.output_key, c.shuffle, tokenizer)
     else:
-        task = get_task(c.name, c.path)
+        task = get_task(c.name, c.path, tokenizer)
     if c.reward_function:
         from dataplane_rl.tasks.user_code import UserReward
 

@@ -135,6 +135,7 @@ class DatasetTask:
                  output_key: str = "reward_model.ground_truth", shuffle: bool = True, tokenizer=None) -> None:
         self.path, self.shuffle = path, shuffle
         self.rows: dict[str, PromptRow] = {}
+        self.first: dict[str, str] = {}  # prompt -> where it first appeared, for the duplicate's error
         self.source = Path(path).stem
         train = self._load(path, input_key, output_key, tokenizer)
         if val_path:
@@ -151,7 +152,7 @@ class DatasetTask:
         rows = read_rows(path)
         if not rows:
             raise ConfigError(f"task path '{path}' holds no rows")
-        order, first = [], {}
+        order, seen = [], set()
         for i, row in enumerate(rows):
             where = f"task path '{path}' row {i}"
             for key in (input_key, output_key):
@@ -165,13 +166,14 @@ class DatasetTask:
             source = row.get("data_source")
             data = PromptRow(str(source) if source is not None else self.source, pick(row, output_key),
                              row.get("extra_info") or {})
-            if text in self.rows:
-                if self.rows[text] != data:
-                    raise ConfigError(f"{where} repeats the prompt of {first[text]} with another ground truth, "
-                                      f"data_source or extra_info; a prompt names one row: drop or merge one of them")
-                continue
-            self.rows[text], first[text] = data, f"{path} row {i}"
-            order.append(text)
+            if text in self.rows and self.rows[text] != data:
+                raise ConfigError(f"{where} repeats the prompt of {self.first[text]} with another ground truth, "
+                                  f"data_source or extra_info; a prompt names one row: drop or merge one of them")
+            if text not in seen:
+                seen.add(text)
+                order.append(text)
+            self.rows[text] = data
+            self.first.setdefault(text, f"{path} row {i}")
         return order
 
     @functools.lru_cache(maxsize=4)
