@@ -113,16 +113,15 @@ def test_dataset_refusals_name_the_row_and_the_fix(tmp_path):
     tok.chat_template = None
     with pytest.raises(ConfigError, match=r"chat messages but policy.model's tokenizer has no chat template"):
         DatasetTask(str(f), tokenizer=tok)
-    with pytest.raises(ConfigError, match=r"needs the datasets package|not found"):
-        (tmp_path / "saved").mkdir()
-        (tmp_path / "saved" / "dataset_info.json").write_text("{}")
-        import importlib.util
-
-        if importlib.util.find_spec("datasets") is not None:
-            pytest.skip("datasets installed: the refusal is for machines without it")
-        DatasetTask(str(tmp_path / "saved"))
     with pytest.raises(Exception, match=r"task.name=dataset needs task.path"):
         load_config(None, ["task.name=dataset"])
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is None:  # a saved `datasets` folder, without the package to read it
+        (tmp_path / "saved").mkdir()
+        (tmp_path / "saved" / "dataset_info.json").write_text("{}")
+        with pytest.raises(ConfigError, match=r"needs the datasets package: pip install datasets"):
+            DatasetTask(str(tmp_path / "saved"))
 
 
 @pytest.mark.parametrize("body, what", [
@@ -201,3 +200,16 @@ def test_load_task_imports_the_module_once_and_passes_the_tokenizer(tmp_path):
         assert math.isclose(a.reward(a.train_pool[0], str(a.row(a.train_pool[0]).ground_truth)), 1.0)
     finally:
         TASKS.pop("mine", None)
+
+
+def test_a_template_that_writes_the_bos_token_gets_no_second_one():
+    from dataplane_rl.rollout.worker import encode_prompt
+    from dataplane_rl.tasks.dataset import render_prompt
+
+    tok = load_tokenizer(build_tiny(0))
+    messages = [{"role": "user", "content": "hi"}]
+    plain = encode_prompt(tok, render_prompt(messages, tok, "row 0"))
+    tok.chat_template = "<bos>" + tok.chat_template
+    with_bos = encode_prompt(tok, render_prompt(messages, tok, "row 0"))
+    assert plain == with_bos and plain.count(tok.bos_token_id) == 1 and plain[0] == tok.bos_token_id
+    assert plain[1:] == tok("user: hi\nassistant: ", add_special_tokens=False).input_ids
