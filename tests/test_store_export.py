@@ -49,6 +49,12 @@ def test_export_reads_back_equal(shm_url, tmp_path):
     assert json.loads(meta[SOURCE_KEY]) == {"store": shm_url, "partition": "step-000001"}
     assert read_parquet_schema(out) == GRPO_SCHEMA.model_validate_json(meta[SCHEMA_KEY])
     assert read_parquet_schema(out).by_name["teacher_topk_ids"].shape == (k,)
+    import subprocess
+    import sys
+
+    check = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "schema", "validate", str(out), "--writer",
+                            "teacher"], capture_output=True, text=True, timeout=120)  # shapes and lengths match
+    assert check.returncode == 0 and f"16 rows, {len(written)} columns match schema 'grpo'" in check.stdout, check.stderr
     p = run("export", shm_url, "step-000001", str(out), "--fields", "input_ids,teacher_topk_ids")
     assert p.returncode == 0 and pq.read_table(out).column_names == ["input_ids", "teacher_topk_ids"]
 
