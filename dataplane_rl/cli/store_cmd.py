@@ -1,5 +1,5 @@
-"""`dataplane-rl store ls|show|drop|gc`: look into (or free) a live column store, by URL or by a run folder: a
-live run's (its store.json names the store) or one that kept its partitions (its summary.json); list this
+"""`dataplane-rl store ls|show|export|drop|gc`: look into (or export, or free) a live column store, by URL or
+by a run folder: a live run's (its store.json names the store) or one that kept its partitions (its summary.json); list this
 machine's shm stores with their owners, and remove those of dead runs (store/owners.py)."""
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ def add_parser(sub) -> None:
     show.add_argument("--rows", default=SHOW_DEFAULT_ROWS, help=f"rows like 0-9,12 (default {SHOW_DEFAULT_ROWS})")
     show.add_argument("--fields", help="comma-separated columns (default: every column with rows written)")
     show.set_defaults(func=show_cmd)
+    export = ssub.add_parser("export", help="write a partition's rows to a Parquet file (token columns as lists, "
+                             "shaped ones as lists of fixed-size lists, the schema in the file's metadata)")
+    export.add_argument("url", help=URL_HELP)
+    export.add_argument("partition", help="partition id, e.g. step-000042")
+    export.add_argument("out", type=Path, help="the Parquet file to write, e.g. step-000042.parquet")
+    export.add_argument("--fields", help="comma-separated columns (default: every column written on every row)")
+    export.set_defaults(func=export_cmd)
     drop = ssub.add_parser("drop", help="drop a partition, or --all (an shm:// store's folder goes with the last)")
     drop.add_argument("url", help=URL_HELP)
     which = drop.add_mutually_exclusive_group(required=True)
@@ -100,8 +107,8 @@ def describe(store) -> dict:
     for pid in store.list_partitions():
         st = store.status(pid)
         schema = store.schema(pid)
-        cols = {c: {"rows_written": st.rows_written[c], "nbytes": st.nbytes[c], "writer": schema.by_name[c].writer}
-                for c in schema.names}
+        cols = {c.name: {"rows_written": st.rows_written[c.name], "nbytes": st.nbytes[c.name], "writer": c.writer,
+                         "shape": list(c.shape)} for c in schema.columns}
         out["partitions"].append({"partition": pid, "schema": st.schema, "num_rows": st.num_rows,
                                   "nbytes": st.total_bytes, "columns": cols})
     out["stats"] = store.stats()
@@ -161,22 +168,25 @@ def ls_cmd(args) -> int:
         for name, c in p["columns"].items():
             written = f"{c['rows_written']}/{p['num_rows']}"
             mark = "" if c["rows_written"] == p["num_rows"] else ("  (none)" if not c["rows_written"] else "  (partial)")
-            print(f"  {name.ljust(width)}  {written:>13}  {human_bytes(c['nbytes']):>10}  {c['writer']}{mark}")
+            shape = f"  [L, {', '.join(map(str, c['shape']))}]" if c["shape"] else ""
+            print(f"  {name.ljust(width)}  {written:>13}  {human_bytes(c['nbytes']):>10}  {c['writer']}{shape}{mark}")
     print_stats(doc["stats"])
     return 0
 
 
-def _cell(value, token: bool) -> str:
+def _cell(value, token: bool, shape: str = "") -> str:
     if value is _MISSING:
         return repr(value)
     if token:
-        head = ", ".join(_scalar(v) for v in value[:4])
-        tail = f", …, {_scalar(value[-1])}" if len(value) > 5 else "".join(f", {_scalar(v)}" for v in value[4:])
-        return f"[{head}{tail}] ({len(value)} tokens)"
+        return f"{_scalar(value)} ({len(value)} tokens" + (f" of {shape})" if shape else ")")
     return _scalar(value)
 
 
 def _scalar(v) -> str:
+    if isinstance(v, list):  # a token list, or one token of a shaped column: its first 4 and last values
+        head = ", ".join(_scalar(x) for x in v[:4])
+        tail = f", …, {_scalar(v[-1])}" if len(v) > 5 else "".join(f", {_scalar(x)}" for x in v[4:])
+        return f"[{head}{tail}]"
     if isinstance(v, float):
         return f"{v:.6g}"
     if isinstance(v, str):
@@ -231,8 +241,22 @@ def show_cmd(args) -> int:
     for i, r in enumerate(rows):
         print(f"row {r}")
         for f, values in columns.items():
-            print(f"  {f.ljust(width)}  {_cell(values[i], schema.by_name[f].kind == 'token')}")
+            col = schema.by_name[f]
+            print(f"  {f.ljust(width)}  {_cell(values[i], col.kind == 'token', col.shape_text)}")
     print_stats(stats)
+    return 0
+
+
+def export_cmd(args) -> int:
+    from dataplane_rl.store.parquet import export_partition
+
+    fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
+    store = _open(args.url)
+    try:
+        rows, fields = export_partition(store, args.partition, args.out, fields)
+    finally:
+        store.close()
+    print(f"wrote {args.out}: partition {args.partition}, {rows} rows, {len(fields)} columns ({', '.join(fields)})")
     return 0
 
 
