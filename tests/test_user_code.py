@@ -122,6 +122,18 @@ def test_dataset_refusals_name_the_row_and_the_fix(tmp_path):
         (tmp_path / "saved" / "dataset_info.json").write_text("{}")
         with pytest.raises(ConfigError, match=r"needs the datasets package: pip install datasets"):
             DatasetTask(str(tmp_path / "saved"))
+    else:  # the test extra installs datasets: a folder saved by Dataset.save_to_disk reads as the same rows
+        import datasets
+
+        rows = [{"data_source": "s", "prompt": f"p{i}", "reward_model": {"ground_truth": str(i)}} for i in range(10)]
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+        task = DatasetTask(str(tmp_path / "saved"), val_path=str(tmp_path / "saved"))
+        assert sorted(task.train_pool) == [f"p{i}" for i in range(10)]
+        assert task.row("p3").ground_truth == "3" and task.row("p3").data_source == "s"
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows)}
+                             ).save_to_disk(str(tmp_path / "splits"))
+        with pytest.raises(ConfigError, match=r"test.*train|train.*test"):
+            DatasetTask(str(tmp_path / "splits"))
 
 
 @pytest.mark.parametrize("body, what", [
