@@ -27,9 +27,10 @@ def build_train_batch(table: pa.Table, schema: Schema, device: torch.device | st
         col = schema.column(name)
         data = table.column(name)
         if col.kind == "token":
-            values, mask = pad_tokens(data, pad_value=0)
+            values, mask = pad_tokens(data, pad_value=0)  # [B, T], or [B, T, *shape] for a shaped column
             T = values.shape[1]
-            t = values.long() if name == "input_ids" else values.float()  # [B, T]
+            # token ids (input_ids, teacher_topk_ids) index embeddings and gathers: int64; the rest float
+            t = values.long() if col.dtype in ("int32", "int64") else values.float()
             out[name] = t
             out.setdefault("attention_mask", mask.long())  # [B, T]
         else:
@@ -43,13 +44,15 @@ def build_train_batch(table: pa.Table, schema: Schema, device: torch.device | st
 
 
 def _rows(batch: dict[str, torch.Tensor], idx: torch.Tensor | slice, width: int | None = None) -> dict[str, torch.Tensor]:
-    """Those rows, token tensors trimmed to their longest row, or right-padded with zeros to `width`."""
+    """Those rows, token tensors ([b, t] or shaped [b, t, *shape]) trimmed to their longest row, or right-padded
+    with zeros to `width`."""
     mb = {k: v[idx] for k, v in batch.items()}
     T = int(mb["attention_mask"].sum(-1).max()) if "attention_mask" in mb else None
     if T is None:
         return mb
     W = width if width is not None else T
-    return {k: (torch.nn.functional.pad(v[:, :T], (0, W - T)) if v.dim() == 2 else v) for k, v in mb.items()}
+    return {k: (torch.nn.functional.pad(v[:, :T], (0, 0) * (v.dim() - 2) + (0, W - T)) if v.dim() >= 2 else v)
+            for k, v in mb.items()}
 
 
 def microbatches(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
