@@ -29,6 +29,12 @@ def _token(name: str, r: int, n: int, seed: int) -> np.ndarray:
         return (base % 2).astype(np.int8)
     if name == "turn_index":
         return (base % 3).astype(np.int16)
+    shape = GRPO_SCHEMA.by_name[name].shape
+    if shape:  # a shaped column (a teacher's top-k): [n, *shape], every value a function of (row, token, slot)
+        grid = base.reshape(-1, *[1] * len(shape)) * 1000 + np.arange(int(np.prod(shape))).reshape(shape)
+        if GRPO_SCHEMA.by_name[name].dtype == "int32":
+            return grid.astype(np.int32)
+        return (-(grid % 997) / np.float32(16)).astype(np.float32)
     return (-(base % 97) / np.float32(8)).astype(np.float32)  # log-prob-like, exact in float32
 
 
@@ -74,6 +80,8 @@ def all_dtypes_schema() -> Schema:
         cols.append(Column(name=f"s_{dt}", dtype=dt, kind="sample", writer="driver"))
         if dt != "string":
             cols.append(Column(name=f"t_{dt}", dtype=dt, kind="token", writer="policy"))
+            cols.append(Column(name=f"k_{dt}", dtype=dt, kind="token", writer="teacher", shape=[3]))
+    cols.append(Column(name="m_int16", dtype="int16", kind="token", writer="rollout", shape=[2, 3]))  # router-like
     return Schema(name="all_dtypes", columns=tuple(cols))
 
 
@@ -89,6 +97,10 @@ def all_dtypes_columns(rows: Sequence[int], seed: int = 0) -> dict:
         out[f"s_{dt}"] = ((rows + seed) % 2 == 0) if dt == "bool" else ((rows * 3 + seed) % 100).astype(np_dt)
         out[f"t_{dt}"] = [((np.arange(n) + r + seed) % (2 if dt == "bool" else 100)).astype(np_dt)
                           for r, n in zip(rows, lengths)]
+        out[f"k_{dt}"] = [((np.arange(3 * n).reshape(n, 3) * 7 + r + seed) % (2 if dt == "bool" else 100)).astype(np_dt)
+                          for r, n in zip(rows, lengths)]  # [L, 3]: bool packs bits across tokens
+    out["m_int16"] = [(np.arange(6 * n).reshape(n, 2, 3) - 300 * r - seed).astype(np.int16)
+                      for r, n in zip(rows, lengths)]  # [L, 2, 3]
     return out
 
 

@@ -136,7 +136,7 @@ def test_round_trip_grpo_in_writer_stages(store, part):
     store.put(part, grpo_columns(range(N), ROLLOUT_FIELDS), range(N))
     driver = [c.name for c in GRPO_SCHEMA.columns if c.writer == "driver"]
     store.put(part, grpo_columns(range(N), driver), range(N))
-    for writer in ("policy", "reference"):
+    for writer in ("policy", "reference", "teacher"):  # teacher: shaped [L, k] columns
         fields = [c.name for c in GRPO_SCHEMA.columns if c.writer == writer]
         store.put(part, grpo_columns(range(N), fields), np.arange(N))
     assert_rows(store, part, range(N), GRPO_SCHEMA.names)

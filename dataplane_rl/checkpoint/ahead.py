@@ -43,11 +43,16 @@ def save_ahead(trainer, folder: Path) -> list[dict]:
         p.futures = _done(receipts)  # the step that takes it later sees the same receipts, no second write
         table = trainer.store.get(p.pid, r.fields)
         rel = f"partitions/{p.pid}.arrow"
-        with pa.OSFile(str(folder / rel), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-            w.write_table(table)
+        _write(folder / rel, table)
         entries.append({"pid": p.pid, "step": p.step, "G": p.G, "rows": table.num_rows, "file": rel,
                         "jobs": [asdict(j) for j in p.jobs], "receipts": receipts})
     return entries
+
+
+def _write(path: Path, table: pa.Table) -> None:
+    """A partition's columns as an Arrow IPC file (shaped token columns keep their fixed_size_list types)."""
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
 
 
 def _read(folder: Path, e: dict) -> pa.Table:

@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     val.add_argument("file", type=Path)
     val.add_argument("--schema", default="grpo", help="built-in schema name or YAML path (default: grpo)")
     val.add_argument("--writer", default="rollout",
-                     help="columns that must be present: those of this writer (rollout, driver, policy, reference) or 'all'")
+                     help="columns that must be present: those of this writer (rollout, driver, policy, reference, teacher) or 'all'")
     val.set_defaults(func=validate_cmd)
 
 
@@ -31,7 +31,7 @@ def show_cmd(args) -> int:
     rows = []
     for name in names:
         c = schema.column(name)
-        rows.append({"name": c.name, "dtype": c.dtype, "kind": c.kind, "writer": c.writer,
+        rows.append({"name": c.name, "dtype": c.dtype, "kind": c.kind, "shape": list(c.shape), "writer": c.writer,
                      "field_sets": schema.sets_of(c.name), "alias": schema.aliases.get(c.name), "doc": c.doc})
     if args.json:
         json.dump({"schema": schema.name, "version": schema.version, "source": schema.source,
@@ -39,9 +39,9 @@ def show_cmd(args) -> int:
                    "aliases": schema.aliases}, sys.stdout, indent=2)
         print()
         return 0
-    header = ("name", "dtype", "kind", "writer", "field sets", "alias")
-    table = [(r["name"], r["dtype"], r["kind"], r["writer"], ",".join(r["field_sets"]) or "-", r["alias"] or "-")
-             for r in rows]
+    header = ("name", "dtype", "kind", "shape", "writer", "field sets", "alias")
+    table = [(r["name"], r["dtype"], r["kind"], schema.column(r["name"]).shape_text or "-", r["writer"],
+              ",".join(r["field_sets"]) or "-", r["alias"] or "-") for r in rows]
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
     title = f"schema {schema.name} v{schema.version} ({shown_path(schema.source)})"
     print(title + (f", field set {args.field_set}" if args.field_set else ""))
@@ -95,7 +95,7 @@ def validate_cmd(args) -> int:
     found = schema.violations(table)
     required = schema.names if args.writer == "all" else [c.name for c in schema.columns if c.writer == args.writer]
     if not required and args.writer != "all":
-        print(f"error: --writer '{args.writer}' writes no column; use one of rollout, driver, policy, reference, all",
+        print(f"error: --writer '{args.writer}' writes no column; use one of rollout, driver, policy, reference, teacher, all",
               file=sys.stderr)
         return 2
     for name in required:

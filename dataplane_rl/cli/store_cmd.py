@@ -100,8 +100,8 @@ def describe(store) -> dict:
     for pid in store.list_partitions():
         st = store.status(pid)
         schema = store.schema(pid)
-        cols = {c: {"rows_written": st.rows_written[c], "nbytes": st.nbytes[c], "writer": schema.by_name[c].writer}
-                for c in schema.names}
+        cols = {c.name: {"rows_written": st.rows_written[c.name], "nbytes": st.nbytes[c.name], "writer": c.writer,
+                         "shape": list(c.shape)} for c in schema.columns}
         out["partitions"].append({"partition": pid, "schema": st.schema, "num_rows": st.num_rows,
                                   "nbytes": st.total_bytes, "columns": cols})
     out["stats"] = store.stats()
@@ -161,22 +161,25 @@ def ls_cmd(args) -> int:
         for name, c in p["columns"].items():
             written = f"{c['rows_written']}/{p['num_rows']}"
             mark = "" if c["rows_written"] == p["num_rows"] else ("  (none)" if not c["rows_written"] else "  (partial)")
-            print(f"  {name.ljust(width)}  {written:>13}  {human_bytes(c['nbytes']):>10}  {c['writer']}{mark}")
+            shape = f"  [L, {', '.join(map(str, c['shape']))}]" if c["shape"] else ""
+            print(f"  {name.ljust(width)}  {written:>13}  {human_bytes(c['nbytes']):>10}  {c['writer']}{shape}{mark}")
     print_stats(doc["stats"])
     return 0
 
 
-def _cell(value, token: bool) -> str:
+def _cell(value, token: bool, shape: str = "") -> str:
     if value is _MISSING:
         return repr(value)
     if token:
-        head = ", ".join(_scalar(v) for v in value[:4])
-        tail = f", …, {_scalar(value[-1])}" if len(value) > 5 else "".join(f", {_scalar(v)}" for v in value[4:])
-        return f"[{head}{tail}] ({len(value)} tokens)"
+        return f"{_scalar(value)} ({len(value)} tokens" + (f" of {shape})" if shape else ")")
     return _scalar(value)
 
 
 def _scalar(v) -> str:
+    if isinstance(v, list):  # a token list, or one token of a shaped column: its first 4 and last values
+        head = ", ".join(_scalar(x) for x in v[:4])
+        tail = f", …, {_scalar(v[-1])}" if len(v) > 5 else "".join(f", {_scalar(x)}" for x in v[4:])
+        return f"[{head}{tail}]"
     if isinstance(v, float):
         return f"{v:.6g}"
     if isinstance(v, str):
@@ -231,7 +234,8 @@ def show_cmd(args) -> int:
     for i, r in enumerate(rows):
         print(f"row {r}")
         for f, values in columns.items():
-            print(f"  {f.ljust(width)}  {_cell(values[i], schema.by_name[f].kind == 'token')}")
+            col = schema.by_name[f]
+            print(f"  {f.ljust(width)}  {_cell(values[i], col.kind == 'token', col.shape_text)}")
     print_stats(stats)
     return 0
 

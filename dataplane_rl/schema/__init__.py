@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -21,22 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dataplane_rl.errors import SchemaError, format_rows
 from dataplane_rl.resources import data_dir
+from dataplane_rl.schema.types import ARROW_DTYPES, inner_shape, nested_type, token_lengths, type_name
 from dataplane_rl.yaml_load import load_yaml_mapping
 
-# Arrow type names a column may declare. Fixed-width types convert to numpy/torch without a copy.
-ARROW_DTYPES: dict[str, pa.DataType] = {
-    "bool": pa.bool_(),
-    "int8": pa.int8(),
-    "int16": pa.int16(),
-    "int32": pa.int32(),
-    "int64": pa.int64(),
-    "uint8": pa.uint8(),
-    "float16": pa.float16(),
-    "float32": pa.float32(),
-    "float64": pa.float64(),
-    "string": pa.string(),
-}
-WRITERS = ("rollout", "driver", "policy", "reference")
+WRITERS = ("rollout", "driver", "policy", "reference", "teacher")
+MAX_INNER_VALUES = 1 << 20  # values one token of a shaped column may hold (prod(shape)): a typo, not data, past it
 
 
 def _closest(word: str, choices: Iterable[str]) -> str:
@@ -62,7 +52,9 @@ class Column(BaseModel):
     name: str
     dtype: str = Field(description="Arrow type name of one value")
     kind: Literal["token", "sample"] = Field(description="token: one value per token; sample: one per row")
-    writer: Literal["rollout", "driver", "policy", "reference"]
+    writer: Literal["rollout", "driver", "policy", "reference", "teacher"]
+    shape: tuple[int, ...] = Field((), description="token columns only: the fixed inner shape each token holds "
+                                                   "(e.g. [64] for a teacher's top-k); a row is [L, *shape]")
     doc: str = ""
     allow_nonfinite: bool = Field(False, description="float columns only: NaN and +-inf are valid values "
                                                       "(refused by default, like nulls)")
@@ -77,6 +69,12 @@ class Column(BaseModel):
             )
         if self.kind == "token" and self.dtype == "string":
             raise ValueError(f"column '{self.name}': a token column cannot be a string; use an integer or float dtype")
+        if self.shape:
+            if self.kind != "token":
+                raise ValueError(f"column '{self.name}': shape applies to token columns, not {self.kind} columns")
+            if any(d < 1 for d in self.shape) or math.prod(self.shape) > MAX_INNER_VALUES:
+                raise ValueError(f"column '{self.name}': shape {list(self.shape)} must list dimensions >= 1 holding "
+                                 f"at most {MAX_INNER_VALUES} values per token")
         if self.allow_nonfinite and not self.dtype.startswith("float"):
             raise ValueError(f"column '{self.name}': allow_nonfinite applies to float columns, not {self.dtype}")
         return self
@@ -86,9 +84,20 @@ class Column(BaseModel):
         return ARROW_DTYPES[self.dtype]
 
     @property
+    def token_type(self) -> pa.DataType:
+        """What one token holds: dtype, or for a shaped column fixed_size_list<dtype, K> per inner dimension
+        (shape [a, b]: fixed_size_list<fixed_size_list<dtype, b>, a>)."""
+        return nested_type(self.value_type, self.shape)
+
+    @property
     def arrow_type(self) -> pa.DataType:
-        """The stored Arrow type: list<dtype> for token columns, dtype for sample columns."""
-        return pa.list_(self.value_type) if self.kind == "token" else self.value_type
+        """The stored Arrow type: list<token_type> for token columns, dtype for sample columns."""
+        return pa.list_(self.token_type) if self.kind == "token" else self.value_type
+
+    @property
+    def shape_text(self) -> str:
+        """'' for a scalar per token, else the shape as the schema file writes it: [64], [48, 8]."""
+        return f"[{', '.join(map(str, self.shape))}]" if self.shape else ""
 
 
 @dataclass(frozen=True)
@@ -184,6 +193,20 @@ class Schema(BaseModel):
                 f"field sets: {', '.join(self.field_sets)}"
             ) from None
 
+    def require_shape(self, name: str, shape: Sequence[int], because: str) -> None:
+        """Raise SchemaError unless token column `name` holds `shape` per token. A run calls it before it
+        starts, with `because` the setting that wants that shape ('distillation.topk_logits_k=32'): a
+        schema file fixes each shape, so another one is another schema file (data_plane.schema)."""
+        col = self.column(name)
+        want = tuple(int(d) for d in shape)
+        if col.kind != "token" or col.shape != want:
+            has = col.shape_text or "none (one value per token)" if col.kind == "token" else f"none ({col.kind} column)"
+            raise SchemaError(
+                f"schema '{self.name}' ({self.source}) column '{name}' has shape {has}, but {because} needs "
+                f"shape [{', '.join(map(str, want))}]; change that setting to match, or pass a schema file "
+                f"declaring '{name}' with shape: [{', '.join(map(str, want))}] as data_plane.schema"
+            )
+
     def sets_of(self, column: str) -> list[str]:
         return [s for s, fields in self.field_sets.items() if column in fields]
 
@@ -225,8 +248,9 @@ class Schema(BaseModel):
                 continue
             col = self.by_name[name]
             if arr.type != col.arrow_type:
+                shape = f", shape {col.shape_text} per token" if col.shape else ""
                 out.append(Violation(name, f"has type {type_name(arr.type)}, declared {type_name(col.arrow_type)} "
-                                           f"(dtype {col.dtype}, kind {col.kind}); cast it before writing"))
+                                           f"(dtype {col.dtype}, kind {col.kind}{shape}); cast it before writing"))
             elif arr.null_count:
                 nulls = np.flatnonzero(np.asarray(arr.is_null()))
                 out.append(Violation(name, "has null values; every cell must hold a value", tuple(nulls.tolist())))
@@ -258,7 +282,7 @@ class Schema(BaseModel):
                 if bad.size:
                     r = int(bad[0])
                     out.append(Violation(name, f"token lengths differ from {self.length_column} "
-                                               f"(the first has {int(got[r])} values, {self.length_column}={int(lengths[r])})",
+                                               f"(the first has {int(got[r])} tokens, {self.length_column}={int(lengths[r])})",
                                          tuple(bad.tolist())))
         return out
 
@@ -285,15 +309,21 @@ def _bad_values(col: Column, arr: pa.Array | pa.ChunkedArray) -> list[Violation]
     floats = col.dtype.startswith("float") and not col.allow_nonfinite
     nulls, nonfinite, base = [], [], 0
     for chunk in chunks:
-        flat = chunk.flatten() if col.kind == "token" else chunk
-        if col.kind == "token" and flat.null_count:
-            at = np.flatnonzero(np.asarray(flat.is_null()))
-            nulls.append(base + np.unique(np.asarray(pc.list_parent_indices(chunk))[at]))
+        flat, width, null_at = chunk.flatten() if col.kind == "token" else chunk, 1, None  # width: values per token
+        while null_at is None and pa.types.is_fixed_size_list(flat.type):  # a shaped column: down to its values
+            if flat.null_count:
+                null_at = np.flatnonzero(np.asarray(flat.is_null())) // width
+            k = flat.type.list_size
+            flat, width = flat.values.slice(flat.offset * k, len(flat) * k), width * k
+        if null_at is None and col.kind == "token" and flat.null_count:
+            null_at = np.flatnonzero(np.asarray(flat.is_null())) // width
+        if null_at is not None:
+            nulls.append(base + np.unique(np.asarray(pc.list_parent_indices(chunk))[null_at]))
         elif floats and len(flat):
             values = flat.to_numpy(zero_copy_only=False)
             ok = np.isfinite(values)
             if not ok.all():
-                at = np.flatnonzero(~ok)
+                at = np.flatnonzero(~ok) // width
                 if col.kind == "token":
                     at = np.unique(np.asarray(pc.list_parent_indices(chunk))[at])
                 nonfinite.append(base + at)
@@ -307,25 +337,6 @@ def _bad_values(col: Column, arr: pa.Array | pa.ChunkedArray) -> list[Violation]
                                        "allow_nonfinite: true in the schema if they are valid",
                              tuple(np.concatenate(nonfinite).tolist())))
     return out
-
-
-_NAMES = {t: n for n, t in ARROW_DTYPES.items()}
-
-
-def type_name(t: pa.DataType) -> str:
-    """Arrow type in the schema's words: float32, list<int32>."""
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        return f"list<{type_name(t.value_type)}>"
-    return _NAMES.get(t, str(t))
-
-
-def token_lengths(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """Per-row value counts of a list column, from its offsets (no copy of the values)."""
-    if isinstance(arr, pa.ChunkedArray):
-        parts = [token_lengths(c) for c in arr.chunks]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    offsets = np.asarray(arr.offsets)
-    return np.diff(offsets).astype(np.int64)
 
 
 def schema_path(name_or_path: str | Path) -> Path:
@@ -402,6 +413,6 @@ def apply_aliases(batch: Mapping[str, object], schema: Schema = GRPO_SCHEMA) -> 
 
 __all__ = [
     "ALIASES", "ARROW_DTYPES", "Column", "DP_TRAIN_FIELDS", "DRIVER_FIELDS", "GRPO_SCHEMA",
-    "LOGPROB_SEED_FIELDS", "Schema", "Violation", "apply_aliases", "available_schemas", "load_schema",
-    "token_lengths",
+    "LOGPROB_SEED_FIELDS", "Schema", "Violation", "apply_aliases", "available_schemas", "inner_shape",
+    "load_schema", "nested_type", "token_lengths",
 ]

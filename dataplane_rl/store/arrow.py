@@ -4,6 +4,7 @@ builder everything else uses, and each partition schema's decoded form and Arrow
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any
 
@@ -11,8 +12,9 @@ import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.errors import SchemaError
-from dataplane_rl.schema import Column, Schema
-from dataplane_rl.store.chunks import Columns, Part, PartitionMeta, part_bytes
+from dataplane_rl.schema import Column, Schema, inner_shape
+from dataplane_rl.schema.types import type_name
+from dataplane_rl.store.chunks import Columns, Part, PartitionMeta, nest, part_bytes
 
 
 # ---- per-schema caches: decoded and built once per process, keyed by the schema's JSON text -------
@@ -47,24 +49,37 @@ def block_columns(schema_json: str, columns: tuple[str, ...]) -> Columns:
 
 
 def list_array(values: np.ndarray, lengths, value_type: pa.DataType) -> pa.ListArray:
-    """The one offsets-to-ListArray builder: flat `values` [N] cut into rows of `lengths` [B] (sum N)."""
+    """The one offsets-to-ListArray builder: flat `values` [N] cut into rows of `lengths` [B] (sum N). For a
+    shaped column `value_type` is its token type (`Column.token_type`, fixed_size_list<dtype, K>) and
+    `values` are [N, *shape] (or the same values flat, [N * prod(shape)])."""
     lengths = np.asarray(lengths, dtype=np.int64)
     offsets = np.zeros(lengths.size + 1, dtype=np.int32)  # [B+1]
     np.cumsum(lengths, out=offsets[1:])
-    if int(offsets[-1]) != len(values):
-        raise ValueError(f"list_array: lengths sum to {int(offsets[-1])}, values hold {len(values)}")
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+    shape, scalar = inner_shape(value_type)
+    width = math.prod(shape)
+    values = np.asarray(values)
+    if shape and values.ndim > 1 and tuple(values.shape[1:]) != shape:
+        raise ValueError(f"list_array: values have shape {values.shape}, tokens of {value_type} need [N, "
+                         f"{', '.join(map(str, shape))}]")
+    if int(offsets[-1]) * width != values.size:
+        raise ValueError(f"list_array: lengths sum to {int(offsets[-1])} tokens of {width} values, values hold "
+                         f"{values.size}")
+    flat = values.reshape(-1) if shape else values
+    return pa.ListArray.from_arrays(pa.array(offsets), nest(pa.array(flat, type=scalar), shape))
 
 
 def list_array_of_rows(rows, value_type: pa.DataType) -> pa.ListArray:
-    """A token column from one 1-D array per row."""
+    """A token column from one array per row: [L_i], or [L_i, *shape] for a shaped column whose token type
+    (`Column.token_type`) is `value_type`."""
     rows = list(rows)
-    flat = np.concatenate(rows) if rows else np.zeros(0, dtype=value_type.to_pandas_dtype())
+    shape, scalar = inner_shape(value_type)
+    flat = np.concatenate(rows) if rows else np.zeros((0, *shape), dtype=scalar.to_pandas_dtype())
     return list_array(flat, [len(r) for r in rows], value_type)
 
 
 def to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """A sample column as numpy; zero-copy for one chunk of a fixed-width type."""
+    """A sample column as numpy; zero-copy for one chunk of a fixed-width type. (Token columns: `token_values`,
+    `token_rows`, `pad_tokens`.)"""
     if isinstance(column, pa.ChunkedArray):
         if column.num_chunks == 1:
             column = column.chunk(0)
@@ -76,21 +91,36 @@ def to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def token_values(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(flat values, lengths) of a token (list) column. Values are a zero-copy view for one chunk."""
+    """(values, lengths) of a token (list) column: values [N], or [N, *shape] for a shaped column, a zero-copy
+    view for one chunk of a fixed-width type; lengths [B]."""
     if isinstance(column, pa.ChunkedArray):
         parts = [token_values(c) for c in column.chunks]
         if len(parts) == 1:
             return parts[0]
+        if not parts:
+            shape, scalar = inner_shape(column.type.value_type)
+            return np.zeros((0, *shape), dtype=scalar.to_pandas_dtype()), np.zeros(0, dtype=np.int64)
         return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     offsets = np.asarray(column.offsets)
-    values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-    if values.null_count or column.null_count:  # stores refuse these; a column from elsewhere may hold them
+    tokens = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    flat, _ = flat_values(tokens)
+    if flat is None or flat.null_count or column.null_count:  # stores refuse these; data from elsewhere may hold them
         raise SchemaError(f"token column of type {column.type} holds nulls; every row and token needs a value")
-    return values.to_numpy(zero_copy_only=True), np.diff(offsets).astype(np.int64)
+    values = flat.to_numpy(zero_copy_only=not pa.types.is_boolean(flat.type))
+    shape = inner_shape(tokens.type)[0]
+    return values.reshape(-1, *shape) if shape else values, np.diff(offsets).astype(np.int64)
+
+
+def token_rows(column: pa.Array | pa.ChunkedArray) -> list[np.ndarray]:
+    """A token column as one numpy array per row, [L_i] or [L_i, *shape], each a zero-copy view for one chunk
+    (`torch.from_numpy` of a row is then one too; the arrays are read-only when they view store memory)."""
+    values, lengths = token_values(column)
+    return np.split(values, np.cumsum(lengths)[:-1]) if lengths.size else []
 
 
 def pad_tokens(column: pa.Array | pa.ChunkedArray, pad_value=0, length: int | None = None, torch: bool = True):
-    """A token column as a right-padded [B, T] array and its [B, T] validity mask.
+    """A token column as a right-padded [B, T] array ([B, T, *shape] for a shaped column) and its [B, T]
+    validity mask.
 
     T is the longest row (or `length`). Returns torch tensors by default, numpy arrays with torch=False.
     """
@@ -99,10 +129,10 @@ def pad_tokens(column: pa.Array | pa.ChunkedArray, pad_value=0, length: int | No
     T = int(lengths.max(initial=0)) if length is None else int(length)
     if lengths.size and lengths.max() > T:
         raise ValueError(f"pad_tokens: a row has {int(lengths.max())} tokens, more than length={T}")
-    out = np.full((B, T), pad_value, dtype=values.dtype)  # [B, T]
+    out = np.full((B, T, *values.shape[1:]), pad_value, dtype=values.dtype)  # [B, T, *shape]
     row_idx = np.repeat(np.arange(B), lengths)  # [N]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if B else np.zeros(0, dtype=np.int64)
-    col_idx = np.arange(values.size) - np.repeat(starts, lengths)  # [N]
+    col_idx = np.arange(len(values)) - np.repeat(starts, lengths)  # [N]
     out[row_idx, col_idx] = values
     mask = np.arange(T)[None, :] < lengths[:, None]  # [B, T]
     if not torch:
@@ -124,27 +154,31 @@ def to_arrow(col: Column, data: Any, where: Any, want: pa.DataType | None = None
     refusing silent casts. `where` prefixes error messages (anything formattable).
 
     Accepts Arrow arrays, numpy arrays or torch tensors (sample columns), lists of strings, and for
-    token columns an Arrow list array or a sequence of 1-D arrays/tensors (one per row).
+    token columns an Arrow list array or a sequence of arrays/tensors, one per row: [L_i], or [L_i, *shape]
+    for a shaped column (one flat array with the lengths: `list_array(values, lengths, col.token_type)`).
     """
     want = want or col.arrow_type
     if isinstance(data, pa.ChunkedArray):
         data = data.combine_chunks()
     if isinstance(data, pa.Array):
         if data.type != want:
-            raise SchemaError(f"{where} column '{col.name}' has Arrow type {data.type}, declared {want}; "
-                              f"cast it with .cast(pa.{want}) only if the values fit")
+            shape = f" (shape {col.shape_text} per token)" if col.shape else ""
+            raise SchemaError(f"{where} column '{col.name}' has Arrow type {type_name(data.type)}, declared "
+                              f"{type_name(want)}{shape}; cast it (.cast) to the declared type only if the values fit")
         return data
     if col.kind == "token":
+        row = f"[L, {', '.join(map(str, col.shape))}]" if col.shape else "1-D"
         if isinstance(data, np.ndarray) and data.dtype != object:
-            raise SchemaError(f"{where} token column '{col.name}' given as a {data.ndim}-D array; pass one 1-D "
+            raise SchemaError(f"{where} token column '{col.name}' given as a {data.ndim}-D array; pass one {row} "
                               "array per row (a list) or a pyarrow ListArray, so each row keeps its own length")
         parts = [as_numpy(x) for x in data]
         for i, p in enumerate(parts):
-            if p.ndim != 1:
-                raise SchemaError(f"{where} token column '{col.name}' row #{i} is {p.ndim}-D; each row must be 1-D")
-        values = np.concatenate(parts) if parts else np.zeros(0, dtype=col.value_type.to_pandas_dtype())
+            if p.ndim != 1 + len(col.shape) or p.shape[1:] != col.shape:
+                raise SchemaError(f"{where} token column '{col.name}' row #{i} has shape {list(p.shape)}; each row "
+                                  f"must be {row}" + (f" (shape {col.shape_text} per token)" if col.shape else ""))
+        values = np.concatenate(parts) if parts else np.zeros((0, *col.shape), dtype=col.value_type.to_pandas_dtype())
         _check_np_dtype(col, values, where)
-        return list_array(values, [p.size for p in parts], col.value_type)
+        return list_array(values, [len(p) for p in parts], col.token_type)
     if col.dtype == "string":
         values = list(data)
         if not all(isinstance(v, str) for v in values):
@@ -178,15 +212,27 @@ def _check_np_dtype(col: Column, arr: np.ndarray, where: str) -> None:
                           f"convert it first (e.g. .astype(np.{want}))")
 
 
-def _column_info(schema: Schema) -> dict[str, tuple[bool, bool, bool, bool]]:
-    """Per column: (token column, has offsets, NaN/inf refused, bool values), read once per schema."""
+def _column_info(schema: Schema) -> dict[str, tuple[bool, bool, bool, bool, bool]]:
+    """Per column: (token column, has offsets, NaN/inf refused, bool values, shaped), read once per schema."""
     info = schema.__dict__.get("_scan_info")
     if info is None:
         info = {c.name: (c.kind == "token", c.kind == "token" or c.dtype == "string",
-                         c.dtype.startswith("float") and not c.allow_nonfinite, c.dtype == "bool")
+                         c.dtype.startswith("float") and not c.allow_nonfinite, c.dtype == "bool", bool(c.shape))
                 for c in schema.columns}
         schema.__dict__["_scan_info"] = info  # a frozen model: its cache goes beside the fields
     return info
+
+
+def flat_values(tokens: pa.Array) -> tuple[pa.Array | None, int]:
+    """The tokens of a shaped column (nested fixed_size_list) as one flat array of their values, from the
+    tokens' first, and the values per token; (None, 0) if a level holds nulls (the exact check names them)."""
+    width = 1
+    while pa.types.is_fixed_size_list(tokens.type):
+        if tokens.null_count:
+            return None, 0
+        k = tokens.type.list_size
+        tokens, width = tokens.values.slice(tokens.offset * k, len(tokens) * k), width * k
+    return tokens, width
 
 
 def offsets_view(arr: pa.Array) -> np.ndarray:
@@ -216,7 +262,7 @@ def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | N
     ends = None  # [B] int32 offsets a token column starting at 0 must end its rows at
     parts, sizes = [], []
     for name, arr in arrays.items():
-        token, has_offsets, finite, is_bool = info[name]
+        token, has_offsets, finite, is_bool, shaped = info[name]
         if validate and arr.null_count:
             return None
         if has_offsets:
@@ -236,7 +282,13 @@ def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | N
                 child = arr.values
                 if validate and child.null_count:
                     return None
-                values = child.to_numpy(zero_copy_only=not is_bool)[first:last]
+                if shaped:  # [N, K]: K = prod(shape) values per token
+                    child, width = flat_values(child)
+                    if child is None or validate and child.null_count:
+                        return None
+                    values = child.to_numpy(zero_copy_only=not is_bool).reshape(-1, width)[first:last]
+                else:
+                    values = child.to_numpy(zero_copy_only=not is_bool)[first:last]
             else:  # string: offsets index its data buffer
                 values = np.frombuffer(arr.buffers()[2], dtype=np.uint8, count=last)[first:] if last else \
                     np.zeros(0, dtype=np.uint8)

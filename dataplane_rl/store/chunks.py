@@ -26,6 +26,8 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from dataplane_rl.schema.types import inner_shape
+
 PID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # partition ids, fullmatch only: also safe as file and key names
 ALIGN = 64  # block offsets inside a put's object or file, so every Arrow buffer stays 64-byte aligned
 
@@ -157,8 +159,9 @@ PIECE = 256 << 10  # bytes of a column's values per checksum: a shard reader ver
 
 class Part(NamedTuple):
     """One column of a put as flat buffers: `offsets` [n+1] int32 of a list or string column (as the caller's
-    array has them: they need not start at 0), and `values` the values of exactly these rows, 1-D (bool
-    unpacked, one byte per value). `finite`: NaN/inf are refused in it and not yet checked: the write
+    array has them: they need not start at 0), and `values` the values of exactly these rows, 1-D, or
+    [N, prod(shape)] for a shaped token column (one row of it per token), C-contiguous (bool unpacked, one
+    byte per value). `finite`: NaN/inf are refused in it and not yet checked: the write
     checks each piece as it copies it (NotFinite)."""
 
     offsets: np.ndarray | None
@@ -220,21 +223,43 @@ def _region(place: tuple) -> tuple[int, int]:
 
 
 class Columns(NamedTuple):
-    """How a block's columns decode: their Arrow types, which have offsets, the bits of one value, and a
-    list column's value type (else None). Made once per schema and column set (arrow.block_columns)."""
+    """How a block's columns decode: their Arrow types, which have offsets, the bits of one value (of one
+    token: a shaped token column's value is its whole [*shape] array), a list column's value type (else
+    None) and the inner shape of its tokens (() for a scalar per token). Made once per schema and column
+    set (arrow.block_columns)."""
 
     types: tuple[pa.DataType, ...]
     offsets: tuple[bool, ...]
     bits: tuple[int, ...]
     child: tuple[pa.DataType | None, ...]
+    shapes: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, types: Sequence[pa.DataType]) -> "Columns":
         lists = [pa.types.is_list(t) for t in types]
         offsets = tuple(lst or pa.types.is_string(t) for t, lst in zip(types, lists))
-        bits = tuple(t.value_type.bit_width if lst else 8 if o else t.bit_width
-                     for t, lst, o in zip(types, lists, offsets))
-        return cls(tuple(types), offsets, bits, tuple(t.value_type if lst else None for t, lst in zip(types, lists)))
+        shapes, scalars = [], []
+        for t, lst in zip(types, lists):
+            shape, scalar = inner_shape(t.value_type) if lst else ((), t)
+            shapes.append(shape)
+            scalars.append(scalar)
+        bits = tuple(s.bit_width * math.prod(shape) if lst else 8 if o else s.bit_width
+                     for s, shape, lst, o in zip(scalars, shapes, lists, offsets))
+        child = tuple(s if lst else None for s, lst in zip(scalars, lists))
+        return cls(tuple(types), offsets, bits, child, tuple(shapes))
+
+
+def token_width(values: np.ndarray) -> int:
+    """Values per token of a part's values: 1 for [N], K for [N, K] (a shaped token column, flattened to 2-D)."""
+    return values.shape[1] if values.ndim == 2 else 1
+
+
+def nest(values: pa.Array, shape: Sequence[int]) -> pa.Array:
+    """Flat `values` [N * prod(shape)] as N tokens of `shape`: one fixed_size_list level per dimension,
+    zero-copy (the values' buffer is the innermost level's)."""
+    for d in reversed(tuple(shape)):
+        values = pa.FixedSizeListArray.from_arrays(values, int(d))
+    return values
 
 
 def make_blocks(rows: np.ndarray, names: tuple[str, ...], parts: Sequence[Part], sizes: Sequence[int],
@@ -251,7 +276,7 @@ def make_blocks(rows: np.ndarray, names: tuple[str, ...], parts: Sequence[Part],
     cum = r * (fixed + 4 * sum(offs))  # [n+1]
     for p in parts:
         if p.offsets is not None:
-            cum += (p.offsets - p.offsets[0]) * p.values.itemsize
+            cum += (p.offsets - p.offsets[0]) * (p.values.itemsize * token_width(p.values))
     total = float(cum[-1])
     k = max(1, min(n, int(-(-total // limit))))
     cuts = np.searchsorted(cum[1:], total * np.arange(1, k) / k, side="right").tolist() if k > 1 else []
@@ -297,7 +322,7 @@ def write_block(dest: np.ndarray, block: Block) -> tuple[int, ...]:
                 np.subtract(src, first, out=o)
             else:
                 o[:] = src
-        values = part.values
+        values = part.values.reshape(-1)  # [N * K] of a shaped column: a view (its values are C-contiguous)
         if values.dtype == np.bool_:
             values = np.packbits(values, bitorder="little")
         raw = values.view(np.uint8)
@@ -352,6 +377,7 @@ def decode_block(payload: pa.Buffer, ref: "ChunkRef", cols: Columns, want: Seque
         place = where[i]
         o_at, v_at, vbytes, k = place
         t, bits, child_type = cols.types[i], cols.bits[i], cols.child[i]
+        shape = cols.shapes[i] if cols.shapes else ()
         start, end = _region(place)
         if o_at >= 0:
             last = (o_at + 4 * (n + 1) - 1 - start) // PIECE  # the offsets' last piece: verified first
@@ -369,6 +395,6 @@ def decode_block(payload: pa.Buffer, ref: "ChunkRef", cols: Columns, want: Seque
         elif child_type is None:  # string
             out.append(pa.Array.from_buffers(t, n, [None, payload.slice(o_at, 4 * (n + 1)), values]))
         else:
-            child = pa.Array.from_buffers(child_type, int(off[n]), [None, values])
+            child = nest(pa.Array.from_buffers(child_type, int(off[n]) * math.prod(shape), [None, values]), shape)
             out.append(pa.Array.from_buffers(t, n, [None, payload.slice(o_at, 4 * (n + 1))], children=[child]))
     return out

@@ -17,7 +17,8 @@ from dataplane_rl.store import pad_tokens, to_numpy
 
 def build_train_batch(table: pa.Table, schema: Schema, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Tensors for the loss from a table of train fields: aliases applied (total_reward -> rewards),
-    token columns right-padded to [B, T], sample columns [B], plus attention_mask [B, T].
+    token columns right-padded to [B, T] (a shaped one to [B, T, *shape]; its integers as int64, ids to
+    gather with), sample columns [B], plus attention_mask [B, T].
 
     Every train path, with the data plane on or off, goes through here.
     """
@@ -29,9 +30,8 @@ def build_train_batch(table: pa.Table, schema: Schema, device: torch.device | st
         if col.kind == "token":
             values, mask = pad_tokens(data, pad_value=0)  # [B, T], or [B, T, *shape] for a shaped column
             T = values.shape[1]
-            # token ids (input_ids, teacher_topk_ids) index embeddings and gathers: int64; the rest float
-            t = values.long() if col.dtype in ("int32", "int64") else values.float()
-            out[name] = t
+            ids = name == "input_ids" or col.shape and col.dtype.startswith(("int", "uint"))  # token ids gather
+            out[name] = values.long() if ids else values.float()  # [B, T, *shape]
             out.setdefault("attention_mask", mask.long())  # [B, T]
         else:
             arr = to_numpy(data)
@@ -44,15 +44,18 @@ def build_train_batch(table: pa.Table, schema: Schema, device: torch.device | st
 
 
 def _rows(batch: dict[str, torch.Tensor], idx: torch.Tensor | slice, width: int | None = None) -> dict[str, torch.Tensor]:
-    """Those rows, token tensors ([b, t] or shaped [b, t, *shape]) trimmed to their longest row, or right-padded
-    with zeros to `width`."""
+    """Those rows, token tensors ([b, T] or [b, T, *shape]: the inner dimensions ride along) trimmed to their
+    longest row, or right-padded with zeros to `width`."""
     mb = {k: v[idx] for k, v in batch.items()}
     T = int(mb["attention_mask"].sum(-1).max()) if "attention_mask" in mb else None
     if T is None:
         return mb
     W = width if width is not None else T
-    return {k: (torch.nn.functional.pad(v[:, :T], (0, 0) * (v.dim() - 2) + (0, W - T)) if v.dim() >= 2 else v)
-            for k, v in mb.items()}
+
+    def fit(v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(v[:, :T], (0, 0) * (v.dim() - 2) + (0, W - T))  # pads dim 1 only
+
+    return {k: (fit(v) if v.dim() >= 2 else v) for k, v in mb.items()}
 
 
 def microbatches(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
