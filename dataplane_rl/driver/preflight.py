@@ -84,7 +84,7 @@ def check_distillation(cfg: Config, student: str) -> None:
 
     from transformers import AutoConfig
 
-    from dataplane_rl.errors import ConfigError
+    from dataplane_rl.errors import ConfigError, SchemaError
     from dataplane_rl.model.load import load_tokenizer
     from dataplane_rl.schema import load_schema
 
@@ -109,12 +109,10 @@ def check_distillation(cfg: Config, student: str) -> None:
                           f"({vocab_size} tokens); set distillation.topk_logits_k <= {vocab_size}")
     schema = load_schema(cfg.data_plane.schema_name)
     for name in schema.field_set("DISTILL_FIELDS"):
-        shape = list(schema.column(name).shape or ())
-        if shape != [d.topk_logits_k]:
-            raise ConfigError(f"distillation.topk_logits_k={d.topk_logits_k} but schema '{schema.name}' declares "
-                              f"column '{name}' with shape {shape}; set distillation.topk_logits_k={shape[0] if shape else '?'} "
-                              "or use a schema (data_plane.schema_name) whose teacher columns have shape "
-                              f"[{d.topk_logits_k}]")
+        try:
+            schema.require_shape(name, [d.topk_logits_k], f"distillation.topk_logits_k={d.topk_logits_k}")
+        except SchemaError as e:
+            raise ConfigError(str(e)) from None
 
 
 def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:

@@ -166,7 +166,6 @@ class TrainWorker:
         """The teacher's top-k log-probs and ids at every position of the student's rows (position t: the
         distribution of token t given the tokens before it; zeros at position 0), as shaped token columns."""
         from dataplane_rl.model.logprobs import microbatch_logprobs
-        from dataplane_rl.store import shaped_list_array
 
         k, temp = self.cfg.distillation.topk_logits_k, self.cfg.generation.temperature
         vals: list = [None] * len(lengths)
@@ -177,8 +176,9 @@ class TrainWorker:
                 vals[r], ids[r] = rv, ri
         for _ in range(extra):
             self._empty_pass(self.teacher, backward=False)
-        return {name: shaped_list_array(np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)]), lengths, t)
-                for name, rows, t in (("teacher_topk_logprobs", vals, pa.float32()), ("teacher_topk_ids", ids, pa.int32()))}
+        return {name: list_array(np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)]), lengths,
+                                 self.schema.column(name).token_type)  # [L_i, k] per row
+                for name, rows in (("teacher_topk_logprobs", vals), ("teacher_topk_ids", ids))}
 
     def _even_passes(self, mine: int) -> int:
         """How many empty passes this rank adds so every rank runs as many forwards (and backwards) as the
