@@ -186,6 +186,12 @@ class DataPlaneConfig(_Section):
             raise ValueError(f"'{url}' is not a store URL; use shm://, mooncake://HOST:PORT, memory:// or ray://")
         return url
 
+    @field_validator("schema_name")
+    @classmethod
+    def _absolute_schema_file(cls, v: str) -> str:
+        # a schema file (not a built-in name) made absolute: the actors may run in another working directory
+        return str(Path(v).resolve()) if v.endswith((".yaml", ".yml")) or "/" in v else v
+
 
 class TaskConfig(_Section):
     """`task.*`: the prompts and the reward function."""
