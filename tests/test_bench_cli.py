@@ -18,8 +18,11 @@ def test_bench_store_json_and_plot(tmp_path):
     out = tmp_path / "store.json"
     png = tmp_path / "store.png"
     p = bench("store", "--backends", "shm,mooncake", "--samples", "32", "--min-len", "8", "--max-len", "64",
-              "--readers", "2", "--repeats", "2", "--small-repeats", "2", "--json", str(out), "--plot", str(png))
+              "--readers", "2", "--repeats", "2", "--small-repeats", "2", "--topk", "8", "--json", str(out),
+              "--plot", str(png))
     res = json.loads(out.read_text())
+    # --topk 8: the teacher's [L, 8] log-probs and ids ride along, 64 bytes a token on top of the GRPO columns
+    assert res["workload"]["topk"] == 8 and res["workload"]["bytes_per_token"] > 64
     assert res["fresh_pages"]["e2e_gbps"]["median"] > 0
     for name in ("shm", "mooncake"):
         for key in ("write_gbps", "read_gbps", "e2e_gbps"):
@@ -42,7 +45,7 @@ def test_bench_store_options_have_help_with_their_defaults():
                        capture_output=True, text=True, timeout=120)
     text = " ".join(p.stdout.split())  # argparse wraps lines
     for option, default in (("--samples", 512), ("--min-len", 256), ("--max-len", 1024), ("--readers", 2),
-                            ("--repeats", 10), ("--small-repeats", 20)):
+                            ("--repeats", 10), ("--small-repeats", 20), ("--topk", 0)):
         meta = option.lstrip("-").upper().replace("-", "_")
         help_ = re.search(rf"  ?{option} {meta} (.*?)(?= --[a-z]|$)", text.split("options:")[1])
         assert help_ and help_.group(1).endswith(f"(default {default})"), (option, help_ and help_.group(1))

@@ -133,3 +133,23 @@ def test_lock_file_names_the_live_pid(tmp_path):
             RunDir(tmp_path / "r")  # LOCK_NB: refuses at once instead of waiting
     finally:
         run.close()
+
+
+def test_resume_and_overwrite_drop_later_step_files_of_both_kinds(tmp_path):
+    """train_data/step_N.jsonl and (logger.save_rollouts) rollouts/step_N.parquet: a resume from step 1 drops
+    the later steps' files of both kinds (they are run again); an overwrite drops them all."""
+    folder = tmp_path / "run"
+    previous_run(folder)
+    (folder / "train_data" / "step_000002.jsonl").write_text("{}\n")
+    (folder / "rollouts").mkdir()
+    for k in (1, 2):
+        (folder / "rollouts" / f"step_00000{k}.parquet").write_bytes(b"PAR1")
+    run = RunDir(folder, resume=True)
+    run.resume_from("grpo: {}\n", 1)
+    run.close()
+    left = sorted(str(p.relative_to(folder)) for p in folder.rglob("step_*"))
+    assert left == ["rollouts/step_000001.parquet", "train_data/step_000001.jsonl"]
+    run = RunDir(folder, overwrite=True)
+    run.begin("grpo: {}\n")
+    run.close()
+    assert not list(folder.rglob("step_*"))

@@ -146,6 +146,26 @@ def test_damaged_shaped_block_is_an_error(store, part):
         store.get(part, ["teacher_topk_ids"], [0])
 
 
+def test_several_inner_dims_stay_narrow(store):
+    """A router's choices, [L, layers, top_k] int16 per row (m_int16: [L, 2, 3]): 2 bytes a value, stored and
+    read back as [L, 2, 3] int16, padded to [B, T, 2, 3]."""
+    from store_workers import all_dtypes_columns, all_dtypes_schema
+
+    schema = all_dtypes_schema()
+    store.create_partition("r", schema, 5)
+    cols = all_dtypes_columns(range(5))
+    store.put("r", {"input_lengths": cols["input_lengths"], "m_int16": cols["m_int16"]}, range(5))
+    assert store.status("r").nbytes["m_int16"] == sum(2 * 6 * len(x) + 4 for x in cols["m_int16"])
+    col = store.get("r", ["m_int16"], [4, 1, 3]).column(0)
+    assert str(col.type) == "list<item: fixed_size_list<item: fixed_size_list<item: int16>[3]>[2]>"
+    for got, want in zip(token_rows(col), [cols["m_int16"][i] for i in (4, 1, 3)]):
+        assert got.dtype == np.int16 and got.shape == want.shape and np.array_equal(got, want)
+    padded, mask = pad_tokens(col, torch=False)
+    assert padded.shape == (3, int(mask.sum(1).max()), 2, 3) and padded.dtype == np.int16
+    with pytest.raises(SchemaError, match=r"m_int16' row #0 has shape \[.*, 3, 2\]; each row must be \[L, 2, 3\]"):
+        store.put("r", {"m_int16": [np.swapaxes(cols["m_int16"][0], 1, 2)]}, [0])
+
+
 def test_schema_declares_shapes_and_checks_them():
     col = GRPO_SCHEMA.by_name["teacher_topk_logprobs"]
     assert col.writer == "teacher" and col.shape == (K,) and col.shape_text == f"[{K}]"

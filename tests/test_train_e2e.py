@@ -11,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from dataplane_rl.config import load_config
 from dataplane_rl.errors import DataPlaneError
+from dataplane_rl.store.parquet import read_parquet_schema
 from dataplane_rl.tasks import get_task
 
 SMALL = ["grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=1",
@@ -68,7 +70,7 @@ def assert_close(a: dict, b: dict, rel=1e-5, abs_=1e-7):
 def baseline(tmp_path_factory, ray_session):
     """Data plane on (shm), dp 1, micro 4, with the VAPO NLL term on."""
     return run(tmp_path_factory.mktemp("e2e"), "base", "data_plane.enabled=true",
-               "loss_fn.positive_example_nll_weight=0.1")
+               "loss_fn.positive_example_nll_weight=0.1", "logger.save_rollouts=true")
 
 
 def test_data_plane_path_trains_with_nll(baseline):
@@ -81,12 +83,24 @@ def test_data_plane_path_trains_with_nll(baseline):
     assert 0 < m["data_plane/driver_bytes_read"] < m["data_plane/bytes_read"]
     assert m["train/optimizer_steps"] == 2 and m["train/logprob_mismatch"] < 1e-4
     assert len(data["step_000001.jsonl"]) == 32
+    # logger.save_rollouts: the trained rows with their token columns, in train_data's order
+    saved = pq.read_table(Path(summary["run_dir"]) / "rollouts/step_000001.parquet")
+    assert saved.column("response_text").to_pylist() == [s["response"] for s in data["step_000001.jsonl"]]
+    assert saved.column("advantages").to_pylist() == pytest.approx([s["advantage"] for s in data["step_000001.jsonl"]])
+    lengths = saved.column("input_lengths").to_pylist()
+    for name in ("input_ids", "token_mask", "prev_logprobs", "reference_policy_logprobs"):
+        assert [len(x) for x in saved.column(name).to_pylist()] == lengths, name
+    assert "teacher_topk_ids" not in saved.column_names  # never written in a GRPO run
+    assert read_parquet_schema(Path(summary["run_dir"]) / "rollouts/step_000001.parquet").name == "grpo"
 
 
 def test_parity_data_plane_off(baseline, tmp_path):
-    _, base_m, base_d = baseline
-    _, m, d = run(tmp_path, "off", "data_plane.enabled=false", "loss_fn.positive_example_nll_weight=0.1")
+    base_s, base_m, base_d = baseline
+    _, m, d = run(tmp_path, "off", "data_plane.enabled=false", "loss_fn.positive_example_nll_weight=0.1",
+                  "logger.save_rollouts=true")
     assert d == base_d, "rollouts differ between data plane on and off"
+    on, off = (pq.read_table(Path(r) / "rollouts/step_000001.parquet") for r in (base_s["run_dir"], tmp_path / "off"))
+    assert on.equals(off) and on.num_rows == 32  # logger.save_rollouts: the same rows and columns, both ways
     assert_close(base_m[0], m[0], rel=0, abs_=0)  # same numbers, bit for bit
     assert m[0]["data_plane/enabled"] is False
 

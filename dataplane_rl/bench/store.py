@@ -1,7 +1,8 @@
 """Column-store throughput in the pattern of an RL step: one writer process, R reader processes, a
 GRPO-shaped batch, a new partition every round.
 
-The batch holds DP_TRAIN_FIELDS with their declared dtypes; row lengths are drawn uniformly from
+The batch holds DP_TRAIN_FIELDS with their declared dtypes (`--topk K`: and a teacher's top-k log-probs and ids,
+[L, K] per row, the heaviest columns a distillation step moves); row lengths are drawn uniformly from
 [min_len, max_len] with a fixed seed. Per round: create a partition, the writer puts every column of every
 row in one put (write), the R readers, released together, each get their contiguous shard and touch
 every byte (read: the slowest reader's get + touch, timed in its process), then the partition is dropped.
@@ -38,6 +39,8 @@ from dataplane_rl.bench.store_refs import (
 from dataplane_rl.bench.store_report import plot, table
 from dataplane_rl.bench.store_work import (
     _stats,
+    bench_fields,
+    bench_schema,
     make_batch,
     payload_bytes,
     touch,
@@ -50,25 +53,26 @@ __all__ = ["fresh_page_ceiling", "make_batch", "memcpy_ceiling", "payload_bytes"
 
 
 # ---- workload --------------------------------------------------------------------------------------
-def _writer(url: str, conn, samples: int, min_len: int, max_len: int) -> None:
+def _writer(url: str, conn, samples: int, min_len: int, max_len: int, topk: int = 0) -> None:
     from dataplane_rl.store import open_store
 
     store = open_store(url)
-    batch = make_batch(samples, min_len, max_len)
+    batch = make_batch(samples, min_len, max_len, topk=topk)
     conn.send("ready")
     while (msg := conn.recv()) is not None:
-        store.create_partition(msg, "grpo", samples)
+        store.create_partition(msg, bench_schema(topk), samples)
         t0 = time.perf_counter()
         store.put(msg, batch, range(samples))
         conn.send(time.perf_counter() - t0)
     store.close()
 
 
-def _reader(url: str, conn, barrier, rows: tuple[int, int]) -> None:
+def _reader(url: str, conn, barrier, rows: tuple[int, int], topk: int = 0) -> None:
     """Gets on request: ("shard", pid) its shard, released with the other readers by the barrier;
     ("rows", pid, lo, hi) rows lo..hi-1 at once. Replies (start, end, bytes touched)."""
-    from dataplane_rl.schema import DP_TRAIN_FIELDS
     from dataplane_rl.store import open_store
+
+    fields = bench_fields(topk)
 
     store = open_store(url)
     conn.send("ready")
@@ -79,7 +83,7 @@ def _reader(url: str, conn, barrier, rows: tuple[int, int]) -> None:
         else:
             lo, hi = msg[2], msg[3]
         t0 = time.perf_counter()
-        table = store.get(msg[1], DP_TRAIN_FIELDS, range(lo, hi))
+        table = store.get(msg[1], fields, range(lo, hi))
         touched = touch(views_of(table))
         t1 = time.perf_counter()
         del table
@@ -88,7 +92,8 @@ def _reader(url: str, conn, barrier, rows: tuple[int, int]) -> None:
 
 
 def run_backend(url: str, store, samples: int, min_len: int, max_len: int, readers: int, repeats: int,
-                nbytes: int, small_repeats: int = 20, small_rows: int = 64, full_puts: int = 200) -> dict[str, Any]:
+                nbytes: int, small_repeats: int = 20, small_rows: int = 64, full_puts: int = 200,
+                topk: int = 0) -> dict[str, Any]:
     """Rounds of what an RL step does with the store: create a partition, put the batch (writer process),
     get it by `readers` processes (each its shard, touched), drop it. Round 0 is cold (a new store, new
     processes, new pages); round 1 warms; the steady figures are the medians of rounds 2..repeats+1.
@@ -96,14 +101,14 @@ def run_backend(url: str, store, samples: int, min_len: int, max_len: int, reade
     ctx = mp.get_context("spawn")
     w_parent, w_child = ctx.Pipe()
     barrier = ctx.Barrier(readers)
-    procs = [ctx.Process(target=_writer, args=(url, w_child, samples, min_len, max_len), daemon=True)]
+    procs = [ctx.Process(target=_writer, args=(url, w_child, samples, min_len, max_len, topk), daemon=True)]
     bounds = np.linspace(0, samples, readers + 1).astype(int)
     r_pipes = []
     for i in range(readers):
         parent, child = ctx.Pipe()
         r_pipes.append(parent)
-        procs.append(ctx.Process(target=_reader, args=(url, child, barrier, (int(bounds[i]), int(bounds[i + 1]))),
-                                 daemon=True))
+        procs.append(ctx.Process(target=_reader, args=(url, child, barrier, (int(bounds[i]), int(bounds[i + 1])),
+                                                       topk), daemon=True))
     for p in procs:
         p.start()
     try:
@@ -127,7 +132,7 @@ def run_backend(url: str, store, samples: int, min_len: int, max_len: int, reade
                 raise RuntimeError(f"readers touched {sum(n for *_, n in res)} bytes of {nbytes}")
             store.drop_partition(pid)
             rounds.append((w, r))
-        small = small_calls(store, min_len, max_len, small_repeats, r_pipes[0], procs, small_rows, full_puts)
+        small = small_calls(store, min_len, max_len, small_repeats, r_pipes[0], procs, small_rows, full_puts, topk)
     finally:
         for c in [w_parent, *r_pipes]:
             try:
@@ -162,24 +167,22 @@ def _recv(conn, procs, timeout: float = 300):
 
 
 def small_calls(store, min_len: int, max_len: int, repeats: int, reader=None, procs=(), rows: int = 64,
-                full_puts: int = 200) -> dict[str, Any]:
+                full_puts: int = 200, topk: int = 0) -> dict[str, Any]:
     """µs per put and per get of `rows` rows (a GRPO step of 8 groups of 8) of DP_TRAIN_FIELDS: the fixed
     cost per call that the streaming trainer's many small puts and reads pay.
     - put, get: into a fresh partition and back, in this process;
     - remote_get: the same rows read by another process (`reader`), which first sees the partition then;
     - put_full, remote_get_full: a put into a partition already holding `full_puts` puts, and its rows
       read by the other process."""
-    from dataplane_rl.schema import DP_TRAIN_FIELDS
-
-    batch = make_batch(rows, min_len, max_len, seed=1)
+    batch, schema, fields = make_batch(rows, min_len, max_len, seed=1, topk=topk), bench_schema(topk), bench_fields(topk)
     puts, gets, remote = [], [], []
     for k in range(repeats + 1):  # call 0 warms up
         pid = f"bench-small-{k:04d}"
-        store.create_partition(pid, "grpo", rows)
+        store.create_partition(pid, schema, rows)
         t0 = time.perf_counter()
         store.put(pid, batch, range(rows))
         t1 = time.perf_counter()
-        table = store.get(pid, DP_TRAIN_FIELDS, range(rows))
+        table = store.get(pid, fields, range(rows))
         t2 = time.perf_counter()
         assert table.num_rows == rows
         del table
@@ -201,7 +204,7 @@ def small_calls(store, min_len: int, max_len: int, repeats: int, reader=None, pr
     for step in range(2):
         full, full_remote = [], []
         pid = f"bench-small-full-{step}"
-        store.create_partition(pid, "grpo", rows * (full_puts + repeats))
+        store.create_partition(pid, schema, rows * (full_puts + repeats))
         try:
             for k in range(full_puts + repeats):
                 lo = k * rows
@@ -237,21 +240,23 @@ def open_for_bench(name: str, mooncake_segment_mb: int):
 
 
 def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: int, repeats: int,
-        log=print, small_repeats: int = 20) -> dict[str, Any]:
-    batch = make_batch(samples, min_len, max_len)
+        log=print, small_repeats: int = 20, topk: int = 0) -> dict[str, Any]:
+    batch = make_batch(samples, min_len, max_len, topk=topk)
     nbytes = payload_bytes(batch)
     # mooncake holds a put and its warm-up copy: size the segment from the batch (plus slack), and room
     # for the small calls' partition of 200+ puts
-    small_bytes = payload_bytes(make_batch(64, min_len, max_len, seed=1)) * (200 + max(small_repeats, 1))
+    small_bytes = payload_bytes(make_batch(64, min_len, max_len, seed=1, topk=topk)) * (200 + max(small_repeats, 1))
     seg_mb = max(256, int(nbytes * 4 / 2**20) + 64, int(small_bytes * 1.5 / 2**20) + 64)
-    log(f"[bench] {samples} samples, lengths {min_len}-{max_len}, {nbytes / 1e6:.2f} MB, {readers} readers, "
-        f"1 cold + 1 warm-up + {repeats} steady rounds")
+    tokens = int(batch["input_lengths"].to_numpy().sum())
+    log(f"[bench] {samples} samples, lengths {min_len}-{max_len}, {nbytes / 1e6:.2f} MB ({nbytes / tokens:.0f} B/token"
+        f"{f', teacher top-{topk}' if topk else ''}), {readers} readers, 1 cold + 1 warm-up + {repeats} steady rounds")
     results: dict[str, Any] = {"workload": {"samples": samples, "min_len": min_len, "max_len": max_len,
-                                            "readers": readers, "repeats": repeats, "bytes": nbytes}}
+                                            "readers": readers, "repeats": repeats, "bytes": nbytes, "topk": topk,
+                                            "bytes_per_token": nbytes / tokens}}
     results["memcpy"] = memcpy_ceiling(batch, repeats)
     results["fresh_pages"] = fresh_page_ceiling(batch, max(repeats, 3))
     if "shm" in backends:
-        results["shm_floor"] = shm_floor(samples, min_len, max_len, readers, repeats, nbytes, _recv)
+        results["shm_floor"] = shm_floor(samples, min_len, max_len, readers, repeats, nbytes, _recv, topk)
     log(f"[bench] memcpy ceiling e2e {results['memcpy']['e2e_gbps']['median']:.2f} GB/s, fresh tmpfs pages "
         f"{results['fresh_pages']['e2e_gbps']['median']:.2f} GB/s" +
         (f", shm floor {results['shm_floor']['e2e_gbps']['median']:.2f} GB/s" if "shm_floor" in results else ""))
@@ -263,7 +268,7 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
         store = open_for_bench(name, seg_mb)
         try:
             results[name] = run_backend(store.url, store, samples, min_len, max_len, readers, repeats, nbytes,
-                                        small_repeats=max(small_repeats, 1))
+                                        small_repeats=max(small_repeats, 1), topk=topk)
             if name == "mooncake":
                 results["raw_mooncake"] = raw_mooncake(batch, readers, repeats, store.cluster)
         finally:
@@ -297,6 +302,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "after a cold round and a warm-up round; their median is reported (default %(default)s)")
     p.add_argument("--small-repeats", type=int, default=20, help="timed calls of each small-call kind "
                    "(default %(default)s)")
+    p.add_argument("--topk", type=int, default=0, help="add a teacher's top-k columns to the workload: "
+                   "teacher_topk_logprobs (float32) and teacher_topk_ids (int32), [L, K] per row, 8*K bytes per token "
+                   "(on-policy distillation; 0: none) (default %(default)s)")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--plot", help="write a bar chart PNG here")
 
@@ -311,11 +319,14 @@ def run_args(args) -> int:
         if getattr(args, flag) < 1:
             print(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1", file=sys.stderr)
             return 2
+    if args.topk < 0:
+        print(f"error: --topk {args.topk}: must be 0 (no teacher columns) or more", file=sys.stderr)
+        return 2
     if args.min_len > args.max_len:
         print(f"error: --min-len {args.min_len} is above --max-len {args.max_len}; swap them", file=sys.stderr)
         return 2
     res = run(backends, args.samples, args.min_len, args.max_len, args.readers, args.repeats,
-              log=lambda s: print(s, file=sys.stderr, flush=True), small_repeats=args.small_repeats)
+              log=lambda s: print(s, file=sys.stderr, flush=True), small_repeats=args.small_repeats, topk=args.topk)
     print(table(res))
     if args.json:
         with open(args.json, "w") as f:

@@ -75,7 +75,7 @@ def raw_mooncake(batch: dict[str, pa.Array], readers: int, repeats: int, cluster
 
 
 # ---- the shm floor: what the harness allows a store that copies once and checksums ------------------
-def _floor_writer(path: str, nbytes: int, conn, samples: int, min_len: int, max_len: int) -> None:
+def _floor_writer(path: str, nbytes: int, conn, samples: int, min_len: int, max_len: int, topk: int = 0) -> None:
     import mmap
     import os
 
@@ -83,7 +83,7 @@ def _floor_writer(path: str, nbytes: int, conn, samples: int, min_len: int, max_
 
     from dataplane_rl.bench.store_work import make_batch
 
-    srcs = [v.view(np.uint8) for v in views_of(pa.table(make_batch(samples, min_len, max_len))) if v.size]
+    srcs = [v.view(np.uint8) for v in views_of(pa.table(make_batch(samples, min_len, max_len, topk=topk))) if v.size]
     fd = os.open(path, os.O_RDWR)
     mm = mmap.mmap(fd, nbytes)
     dst = np.frombuffer(mm, dtype=np.uint8)
@@ -128,7 +128,7 @@ def _floor_reader(path: str, nbytes: int, sizes: list[int], conn, barrier, share
 
 
 def shm_floor(samples: int, min_len: int, max_len: int, readers: int, repeats: int, nbytes: int,
-              recv) -> dict[str, Any]:
+              recv, topk: int = 0) -> dict[str, Any]:
     """The floor of this harness for an shm store: the store's processes and hand-offs (a writer process,
     `readers` processes released by a barrier, pipes between rounds), and only the work no checksummed
     shm store can skip: the writer copies each buffer of the batch into a pre-touched shared mapping
@@ -140,7 +140,7 @@ def shm_floor(samples: int, min_len: int, max_len: int, readers: int, repeats: i
 
     from dataplane_rl.bench.store_work import make_batch
 
-    sizes = [v.nbytes for v in views_of(pa.table(make_batch(samples, min_len, max_len))) if v.size]
+    sizes = [v.nbytes for v in views_of(pa.table(make_batch(samples, min_len, max_len, topk=topk))) if v.size]
     path = f"/dev/shm/.dataplane-rl-bench-floor-{uuid.uuid4().hex}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     ctx = mp.get_context("spawn")
@@ -152,7 +152,7 @@ def shm_floor(samples: int, min_len: int, max_len: int, readers: int, repeats: i
         mmap.mmap(fd, sum(sizes), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()  # pre-touched
         barrier = ctx.Barrier(readers)
         w_parent, w_child = ctx.Pipe()
-        procs.append(ctx.Process(target=_floor_writer, args=(path, sum(sizes), w_child, samples, min_len, max_len),
+        procs.append(ctx.Process(target=_floor_writer, args=(path, sum(sizes), w_child, samples, min_len, max_len, topk),
                                  daemon=True))
         for i in range(readers):
             parent, child = ctx.Pipe()

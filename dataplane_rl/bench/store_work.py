@@ -1,34 +1,60 @@
-"""`bench store`'s workload: a GRPO-shaped batch of DP_TRAIN_FIELDS, and touching every byte a reader got."""
+"""`bench store`'s workload: a GRPO-shaped batch of DP_TRAIN_FIELDS (with `--topk`, a teacher's top-k too), and touching every byte a reader got."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import numpy as np
 import pyarrow as pa
 
+from dataplane_rl.store.arrow import flat_values
 
-def make_batch(samples: int, min_len: int, max_len: int, seed: int = 0) -> dict[str, pa.Array]:
-    """DP_TRAIN_FIELDS for `samples` rows, as Arrow arrays of the declared types."""
-    from dataplane_rl.schema import DP_TRAIN_FIELDS, GRPO_SCHEMA
+
+@functools.lru_cache(maxsize=8)
+def bench_schema(topk: int = 0):
+    """The grpo schema, with its teacher columns [topk] per token when `--topk` adds them to the workload."""
+    from dataplane_rl.schema import GRPO_SCHEMA, Schema
+
+    if not topk:
+        return GRPO_SCHEMA
+    doc = GRPO_SCHEMA.model_dump()
+    for c in doc["columns"]:
+        if c["writer"] == "teacher":
+            c["shape"] = [topk]
+    return Schema(**doc, source=GRPO_SCHEMA.source)
+
+
+def bench_fields(topk: int = 0) -> tuple[str, ...]:
+    """DP_TRAIN_FIELDS, and the teacher's columns with `--topk` (what a distillation step's readers fetch)."""
+    from dataplane_rl.schema import DP_TRAIN_FIELDS
+
+    teacher = tuple(c.name for c in bench_schema(topk).columns if c.writer == "teacher") if topk else ()
+    return (*DP_TRAIN_FIELDS, *teacher)
+
+
+def make_batch(samples: int, min_len: int, max_len: int, seed: int = 0, topk: int = 0) -> dict[str, pa.Array]:
+    """`bench_fields(topk)` for `samples` rows, as Arrow arrays of the declared types (a teacher column:
+    [L, topk] per row)."""
     from dataplane_rl.store import list_array
 
+    schema = bench_schema(topk)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_len, max_len + 1, size=samples).astype(np.int32)
     total = int(lengths.sum())
     out: dict[str, pa.Array] = {}
-    for name in DP_TRAIN_FIELDS:
-        col = GRPO_SCHEMA.column(name)
+    for name in bench_fields(topk):
+        col = schema.column(name)
         np_type = np.dtype(col.value_type.to_pandas_dtype())
-        n = total if col.kind == "token" else samples
+        n = (total if col.kind == "token" else samples, *col.shape)
         if name == "input_lengths":
             values = lengths
         elif np.issubdtype(np_type, np.floating):
             values = rng.standard_normal(n).astype(np_type)
         else:
             values = rng.integers(0, 2 if np_type.itemsize == 1 else 50_000, size=n).astype(np_type)
-        arr = pa.array(values, type=col.value_type)
-        out[name] = list_array(values, lengths, col.value_type) if col.kind == "token" else arr
+        out[name] = list_array(values, lengths, col.token_type) if col.kind == "token" else \
+            pa.array(values, type=col.value_type)
     return out
 
 
@@ -46,6 +72,8 @@ def views_of(obj) -> list[np.ndarray]:
         offsets = obj.offsets  # sliced to this array's rows
         o = offsets.to_numpy(zero_copy_only=True)
         return [o, *views_of(obj.values.slice(int(o[0]), int(o[-1] - o[0])))]
+    if pa.types.is_fixed_size_list(obj.type):  # a shaped column's tokens: their flat values
+        return views_of(flat_values(obj)[0])
     return [obj.to_numpy(zero_copy_only=True)]
 
 

@@ -1,5 +1,5 @@
-"""`dataplane-rl store ls|show|drop|gc`: look into (or free) a live column store, by URL or by a run folder: a
-live run's (its store.json names the store) or one that kept its partitions (its summary.json); list this
+"""`dataplane-rl store ls|show|export|drop|gc`: look into (or export, or free) a live column store, by URL or
+by a run folder: a live run's (its store.json names the store) or one that kept its partitions (its summary.json); list this
 machine's shm stores with their owners, and remove those of dead runs (store/owners.py)."""
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ def add_parser(sub) -> None:
     show.add_argument("--rows", default=SHOW_DEFAULT_ROWS, help=f"rows like 0-9,12 (default {SHOW_DEFAULT_ROWS})")
     show.add_argument("--fields", help="comma-separated columns (default: every column with rows written)")
     show.set_defaults(func=show_cmd)
+    export = ssub.add_parser("export", help="write a partition's rows to a Parquet file (token columns as lists, "
+                             "shaped ones as lists of fixed-size lists, the schema in the file's metadata)")
+    export.add_argument("url", help=URL_HELP)
+    export.add_argument("partition", help="partition id, e.g. step-000042")
+    export.add_argument("out", type=Path, help="the Parquet file to write, e.g. step-000042.parquet")
+    export.add_argument("--fields", help="comma-separated columns (default: every column written on every row)")
+    export.set_defaults(func=export_cmd)
     drop = ssub.add_parser("drop", help="drop a partition, or --all (an shm:// store's folder goes with the last)")
     drop.add_argument("url", help=URL_HELP)
     which = drop.add_mutually_exclusive_group(required=True)
@@ -237,6 +244,19 @@ def show_cmd(args) -> int:
             col = schema.by_name[f]
             print(f"  {f.ljust(width)}  {_cell(values[i], col.kind == 'token', col.shape_text)}")
     print_stats(stats)
+    return 0
+
+
+def export_cmd(args) -> int:
+    from dataplane_rl.store.parquet import export_partition
+
+    fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
+    store = _open(args.url)
+    try:
+        rows, fields = export_partition(store, args.partition, args.out, fields)
+    finally:
+        store.close()
+    print(f"wrote {args.out}: partition {args.partition}, {rows} rows, {len(fields)} columns ({', '.join(fields)})")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -22,6 +23,22 @@ def fetch(store: ColumnStore, rs: RowSet, fields: Sequence[str]) -> pa.Table:
     if len(tables) == 1:
         return tables[0]
     return pa.concat_tables(tables) if tables else pa.table({})
+
+
+def save_parquet(store: ColumnStore, rs: RowSet, path: Path) -> int:
+    """The row set's rows, every column written on all of them, to a Parquet file (`store export`'s format:
+    the schema in its metadata); returns the rows written."""
+    from dataplane_rl.store.parquet import write_parquet, written_fields
+
+    fields = None
+    for pid, rows in rs:
+        have = written_fields(store, pid, rows)
+        fields = have if fields is None else [f for f in fields if f in have]
+    if not fields:
+        return 0
+    table = fetch(store, rs, fields)
+    write_parquet(table, store.schema(rs[0][0]), path, {"partitions": [pid for pid, _ in rs]})
+    return table.num_rows
 
 
 def write(store: ColumnStore, rs: RowSet, table: pa.Table) -> int:

@@ -214,6 +214,7 @@ class LoggerConfig(_Section):
 
     run_dir: Optional[str] = Field(None, description="Run folder: config.yaml, metrics.jsonl, train_data/, reward.png, summary.json. Unset: a fresh runs/YYYYmmdd-HHMMSS, with runs/latest pointing at it.")
     overwrite: bool = Field(False, description="Let a run replace the run already in logger.run_dir (its files go once the new run has started).")
+    save_rollouts: bool = Field(False, description="Write each step's trained rows, every column written on all of them (token columns as lists, shaped ones as lists of fixed-size lists), to RUN_DIR/rollouts/step_NNNNNN.parquet, as `dataplane-rl store export` does (TRL's completions files, slime's saved rollouts).")
     progress: bool = Field(True, description="Show a progress bar.")
     log_every_n_steps: int = Field(10, ge=1, description="With logger.progress=false: print one line (step, reward, loss, seconds) every this many steps and at the last, for logs without a terminal.")
     tensorboard_enabled: bool = Field(True, description="Write every metric to RUN_DIR/tensorboard/ (`tensorboard --logdir runs/`).")

@@ -125,6 +125,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
             else:
                 run.begin(config_yaml)
             run.record_store(trainer.store_url)
+            if cfg.logger.save_rollouts:
+                trainer.rollouts_dir = run.path / "rollouts"
+                trainer.rollouts_dir.mkdir(exist_ok=True)
             print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
                                               if trainer.store_url else ""), file=sys.stderr, flush=True)
             # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +26,7 @@ from dataplane_rl.schema import load_schema
 from dataplane_rl.store import owners, to_numpy
 from dataplane_rl.run import private_ray
 from dataplane_rl.driver import validation
-from dataplane_rl.columns.rowsets import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
+from dataplane_rl.columns.rowsets import RowSet, fetch, merge, rowset_size, save_parquet, select, shard_balanced, write
 from dataplane_rl.train.packing import balance_by_tokens, refuse_over_budget
 from dataplane_rl.run.reaper import deferred_sigint
 from dataplane_rl.driver.rollouts import Rollouts, fresh_groups, rollout_actors_alive
@@ -76,6 +77,7 @@ class GRPOTrainer:
         self.task, self.model_folder = preflight(cfg)
         validation.check_task(cfg.grpo, self.task)
         self.store = None
+        self.rollouts_dir: Path | None = None  # logger.save_rollouts: the run folder's rollouts/ (set by loop.py)
         self.transport: DriverTransport | None = None
         self.store_url: str | None = None
         self.rollout: list = []
@@ -217,6 +219,8 @@ class GRPOTrainer:
         self.version = step
         self.refit_phase(io)
         samples = self.train_data(got.rs, io)
+        if self.rollouts_dir is not None:
+            save_parquet(self.store, got.rs, self.rollouts_dir / f"step_{step:06d}.parquet")
         if not self.cfg.data_plane.keep_partitions:
             self._drop(got.pids)
         io.timing["step"] = time.perf_counter() - t_step

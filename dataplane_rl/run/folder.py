@@ -170,13 +170,17 @@ class RunDir:
         if self.overwrite:
             for stale in _STALE:
                 (self.path / stale).unlink(missing_ok=True)
-            for old in (self.path / "train_data").glob("step_*.jsonl"):
+            for old in self._step_files():
                 old.unlink()
         (self.path / "train_data").mkdir(exist_ok=True)
         _atomic_write(self.path / "config.yaml", config_yaml)
         self.started = True
         if self.fresh:
             link_latest(self.path)
+
+    def _step_files(self) -> list[Path]:
+        """Each step's files: train_data/step_N.jsonl and (logger.save_rollouts) rollouts/step_N.parquet."""
+        return [*(self.path / "train_data").glob("step_*.jsonl"), *(self.path / "rollouts").glob("step_*.parquet")]
 
     def record_store(self, url: str | None) -> None:
         """store.json: the store this run's partitions live in while it runs (None: the data plane is off),
@@ -191,7 +195,7 @@ class RunDir:
 
     def resume_from(self, config_yaml: str, step: int) -> None:
         """`begin` for --resume from the checkpoint of `step`: the steps a killed run logged after it are
-        dropped (they are run again), so metrics.jsonl and train_data/ have each step once."""
+        dropped (they are run again), so metrics.jsonl, train_data/ and rollouts/ have each step once."""
         metrics = self.path / "metrics.jsonl"
         lines = metrics.read_text().splitlines() if metrics.is_file() else []
         kept = [m for m in map(_parse, lines) if m is not None and m["step"] <= step]
@@ -202,7 +206,7 @@ class RunDir:
         self.validation = [m for m in kept if "train/reward" not in m]  # grpo.val_at_start's step-0 line
         _atomic_write(metrics, "".join(json.dumps(m) + "\n" for m in kept))
         (self.path / "train_data").mkdir(parents=True, exist_ok=True)
-        for f in (self.path / "train_data").glob("step_*.jsonl"):
+        for f in self._step_files():
             if int(f.stem.split("_")[1]) > step:
                 f.unlink()
         (self.path / "summary.json").unlink(missing_ok=True)
