@@ -32,10 +32,34 @@ class TinyPolicy(torch.nn.Module):
         self.head = torch.nn.Linear(hidden, vocab)
         self.double()
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.head(torch.tanh(self.embed(ids[:, :-1])))  # [B, T-1, V]
-        lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
-        return F.pad(lp, (1, 0))  # [B, T]: position 0 predicts nothing and is masked
+    def forward(self, ids: torch.Tensor, topk_ids: torch.Tensor | None = None):
+        """[B, T] log-probs; with topk_ids [B, T, k] also the log-probs of the distribution predicting token t
+        at those ids, [B, T, k] (the student's side of distillation)."""
+        logp = self.head(torch.tanh(self.embed(ids[:, :-1]))).log_softmax(-1)  # [B, T-1, V]
+        lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+        lp = F.pad(lp, (1, 0))  # [B, T]: position 0 predicts nothing and is masked
+        if topk_ids is None:
+            return lp
+        return lp, F.pad(logp.gather(-1, topk_ids[:, 1:].long()), (0, 0, 1, 0))  # [B, T, k]
+
+
+def add_teacher(batch: dict, k: int = 4, seed: int = 0) -> dict:
+    """A random teacher's top-k columns: sorted log-probs of a random distribution at distinct random ids;
+    NaN where token_mask is 0 (the loss must select them away)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = batch["token_mask"].shape
+    logits = 2.0 * torch.randn(B, T, VOCAB, generator=g, dtype=torch.float64)  # [B, T, V]
+    vals, ids = logits.log_softmax(-1).topk(k, dim=-1)  # [B, T, k]
+    off = (batch["token_mask"] == 0)[..., None]  # [B, T, 1]
+    return {**batch, "teacher_topk_logprobs": vals.masked_fill(off, float("nan")), "teacher_topk_ids": ids}
+
+
+def loss_of(fn, policy, sub: dict, counts):
+    """One microbatch's loss: ClippedPGLoss, or DistillationLoss with the student's log-probs at the teacher's ids."""
+    if "teacher_topk_ids" in sub and not isinstance(fn, ClippedPGLoss):
+        lp, at = policy(sub["input_ids"], sub["teacher_topk_ids"])  # one forward: DDP counts them
+        return fn(lp, sub, counts, at)
+    return fn(policy(sub["input_ids"]), sub, counts)
 
 
 def make_batch(policy: TinyPolicy, B: int = 64, T: int = 12, seed: int = 0, positive: bool = True, dead: int = 6) -> dict:
@@ -77,9 +101,10 @@ def rows(batch: dict, idx: torch.Tensor) -> dict:
     return {k: v[idx] for k, v in batch.items()}
 
 
-def run_sharded(policy, batch, cfg: LossConfig, n_ranks: int, n_micro: int):
-    """Simulate D ranks x n_micro microbatches; DDP's gradient average is a mean over ranks."""
-    fn = ClippedPGLoss(cfg)
+def run_sharded(policy, batch, cfg, n_ranks: int, n_micro: int):
+    """Simulate D ranks x n_micro microbatches; DDP's gradient average is a mean over ranks. `cfg` is a
+    LossConfig, or a loss object (DistillationLoss)."""
+    fn = ClippedPGLoss(cfg) if isinstance(cfg, LossConfig) else cfg
     shards = torch.tensor_split(torch.arange(batch["token_mask"].shape[0]), n_ranks)
     local = [local_counts(rows(batch, s)) for s in shards]
     counts = GlobalCounts(sum(c.tokens for c in local), sum(c.sequences for c in local),
@@ -89,7 +114,7 @@ def run_sharded(policy, batch, cfg: LossConfig, n_ranks: int, n_micro: int):
         policy.zero_grad()
         for mb in torch.tensor_split(shard, n_micro):
             sub = rows(batch, mb)
-            loss, m = fn(policy(sub["input_ids"]), sub, counts)
+            loss, m = loss_of(fn, policy, sub, counts)
             loss.backward()
             loss_sum += loss.item()
             metrics.append(m)
@@ -481,7 +506,12 @@ def test_microbatch_and_rank_invariance(full_batch_results, name, positive, n_ra
     if name == "everything":  # c = 2 is hit by this seed; c = 3 in sequence_k1 may not be
         assert ref_metrics["dual_clip_fraction"] > 0
     assert (ref_metrics["positive_nll_loss"] > 0) == positive
-    loss, metrics, grads = run_sharded(policy, batch, CONFIGS[name], n_ranks, n_micro)
+    assert_same_step(run_sharded(policy, batch, CONFIGS[name], n_ranks, n_micro), (ref_loss, ref_metrics, ref_grads))
+
+
+def assert_same_step(got, want) -> None:
+    """Two `run_sharded` results (loss, metrics, gradients) agree."""
+    (loss, metrics, grads), (ref_loss, ref_metrics, ref_grads) = got, want
     close(loss, ref_loss)
     assert metrics.keys() == ref_metrics.keys()
     for k in ref_metrics:

@@ -9,40 +9,49 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+import pytest
+
+from dataplane_rl.algorithms.distillation import DistillationLoss
 from dataplane_rl.algorithms.loss import ClippedPGLoss, GlobalCounts, LossConfig
+from dataplane_rl.config.distillation import DistillationConfig
 from dataplane_rl.train.counts import all_reduce_counts, local_counts, reduce_metrics
 # pytest puts tests/ on sys.path (rootdir-relative "prepend" import mode), and spawn hands that path
 # to the children, so both processes find the shared helpers here.
-from test_loss import TinyPolicy, close, make_batch, rows, run_sharded
+from test_loss import TinyPolicy, add_teacher, close, loss_of, make_batch, rows, run_sharded
 
 WORLD = 2
 B = 32
 MICRO = 3  # per rank; uneven split, and rank 0's first microbatch holds no valid token
 CFG = LossConfig(ratio_clip_min=0.1, ratio_clip_max=0.15, ratio_clip_c=2.0, reference_policy_kl_penalty=0.2,
                  positive_example_nll_weight=0.3, use_importance_sampling_correction=True)
+# the GRPO loss alone, and on-policy distillation (mixed top-k KL) beside it
+LOSSES = {"grpo": lambda: ClippedPGLoss(CFG),
+          "distill": lambda: DistillationLoss(DistillationConfig(kl_type="mixed", mixed_kl_weight=0.3,
+                                                                 task_loss_weight=0.5, kl_loss_weight=2.0), CFG)}
 
 
-def setup():
+def setup(kind: str = "grpo"):
     torch.manual_seed(0)
     policy = TinyPolicy()
-    return policy, make_batch(policy, B=B, seed=7)
+    batch = make_batch(policy, B=B, seed=7)
+    return policy, (add_teacher(batch, k=4, seed=8) if kind == "distill" else batch)
 
 
-def worker(rank: int, rendezvous: str, out: str) -> None:
+def worker(rank: int, rendezvous: str, out: str, kind: str = "grpo") -> None:
     # a file rendezvous: a free port picked here could be taken by another test's process before rank 0
     # binds it (CI runs two halves of the suite side by side), and gloo then aborts the ranks (SIGABRT)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
-        policy, batch = setup()
+        policy, batch = setup(kind)
         shard = rows(batch, torch.tensor_split(torch.arange(B), WORLD)[rank])
         micro = [rows(shard, i) for i in torch.tensor_split(torch.arange(B // WORLD), MICRO)]
         counts = all_reduce_counts(local_counts(micro))
         ddp = DistributedDataParallel(policy)
-        fn, metrics = ClippedPGLoss(CFG), []
+        fn, metrics = LOSSES[kind](), []
         for k, mb in enumerate(micro):
             # no_sync until the last microbatch: DDP then all-reduces the accumulated gradient once
             with ddp.no_sync() if k < MICRO - 1 else nullcontext():
-                loss, m = fn(ddp(mb["input_ids"]), mb, counts)
+                loss, m = loss_of(fn, ddp, mb, counts)
                 loss.backward()
             metrics.append(m)
         reduced = reduce_metrics(metrics)
@@ -52,15 +61,18 @@ def worker(rank: int, rendezvous: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_match_full_batch(tmp_path):
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_two_gloo_ranks_match_full_batch(tmp_path, kind):
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), out), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), out, kind), nprocs=WORLD, join=True)
     got = torch.load(out, weights_only=False)
 
-    policy, batch = setup()
+    policy, batch = setup(kind)
     full = local_counts(batch)
     assert got["counts"] == GlobalCounts(full.tokens, full.sequences, full.positive_tokens, dp_size=WORLD)
-    _, ref_metrics, ref_grads = run_sharded(policy, batch, CFG, n_ranks=1, n_micro=1)
+    _, ref_metrics, ref_grads = run_sharded(policy, batch, LOSSES[kind](), n_ranks=1, n_micro=1)
+    if kind == "distill":
+        assert ref_metrics["distillation_loss"] > 0
     assert ref_metrics["positive_nll_loss"] > 0 and ref_metrics["clip_fraction"] > 0
     assert got["metrics"].keys() == ref_metrics.keys()
     for k in ref_metrics:

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from dataplane_rl.algorithms.distillation import DistillationLoss
 from dataplane_rl.algorithms.loss import ClippedPGLoss, LossConfig
 from dataplane_rl.bench.train import policy_for, synthetic_table
 from dataplane_rl.config import load_config
+from dataplane_rl.config.distillation import DistillationConfig
 from dataplane_rl.schema import load_schema
 from dataplane_rl.train.batch import build_train_batch, plan_microbatches, slots
 from dataplane_rl.train.counts import local_counts, reduce_metrics
@@ -114,6 +116,14 @@ def test_packed_forward_equals_padded(folder, attention):
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # [5]
     plp, pent = packed_logprobs(packed, ids[mask.bool()][None], cu, 0.7, with_entropy=True)  # [L]
     assert torch.allclose(plp, lp[mask.bool()], atol=2e-6) and torch.allclose(pent, ent[mask.bool()], atol=2e-6)
+    with torch.no_grad():  # distillation: the teacher's top-k, and the student's log-probs at those ids
+        top, top_ids = token_logprobs(ref, ids, mask, 0.7, topk=5)  # [B, T, 5] each
+        ptop, ptop_ids = packed_logprobs(packed, ids[mask.bool()][None], cu, 0.7, topk=5)  # [L, 5] each
+        at = token_logprobs(ref, ids, mask, 0.7, at_ids=top_ids)  # (lp, at) [B, T, 5]
+        pat = packed_logprobs(packed, ids[mask.bool()][None], cu, 0.7, at_ids=ptop_ids)
+    assert torch.equal(ptop_ids, top_ids[mask.bool()]) and torch.allclose(ptop, top[mask.bool()], atol=2e-6)
+    assert torch.allclose(at[1], top) and torch.allclose(pat[1], ptop) and (top[:, 0] == 0).all()
+    assert (top[:, 1:, 0] >= top[:, 1:, 1]).all()  # most likely first
     lp.sum().backward()
     plp.sum().backward()
     for a, b in zip(ref.parameters(), packed.parameters()):
@@ -122,28 +132,38 @@ def test_packed_forward_equals_padded(folder, attention):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6 * max(1.0, float(a.grad.abs().max())))
 
 
-def one_step(folder, mode: str, table, budget: int = 64):
+def one_step(folder, mode: str, table, budget: int = 64, distill: bool = False):
     """Metrics and gradients of one optimizer step over the table's rows, microbatched as `mode` says
-    (dynamic8: dynamic batching with a round of 8, which pads some microbatches past their longest row)."""
+    (dynamic8: dynamic batching with a round of 8, which pads some microbatches past their longest row).
+    distill: the mixed top-k KL to a teacher (the same model at temperature 1.0) beside the GRPO loss."""
     torch.manual_seed(0)
     model = load_model(folder, torch.device("cpu"))
     if mode == "packed":
         packed_attention(model, torch.device("cpu"))
     batch = build_train_batch(table, load_schema("grpo"))
+    loss_fn = ClippedPGLoss(LOSS)
+    if distill:
+        with torch.no_grad():
+            top, ids = token_logprobs(load_model(folder, torch.device("cpu")), batch["input_ids"],
+                                      batch["attention_mask"], 1.0, topk=6)  # [B, T, 6] each
+        batch.update(teacher_topk_logprobs=top, teacher_topk_ids=ids.long())
+        loss_fn = DistillationLoss(DistillationConfig(kl_type="mixed", task_loss_weight=0.5), LOSS)
     policy = policy_for(mode.removesuffix("8"), 3, budget)
     if mode == "dynamic8":
         policy.dynamic_batching.sequence_length_round = 8
     mbs = plan_microbatches(batch, policy, "train")
-    per_mb, used = train_microbatches(model, ClippedPGLoss(LOSS), mbs, local_counts(batch), 0.7)
+    per_mb, used = train_microbatches(model, loss_fn, mbs, local_counts(batch), 0.7)
     return reduce_metrics(per_mb), [p.grad for p in model.parameters()], mbs, used
 
 
-def test_one_step_is_the_same_padded_dynamic_and_packed(folder):
+@pytest.mark.parametrize("distill", [False, True], ids=["grpo", "distill"])
+def test_one_step_is_the_same_padded_dynamic_and_packed(folder, distill):
     table = synthetic_table(LENGTHS, 50, seed=3, prompt=4)
-    base, grads, _, used = one_step(folder, "padded", table)
+    base, grads, _, used = one_step(folder, "padded", table, distill=distill)
     assert float(used[0]) == LENGTHS.sum() and 0.3 < 1 - float(used[0] / used[1])  # padding is really there
+    assert (base.get("distillation_loss", 0.0) > 1e-4) == distill  # the teacher's columns rode along
     for mode in ("dynamic", "dynamic8", "packed"):
-        m, g, mbs, used = one_step(folder, mode, table)
+        m, g, mbs, used = one_step(folder, mode, table, distill=distill)
         for k, v in base.items():
             assert math.isclose(m[k], v, rel_tol=1e-5, abs_tol=1e-8), f"{mode} {k}: {m[k]} vs {v}"
         for a, b in zip(grads, g):

@@ -63,3 +63,41 @@ def test_cli_prints_one_error_line_and_no_traceback(tmp_path):
     assert p.returncode == 2, p.stderr[-3000:]
     assert "error: ConfigError: generation.backend=vllm but vllm is not installed" in p.stderr
     assert "Traceback" not in p.stderr and "ActorDiedError" not in p.stderr, p.stderr[-3000:]
+
+
+def _teacher(tmp_path, vocab_swap: bool = False):
+    """A teacher folder: the seed's tiny model (weights and tokenizer), optionally with two token ids swapped."""
+    import json
+    import shutil
+
+    from dataplane_rl.model.load import build_tiny
+
+    folder = tmp_path / "teacher"
+    shutil.copytree(build_tiny(0), folder)
+    if vocab_swap:
+        tok = json.loads((folder / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+        (folder / "tokenizer.json").write_text(json.dumps(tok))
+    return folder
+
+
+@pytest.mark.parametrize("case,want", [
+    ("missing", "is not a Hugging Face model folder"),
+    ("vocab", "another vocabulary than the student"),
+    ("k_over_vocab", r"topk_logits_k=60 is more than the teacher's vocabulary \(53 tokens\)"),
+    ("shape", r"column 'teacher_topk_logprobs' has shape \[\d+\], but distillation.topk_logits_k=\d+ needs"),
+])
+def test_distillation_teacher_is_checked_before_ray(tmp_path, no_ray, case, want):
+    from dataplane_rl.schema import load_schema
+
+    declared = load_schema("grpo").column("teacher_topk_logprobs").shape[0]
+    teacher = tmp_path / "nothing" if case == "missing" else _teacher(tmp_path, vocab_swap=case == "vocab")
+    k = {"k_over_vocab": 60, "shape": 8 if declared != 8 else 9}.get(case, min(declared, 53))
+    with pytest.raises(ConfigError, match=want):
+        train(tmp_path, "distillation.enabled=true", f"distillation.teacher={teacher}", f"distillation.topk_logits_k={k}")
+
+
+def test_distillation_needs_a_teacher():
+    with pytest.raises(ConfigError, match="distillation.enabled=true needs distillation.teacher"):
+        load_config(None, ["distillation.enabled=true"])

@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dataplane_rl.algorithms.loss import LossConfig
+from dataplane_rl.config.distillation import DistillationConfig
 from dataplane_rl.config.multi_turn import MultiTurnConfig
 from dataplane_rl.config.task import TaskConfig
 from dataplane_rl.config_types import CONFIG, StrictScalars
@@ -170,7 +171,7 @@ class DataPlaneConfig(_Section):
     enabled: bool = Field(False, description="true: columns go through the column store; false: the driver passes them by reference.")
     backend: str = Field("shm://", description="Store URL: shm://[DIR] (one machine), mooncake://[HOST:PORT] (many; empty starts a local one), memory://, ray://.")
     schema_name: str = Field("grpo", alias="schema", description="Built-in schema name or path to a schema YAML file.")
-    train_fields: Optional[list[str]] = Field(None, description="Columns each train worker fetches; default: the schema's DP_TRAIN_FIELDS.")
+    train_fields: Optional[list[str]] = Field(None, description="Columns each train worker fetches; default: the schema's DP_TRAIN_FIELDS, plus DISTILL_FIELDS with distillation.enabled.")
     keep_partitions: bool = Field(False, description="Keep each step's partition after training, for `dataplane-rl store ls RUN_DIR`; an auto-made shm:// folder then outlives the run (summary.json kept_store_url).")
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
     shm: ShmConfig = Field(default_factory=ShmConfig)
@@ -184,6 +185,12 @@ class DataPlaneConfig(_Section):
         if scheme not in ("shm", "memory", "mooncake", "ray"):
             raise ValueError(f"'{url}' is not a store URL; use shm://, mooncake://HOST:PORT, memory:// or ray://")
         return url
+
+    @field_validator("schema_name")
+    @classmethod
+    def _absolute_schema_file(cls, v: str) -> str:
+        # a schema file (not a built-in name) made absolute: the actors may run in another working directory
+        return str(Path(v).resolve()) if v.endswith((".yaml", ".yml")) or "/" in v else v
 
 
 class LoggerConfig(_Section):
@@ -237,6 +244,7 @@ class Config(_Section):
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -306,6 +314,8 @@ class Config(_Section):
             need.add("reference_policy_logprobs")
         if loss.use_importance_sampling_correction:
             need.add("generation_logprobs")
+        if self.distillation.enabled:
+            need.update(schema.field_set("DISTILL_FIELDS"))
         missing = sorted(need - set(fields))
         if missing:
             raise ValueError(f"the train fields {list(fields)} lack {missing}, which the loss needs with this config; "
@@ -322,4 +332,6 @@ class Config(_Section):
         if self.loss_fn.reference_policy_kl_penalty == 0:
             # beta = 0 skips the reference pass, so nothing writes the column: do not fetch it
             fields = tuple(f for f in fields if f != "reference_policy_logprobs")
+        if self.distillation.enabled:  # the teacher's columns, written in the log-prob pass
+            fields += (schema or load_schema(self.data_plane.schema_name)).field_set("DISTILL_FIELDS")
         return fields

@@ -35,6 +35,7 @@ def preflight(cfg: Config):
     check_device(cfg)
     private_ray.check_dashboard(cfg)
     check_prompt_lengths(cfg, task, tokenizer)
+    check_distillation(cfg, tokenizer)
     if cfg.generation.backend == "vllm":
         from dataplane_rl.rollout.vllm_engine import require_vllm
 
@@ -70,6 +71,48 @@ def check_prompt_lengths(cfg: Config, task, tok) -> None:
         ids = encode_prompt(tok, prompt)
         if len(ids) >= max_total:
             response_rooms([ids], cfg.generation.max_new_tokens, max_total)  # its ConfigError, naming the limit
+
+
+def check_distillation(cfg: Config, student_tokenizer) -> None:
+    """distillation.teacher before the run: a Hugging Face folder that loads, with the student's vocabulary (the
+    columns hold token ids both models share), distillation.topk_logits_k within it, and the schema's shape of the
+    teacher columns equal to that k."""
+    d = cfg.distillation
+    if not d.enabled:
+        return
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from dataplane_rl.errors import ConfigError, SchemaError
+    from dataplane_rl.model.load import load_tokenizer
+    from dataplane_rl.schema import load_schema
+
+    folder = Path(d.teacher)
+    if not (folder / "config.json").is_file() or not any(next(folder.glob(p), None) for p in ("*.safetensors", "*.bin")):
+        raise ConfigError(f"distillation.teacher={d.teacher} is not a Hugging Face model folder (config.json and "
+                          "weights); use a run's RUN_DIR/policy or the output of `dataplane-rl export RUN_DIR OUT`")
+    try:
+        vocab_size = int(AutoConfig.from_pretrained(folder).vocab_size)
+        teacher_vocab = load_tokenizer(folder).get_vocab()
+    except Exception as e:  # transformers raises many kinds: one error naming the key
+        raise ConfigError(f"distillation.teacher={d.teacher} does not load: {type(e).__name__}: {e}") from e
+    student_vocab = student_tokenizer.get_vocab()  # the student's tokenizer preflight already loaded
+    if teacher_vocab != student_vocab:
+        differ = sorted(set(teacher_vocab.items()) ^ set(student_vocab.items()))[:3]
+        raise ConfigError(f"distillation.teacher={d.teacher} has another vocabulary than the student "
+                          f"{cfg.policy.model} ({len(teacher_vocab)} vs {len(student_vocab)} tokens; differing "
+                          f"(token, id) pairs include {differ}): the teacher's top-k ids must be the student's "
+                          "token ids; distil from a teacher with the student's tokenizer")
+    if d.topk_logits_k > vocab_size:
+        raise ConfigError(f"distillation.topk_logits_k={d.topk_logits_k} is more than the teacher's vocabulary "
+                          f"({vocab_size} tokens); set distillation.topk_logits_k <= {vocab_size}")
+    schema = load_schema(cfg.data_plane.schema_name)
+    for name in schema.field_set("DISTILL_FIELDS"):
+        try:
+            schema.require_shape(name, [d.topk_logits_k], f"distillation.topk_logits_k={d.topk_logits_k}")
+        except SchemaError as e:
+            raise ConfigError(str(e)) from None
 
 
 def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:

@@ -364,6 +364,7 @@ class GRPOTrainer:
                   "token_mult_prob_error", "lr", "param_norm", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl",
                   "padding_fraction", "rank_token_imbalance"):
             m[f"train/{k}"] = train[k]
+        m.update({f"train/{k}": v for k, v in train.items() if k.startswith("distillation_") or k == "task_loss"})
         generated = np.concatenate(got.rounds_rewards)
         m["train/reward"] = float(np.mean(generated))
         m["train/reward_std"] = float(np.std(generated))

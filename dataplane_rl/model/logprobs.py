@@ -6,31 +6,55 @@ import torch
 
 
 def unpack(flat: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[L] values of a packed microbatch -> [b, t] right-padded like its rows' tensors (zeros in padding)."""
+    """[L, *inner] values of a packed microbatch -> [b, t, *inner] right-padded like its rows' tensors (zeros in
+    padding)."""
     valid = mb["attention_mask"].bool()  # [b, t]
-    out = flat.new_zeros(valid.shape)  # [b, t]
-    return out.masked_scatter(valid, flat)  # row-major, the packing order
+    out = flat.new_zeros((*valid.shape, *flat.shape[1:]))  # [b, t, *inner]
+    out[valid] = flat  # row-major, the packing order
+    return out
+
+
+def _gather_at(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Log-probs [..., V] at the given ids [..., k] -> [..., k] (the student's log-probs at the teacher's top-k)."""
+    return logp.gather(-1, ids.long())
+
+
+def _topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest log-probs [..., k] (float32) and their ids [..., k] (int32), most likely first."""
+    vals, ids = logp.topk(k, dim=-1)
+    return vals.float(), ids.to(torch.int32)
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, at_ids: torch.Tensor | None = None, topk: int = 0):
     """Log-prob of each token given the tokens before it, aligned with positions; position 0 is 0.
 
     input_ids, attention_mask: [B, T], right-padded. with_entropy: also return, detached, the entropy of
-    the temperature-scaled distribution each token was drawn from, aligned the same way.
+    the temperature-scaled distribution each token was drawn from, aligned the same way. at_ids [B, T, k]:
+    also return the log-probs of that distribution at these ids, [B, T, k]. topk > 0: return instead its
+    `topk` largest log-probs and their ids, each [B, T, k] (the teacher's columns). Zeros at position 0 and
+    in padding.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
+    keep = attention_mask.bool()  # [B, T]
+
+    def aligned(t: torch.Tensor) -> torch.Tensor:  # [B, T-1, *] -> [B, T, *], zero at position 0 and in padding
+        out = torch.cat([t.new_zeros(t[:, :1].shape), t], dim=1)
+        return torch.where(keep.view(*keep.shape, *[1] * (t.dim() - 2)), out, out.new_zeros(()))
+    if topk:
+        return tuple(aligned(t) for t in _topk(logp, topk))
     picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
-    out = torch.zeros_like(input_ids, dtype=picked.dtype)  # [B, T]
-    out[:, 1:] = picked
-    if not with_entropy:
-        return out * attention_mask
-    with torch.no_grad():
-        ent = torch.zeros_like(out)  # [B, T]
-        for i in range(len(logp)):  # a row at a time: the temporary is [T-1, V], not another [B, T-1, V]
-            ent[i, 1:] = -(logp[i].exp() * logp[i]).sum(-1)  # [T-1]
-    return out * attention_mask, ent * attention_mask
+    out = [aligned(picked)]  # [B, T]
+    if with_entropy:
+        with torch.no_grad():
+            ent = torch.zeros_like(picked)  # [B, T-1]
+            for i in range(len(logp)):  # a row at a time: the temporary is [T-1, V], not another [B, T-1, V]
+                ent[i] = -(logp[i].exp() * logp[i]).sum(-1)  # [T-1]
+        out.append(aligned(ent))
+    if at_ids is not None:
+        out.append(aligned(_gather_at(logp, at_ids[:, 1:])))  # [B, T, k]
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 # -- packed sequences ------------------------------------------------------------------------------------
@@ -83,12 +107,13 @@ def packed_attention(model, device: torch.device, choice: str = "auto") -> str:
 
 
 def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
-                    with_entropy: bool = False):
+                    with_entropy: bool = False, at_ids: torch.Tensor | None = None, topk: int = 0):
     """Per-token log-probs (and detached entropies) of one packed sequence, aligned like `token_logprobs`.
 
     input_ids: [1, L], the rows one after another; cu_seqlens: [n+1] row boundaries. Positions restart at 0
     per row and attention stays inside each row, so every row's numbers equal its unpadded forward's. Entry
-    cu_seqlens[i] (a row's first token) is 0: the logit before it belongs to the previous row.
+    cu_seqlens[i] (a row's first token) is 0: the logit before it belongs to the previous row. at_ids [L, k]
+    and topk as in `token_logprobs`, packed ([L, k]).
     """
     L = input_ids.shape[1]
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [n]
@@ -99,28 +124,33 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, te
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu,
                    cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest).logits  # [1, L, V]
     logp = torch.log_softmax(logits[0, :-1].float() / temperature, dim=-1)  # [L-1, V]
-    picked = logp.gather(-1, input_ids[0, 1:, None]).squeeze(-1)  # [L-1]
     first = position_ids[0] == 0  # [L]
-    out = torch.where(first, 0.0, torch.cat([picked.new_zeros(1), picked]))  # [L]
-    if not with_entropy:
-        return out
-    with torch.no_grad():
-        ent = torch.zeros_like(out)  # [L]
-        for s in range(0, L - 1, 1024):  # chunks: the temporary is [1024, V], not another [L, V]
-            chunk = logp[s:s + 1024]  # [c, V]
-            ent[s + 1:s + 1 + len(chunk)] = -(chunk.exp() * chunk).sum(-1)  # [c]
-        ent = torch.where(first, 0.0, ent)  # [L]
-    return out, ent
+
+    def aligned(t: torch.Tensor) -> torch.Tensor:  # [L-1, *] -> [L, *], zero at each row's first token
+        out = torch.cat([t.new_zeros(t[:1].shape), t])
+        return torch.where(first.view(-1, *[1] * (t.dim() - 1)), out.new_zeros(()), out)
+    if topk:
+        return tuple(aligned(t) for t in _topk(logp, topk))
+    picked = logp.gather(-1, input_ids[0, 1:, None]).squeeze(-1)  # [L-1]
+    out = [aligned(picked)]  # [L]
+    if with_entropy:
+        with torch.no_grad():
+            ent = torch.zeros_like(picked)  # [L-1]
+            for s in range(0, L - 1, 1024):  # chunks: the temporary is [1024, V], not another [L, V]
+                chunk = logp[s:s + 1024]  # [c, V]
+                ent[s:s + len(chunk)] = -(chunk.exp() * chunk).sum(-1)  # [c]
+        out.append(aligned(ent))
+    if at_ids is not None:
+        out.append(aligned(_gather_at(logp, at_ids[1:])))  # [L, k]
+    return out[0] if len(out) == 1 else tuple(out)
 
 
-def microbatch_logprobs(model, mb: dict, temperature: float = 1.0, with_entropy: bool = False):
-    """`token_logprobs` of a microbatch from train/batch.py `plan_microbatches`: [b, t] in every mode; a
-    packed microbatch runs one packed forward and is unpacked to its rows."""
-    from dataplane_rl.model.logprobs import unpack
-
+def microbatch_logprobs(model, mb: dict, temperature: float = 1.0, with_entropy: bool = False,
+                        at_ids: torch.Tensor | None = None, topk: int = 0):
+    """`token_logprobs` of a microbatch from train/batch.py `plan_microbatches`: [b, t] (and [b, t, k]) in every
+    mode; a packed microbatch runs one packed forward and is unpacked to its rows."""
     if "packed_input_ids" not in mb:
-        return token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, with_entropy)
-    got = packed_logprobs(model, mb["packed_input_ids"], mb["cu_seqlens"], temperature, with_entropy)
-    if not with_entropy:
-        return unpack(got, mb)
-    return unpack(got[0], mb), unpack(got[1], mb)
+        return token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, with_entropy, at_ids, topk)
+    packed_ids = None if at_ids is None else at_ids[mb["attention_mask"].bool()]  # [L, k]
+    got = packed_logprobs(model, mb["packed_input_ids"], mb["cu_seqlens"], temperature, with_entropy, packed_ids, topk)
+    return unpack(got, mb) if torch.is_tensor(got) else tuple(unpack(t, mb) for t in got)

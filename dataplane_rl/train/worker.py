@@ -43,11 +43,13 @@ def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: flo
     # every microbatch's backward reduce-scatters into the sharded grads (FSDP2's default):
     # skipping the sync would accumulate full-size unsharded grads, the memory FSDP saves
     for mb in mbs:
-        lp, ent = microbatch_logprobs(model, mb, temperature, with_entropy=True)  # [b, t] each
+        ids = mb.get("teacher_topk_ids")  # [b, t, k] with distillation: the student's log-probs there too
+        got = microbatch_logprobs(model, mb, temperature, with_entropy=True, at_ids=ids)  # [b, t] each (+ [b, t, k])
+        lp, ent = got[0], got[1]
         used += torch.tensor([float(mb["attention_mask"].sum()), float(slots(mb))], dtype=torch.float64)
         # FSDP2 averages gradients over the D ranks; the loss carries the factor D, so the
         # reduced gradient is the global one (sum over all tokens / the global counts)
-        loss, metrics = loss_fn(lp, mb, counts)
+        loss, metrics = loss_fn(lp, mb, counts) if ids is None else loss_fn(lp, mb, counts, got[2])
         loss.backward()
         valid = batch_masks(mb)[0]  # [b, t]
         metrics["entropy"] = (ent * valid).sum() / max(counts.tokens, 1)  # this mb's share, like the loss's
@@ -77,14 +79,21 @@ class TrainWorker:
         self.ref = None
         if self.cfg.loss_fn.reference_policy_kl_penalty > 0:
             self.ref = load_model(model_folder, self.device).eval().requires_grad_(False)
+        d = self.cfg.distillation
+        # the frozen teacher scores the rows in the log-prob pass, beside the reference (docs/distillation.md)
+        self.teacher = load_model(d.teacher, self.device).eval().requires_grad_(False) if d.enabled else None
         if self.cfg.policy.sequence_packing.enabled:
             from dataplane_rl.model.logprobs import packed_attention
 
-            for m in (self.model, self.ref):
+            for m in (self.model, self.ref, self.teacher):
                 if m is not None:
                     packed_attention(m, self.device)
         self.opt = None  # made in init_dist, over the sharded parameters
         self.loss_fn = ClippedPGLoss(self.cfg.loss_fn)
+        if d.enabled:
+            from dataplane_rl.algorithms.distillation import DistillationLoss
+
+            self.loss_fn = DistillationLoss(d, self.cfg.loss_fn)
         self.io = ActorIO(store_url)
 
     def address(self) -> str:
@@ -112,8 +121,9 @@ class TrainWorker:
         p = self.cfg.policy
         mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
         shard(self.model, mesh, self.device, p.precision, p.activation_checkpointing)
-        if self.ref is not None:
-            shard(self.ref, mesh, self.device, p.precision)
+        for frozen in (self.ref, self.teacher):
+            if frozen is not None:
+                shard(frozen, mesh, self.device, p.precision)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=p.learning_rate, weight_decay=p.weight_decay)
         self.scheduler = build_scheduler(self.opt, self.cfg)  # a torch LRScheduler: a checkpoint saves its state
         return os.getpid()
@@ -125,8 +135,8 @@ class TrainWorker:
     @torch.no_grad()
     def logprobs(self, rs: RowSet, table: pa.Table | None = None) -> pa.Table | None:
         """prev_logprobs (the policy's current weights, before this step: in async mode newer than the rows'
-        generation_policy_version, whose generation_logprobs stay the behaviour policy's) and
-        reference_policy_logprobs for the shard."""
+        generation_policy_version, whose generation_logprobs stay the behaviour policy's),
+        reference_policy_logprobs and, with distillation, the teacher's top-k columns for the shard."""
         from dataplane_rl.model.logprobs import microbatch_logprobs
 
         seed_fields = self.schema.field_set("LOGPROB_SEED_FIELDS")
@@ -151,7 +161,27 @@ class TrainWorker:
                 self._empty_pass(model, backward=False)
             flat = np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)])
             out[name] = list_array(flat, lengths, pa.float32())
+        if self.teacher is not None:
+            out.update(self._teacher_topk(mbs, lengths, extra))
         return self.io.emit(rs, pa.table(out))
+
+    def _teacher_topk(self, mbs: list[dict], lengths: np.ndarray, extra: int) -> dict:
+        """The teacher's top-k log-probs and ids at every position of the student's rows (position t: the
+        distribution of token t given the tokens before it; zeros at position 0), as shaped token columns."""
+        from dataplane_rl.model.logprobs import microbatch_logprobs
+
+        k, temp = self.cfg.distillation.topk_logits_k, self.cfg.generation.temperature
+        vals: list = [None] * len(lengths)
+        ids: list = [None] * len(lengths)
+        for mb in mbs:
+            v, i = microbatch_logprobs(self.teacher, mb, temp, topk=k)  # [b, t, k] each
+            for r, rv, ri in zip(mb["row_index"].tolist(), v.cpu().numpy(), i.cpu().numpy()):
+                vals[r], ids[r] = rv, ri
+        for _ in range(extra):
+            self._empty_pass(self.teacher, backward=False)
+        return {name: list_array(np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)]), lengths,
+                                 self.schema.column(name).token_type)  # [L_i, k] per row
+                for name, rows in (("teacher_topk_logprobs", vals), ("teacher_topk_ids", ids))}
 
     def _even_passes(self, mine: int) -> int:
         """How many empty passes this rank adds so every rank runs as many forwards (and backwards) as the
