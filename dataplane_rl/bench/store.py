@@ -68,7 +68,8 @@ def _writer(conn, barrier, url: str, w: int, work: Workload, profile: str) -> No
             if size not in mine:
                 mine.clear()  # one size at a time: a writer holds its share of the batch once
                 ranges = writer_groups(work.groups(size), w, work.writers)
-                mine[size] = list(zip(ranges, make_groups(work.samples, work.min_len, work.max_len, ranges)))
+                groups = make_groups(work.samples, work.min_len, work.max_len, ranges)
+                mine[size] = (list(zip(ranges, groups)), sum(payload_bytes(g) for g in groups))
 
         prep(work.group_size)
 
@@ -77,14 +78,14 @@ def _writer(conn, barrier, url: str, w: int, work: Workload, profile: str) -> No
                 prep(msg[1])
                 return {}
             _, pid, size = msg
-            busy, nbytes = 0.0, 0
+            groups, nbytes = mine[size]
+            busy = 0.0
             t0 = time.perf_counter()
-            for (lo, hi), cols in mine[size]:
+            for (lo, hi), cols in groups:
                 a = time.perf_counter()
                 store.put(pid, cols, range(lo, hi))
                 busy += time.perf_counter() - a
-                nbytes += payload_bytes(cols)
-            return {"t0": t0, "t1": time.perf_counter(), "calls": len(mine[size]), "bytes": nbytes, "busy": busy,
+            return {"t0": t0, "t1": time.perf_counter(), "calls": len(groups), "bytes": nbytes, "busy": busy,
                     "mem": memory()}
 
         return handle, store.close

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from dataplane_rl.bench.store_work import memory
 
+SLACK = 24 * 2**20  # private memory a reader may grow by beyond its copies of its shard
 BARRIER_S = 300  # a worker waits this long at most for its peers (a dead peer breaks the barrier sooner)
 
 
@@ -142,14 +143,14 @@ class Pool:
 def process_memory(role: str, exitcode, start: dict, end: dict, held: int, peak_anon: int, round_rss: int,
                    private: bool = False) -> dict[str, Any]:
     """One process's line of the memory table. A reader is flagged when its private (anon) memory grew by more
-    than a copy of what one round gave it allows: none where the store maps it (shm, Ray's object store), one
-    where the shard must land in the reader's own buffer (`private`: Mooncake), each plus 25% and 32 MiB.
-    `mapped_beyond_mb`: how far its RSS, holding its shard, grew past the shard's bytes (pages of the store
+    than the copies of what one round gave it allow: none where the store maps it (shm, Ray's object
+    store), one where the shard must land in the reader's own buffer (`private`: Mooncake), each plus 25%
+    and SLACK (a process's first gets import and allocate ~5-16 MB of their own). `mapped_beyond_mb`: how far its RSS, holding its shard, grew past the shard's bytes (pages of the store
     it maps but did not read; shared, not a copy)."""
     mb = 1 / 2**20
     rss0, anon = start.get("rss", 0), max(0, peak_anon - start.get("anon", 0))
     out = {"role": role, "exitcode": exitcode, "start_rss_mb": rss0 * mb, "peak_rss_mb": end.get("peak", 0) * mb,
            "round_rss_mb": round_rss * mb, "held_mb": held * mb, "anon_growth_mb": anon * mb,
            "mapped_beyond_mb": max(0, round_rss - rss0 - held) * mb}
-    out["copies_shard"] = role.startswith("reader") and anon > held * (1.25 if private else 0.25) + 32 * 2**20
+    out["copies_shard"] = role.startswith("reader") and anon > held * (1.25 if private else 0.25) + SLACK
     return out

@@ -71,8 +71,8 @@ def process_table(results: dict[str, Any]) -> list[str]:
     rows = ["", "Processes: RSS at start, at the end of a round (a reader still holding its shard) and at its "
             "peak (VmHWM, small calls included); held: the most bytes one round handed it; beyond: RSS growth "
             "past that (store pages mapped but not read: shared, not a copy); anon: growth of private memory, "
-            "where a copy lands. A reader whose anon grew by a copy of its shard (Mooncake: by a second copy) "
-            "is flagged:", "",
+            "where a copy lands. A reader whose anon grew by a copy of its shard (Mooncake: by a second copy; "
+            "+25% and 24 MiB) is flagged:", "",
             "| run | process | exit | start RSS MB | round RSS MB | peak RSS MB | held MB | beyond MB | anon growth MB | |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     n = len(rows)
