@@ -79,14 +79,15 @@ def _writer(conn, barrier, url: str, w: int, work: Workload, profile: str) -> No
                 return {}
             _, pid, size = msg
             groups, nbytes = mine[size]
-            busy = 0.0
+            busy = cpu = 0.0
             t0 = time.perf_counter()
             for (lo, hi), cols in groups:
-                a = time.perf_counter()
+                a, c = time.perf_counter(), time.thread_time()
                 store.put(pid, cols, range(lo, hi))
                 busy += time.perf_counter() - a
+                cpu += time.thread_time() - c
             return {"t0": t0, "t1": time.perf_counter(), "calls": len(groups), "bytes": nbytes, "busy": busy,
-                    "mem": memory()}
+                    "cpu": cpu, "mem": memory()}
 
         return handle, store.close
 
@@ -110,15 +111,17 @@ def _reader(conn, barrier, url: str, rows: tuple[int, int], profile: str) -> Non
                 return {}
             lo, hi = (rows if msg[0] == "get" else msg[2:4])
             step = (msg[2] or hi - lo) if msg[0] == "get" else hi - lo
-            tables, busy = [], 0.0
+            tables, busy, cpu = [], 0.0, 0.0
             t0 = time.perf_counter()
             for a in range(lo, hi, max(step, 1)):
-                s = time.perf_counter()
+                s, c = time.perf_counter(), time.thread_time()
                 tables.append(store.get(msg[1], DP_TRAIN_FIELDS, range(a, min(hi, a + step))))
                 busy += time.perf_counter() - s
+                cpu += time.thread_time() - c
             touched = sum(touch(views_of(t)) for t in tables)
             t1 = time.perf_counter()
-            return {"t0": t0, "t1": t1, "calls": len(tables), "bytes": touched, "busy": busy, "mem": memory()}
+            return {"t0": t0, "t1": t1, "calls": len(tables), "bytes": touched, "busy": busy, "cpu": cpu,
+                    "mem": memory()}
 
         return handle, store.close
 
@@ -179,9 +182,11 @@ def run_backend(label: str, store, work: Workload, nbytes: int) -> dict[str, Any
         rounds = run_rounds(pool, work.repeats + 2, nbytes, work.group_size, 0, begin, store.drop_partition)
         out = summary(rounds, nbytes)
         fit_rounds = []
-        for size in work.fit_sizes:
-            pool.ask_all(pool.writers, ("prep", size))
-            fit_rounds += run_rounds(pool, work.fit_repeats + 1, nbytes, size, size, begin, store.drop_partition)[1:]
+        for rep in range(work.fit_repeats + 1):  # the sizes alternate, so a busy neighbour slows them alike
+            for size in work.fit_sizes:
+                pool.ask_all(pool.writers, ("prep", size))
+                done = run_rounds(pool, 1, nbytes, size, size, begin, store.drop_partition)
+                fit_rounds += done if rep else []  # pass 0 warms each size up
         if work.fit_sizes:
             out["fit"] = fit_all(observations(fit_rounds))
         if work.small_repeats:

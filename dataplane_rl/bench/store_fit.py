@@ -13,18 +13,19 @@ TARGET_WORKLOAD = {"samples": 4096, "min_len": 512, "max_len": 4096, "writers": 
 
 
 def observations(rounds: list[dict]) -> list[dict]:
-    """One per process and round: op (put, get), rows per call, calls, bytes and the seconds its calls took
-    (each timed in its process; a reader's touch is not in it)."""
+    """One per process and round: op (put, get), rows per call, calls, bytes, the seconds its calls took
+    and the CPU seconds its thread spent in them (each timed in its process; a reader's touch is not in it)."""
     out = []
     for r in rounds:
         for op, key, size in (("put", "writers", r["put_size"]), ("get", "readers", r["get_size"])):
             for p in r[key]:
                 if p["calls"]:
-                    out.append({"op": op, "rows": size, "calls": p["calls"], "bytes": p["bytes"], "seconds": p["busy"]})
+                    out.append({"op": op, "rows": size, "calls": p["calls"], "bytes": p["bytes"], "seconds": p["busy"],
+                                "cpu_seconds": p["cpu"]})
     return out
 
 
-def fit(obs: list[dict]) -> dict[str, Any]:
+def fit(obs: list[dict], key: str = "seconds") -> dict[str, Any]:
     """Least squares over the sizes: for each rows-per-call size the median time per call and bytes per call
     (medians: one descheduled process does not tilt the line), then per_call and 1 / bandwidth from
     time/call = per_call + (bytes/call) / bandwidth, i.e. time = calls x per_call + bytes / bandwidth."""
@@ -32,7 +33,7 @@ def fit(obs: list[dict]) -> dict[str, Any]:
     points = []
     for s in sizes:
         mine = [o for o in obs if o["rows"] == s]
-        points.append({"rows": s, "us_per_call": statistics.median(o["seconds"] / o["calls"] for o in mine) * 1e6,
+        points.append({"rows": s, "us_per_call": statistics.median(o[key] / o["calls"] for o in mine) * 1e6,
                        "bytes_per_call": statistics.median(o["bytes"] / o["calls"] for o in mine),
                        "observations": len(mine)})
     a = np.array([[1.0, p["bytes_per_call"]] for p in points])
@@ -46,12 +47,15 @@ def fit(obs: list[dict]) -> dict[str, Any]:
 
 
 def fit_all(obs: list[dict]) -> dict[str, Any]:
-    """The fit of put and of get, where at least two sizes were measured."""
+    """The fit of put and of get, where at least two sizes were measured: of the seconds the calls took, and
+    (`cpu`) of the CPU seconds the calling thread spent in them: the process's own work, without waiting
+    for a core, a lock or another process (Mooncake's transfers and master), so the load of other jobs
+    blurs it far less."""
     out = {}
     for op in ("put", "get"):
         mine = [o for o in obs if o["op"] == op]
         if len({o["rows"] for o in mine}) >= 2:
-            out[op] = fit(mine)
+            out[op] = {**fit(mine), "cpu": fit(mine, "cpu_seconds")}
     return out
 
 

@@ -56,13 +56,16 @@ def fit_table(results: dict[str, Any]) -> list[str]:
     if not fits:
         return []
     rows = ["", "Fit of time = calls x per_call + bytes / bandwidth over rows per call (medians per size; each "
-            "process's own calls, a reader's touch not in them):", "",
+            "process's own calls, a reader's touch not in them; CPU: its thread's CPU time in them):", "",
             "| backend | op | per call µs | bandwidth GB/s | r² | µs per call at rows (MB per call) |",
             "| --- | --- | --- | --- | --- | --- |"]
     for name, op, f in fits:
-        bw = f"{f['bandwidth_gbps']:.3f}" if f["bandwidth_gbps"] else "not resolved"
-        pts = ", ".join(f"{p['us_per_call']:.0f} at {p['rows']} ({p['bytes_per_call'] / 1e6:.3f})" for p in f["points"])
-        rows.append(f"| {name} | {op} | {f['per_call_us']:.0f} | {bw} | {f['r2']:.3f} | {pts} |")
+        for label, g in ((op, f), (f"{op}, CPU", f.get("cpu"))):
+            if g:
+                bw = f"{g['bandwidth_gbps']:.3f}" if g["bandwidth_gbps"] else "not resolved"
+                pts = ", ".join(f"{p['us_per_call']:.0f} at {p['rows']} ({p['bytes_per_call'] / 1e6:.3f})"
+                                for p in g["points"])
+                rows.append(f"| {name} | {label} | {g['per_call_us']:.0f} | {bw} | {g['r2']:.3f} | {pts} |")
     return rows
 
 
