@@ -15,7 +15,7 @@ BARRIER_S = 300  # a worker waits this long at most for its peers (a dead peer b
 def serve(conn, barrier, setup: Callable[[], tuple[Callable, Callable]], profile: str = "") -> None:
     """A worker's life: `setup()` gives (handle, close); each message but None is handled after the other
     workers of the role reach the barrier (except ("rows", ...) asks, served alone) and answered with
-    handle's dict plus its memory; None ends it with ("bye", memory with the peak). With `profile`, the
+    handle's dict; None ends it with ("bye", its memory with the peak). With `profile`, the
     handled calls run under cProfile, dumped there at the end."""
     handle, close = setup()
     prof = None
