@@ -207,8 +207,8 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
 
     cluster_or_address: a started MooncakeCluster, or a master address 'HOST:PORT' / 'mooncake://HOST:PORT'
     (tcp). buffers: one object per key (memoryview, bytes-like or numpy array; read as raw bytes).
-    group_of: each buffer's group (consecutive buffers of one group; default: a group per buffer): writer
-    w puts groups w, w + writers, ... each with one batch_put_from, as rollout actors put their groups.
+    group_of: each buffer's group (consecutive buffers of one group): writer w puts groups w, w + writers,
+    ... each with one batch_put_from, as rollout actors put their groups (default: one writer call of all).
     shard: 'keys' - reader r reads the keys of groups [r*G/R, (r+1)*G/R) whole (one batch_get_into);
            'bytes' - reader r reads bytes [r/R, (r+1)/R) of every key (one get_into_ranges), i.e. a row
            shard of per-column chunks of fixed-width columns.
@@ -228,11 +228,12 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
     sizes = [int(a.nbytes) for a in arrays]
     if not sizes or min(sizes) <= 0:
         raise ValueError("need at least one buffer, and Mooncake refuses empty objects")
-    group_of = list(range(len(sizes))) if group_of is None else [int(g) for g in group_of]
-    if len(group_of) != len(sizes):
+    if group_of is not None and len(group_of) != len(sizes):
         raise ValueError(f"group_of has {len(group_of)} entries for {len(sizes)} buffers")
     total = int(sum(sizes))
-    shards = _shards(sizes, readers, shard, group_of)
+    # without groups: one writer call of every key, and readers shard by key
+    shards = _shards(sizes, readers, shard, range(len(sizes)) if group_of is None else group_of)
+    group_of = [0] * len(sizes) if group_of is None else [int(g) for g in group_of]
     calls: list[list[list[tuple[int, int, int]]]] = [[] for _ in range(writers)]  # per writer, per group
     for k, g in enumerate(group_of):
         mine = calls[g % writers]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -105,6 +106,13 @@ def _reader(conn, barrier, url: str, rows: tuple[int, int], profile: str) -> Non
         from dataplane_rl.store import open_store
 
         store = open_store(url)
+        # a get of a partition of its own first: the modules and caches a first get brings in (10-30 MB of
+        # private memory) are in the start memory, so what a round adds is what it got
+        warm = f"bench-warm-{os.getpid()}"
+        store.create_partition(warm, "grpo", 2)
+        store.put(warm, make_batch(2, 8, 16, seed=2), range(2))
+        touch(views_of(store.get(warm, DP_TRAIN_FIELDS, range(2))))
+        store.drop_partition(warm)
 
         def handle(msg) -> dict:
             if msg[0] == "prep":

@@ -145,7 +145,8 @@ def process_memory(role: str, exitcode, start: dict, end: dict, held: int, peak_
     """One process's line of the memory table. A reader is flagged when its private (anon) memory grew by more
     than the copies of what one round gave it allow: none where the store maps it (shm, Ray's object
     store), one where the shard must land in the reader's own buffer (`private`: Mooncake), each plus 25%
-    and SLACK (a process's first gets import and allocate ~5-16 MB of their own). `mapped_beyond_mb`: how far its RSS, holding its shard, grew past the shard's bytes (pages of the store
+    and SLACK (a store reader has got a tiny partition of its own before its start memory is taken, so its
+    first gets' imports and caches are not counted; what is left moves by a few MB). `mapped_beyond_mb`: how far its RSS, holding its shard, grew past the shard's bytes (pages of the store
     it maps but did not read; shared, not a copy)."""
     mb = 1 / 2**20
     rss0, anon = start.get("rss", 0), max(0, peak_anon - start.get("anon", 0))

@@ -65,7 +65,8 @@ def raw_mooncake(work: Workload, cluster) -> dict[str, Any]:
     groups = make_groups(work.samples, work.min_len, work.max_len, work.groups())
     bufs = [np.concatenate([v.view(np.uint8) for v in views_of(pa.table(cols))]) for cols in groups]
     del groups
-    res = raw_mooncake_roundtrip(cluster, bufs, repeats=work.repeats, readers=work.readers, writers=work.writers)
+    res = raw_mooncake_roundtrip(cluster, bufs, repeats=work.repeats, readers=work.readers, writers=work.writers,
+                                 group_of=range(len(bufs)))
     return {k: res[k] for k in ("write_gbps", "read_gbps", "e2e_gbps", "processes")}
 
 
