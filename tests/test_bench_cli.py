@@ -15,14 +15,26 @@ def bench(*args):
 
 
 def test_bench_store_json_and_plot(tmp_path):
+    """Two writers putting groups of 4 rows, two readers, a teacher's top-8 in the workload: the store and
+    every reference ran with them, and every process of it exited 0 (a reference's crash at exit used to go
+    unseen)."""
     out = tmp_path / "store.json"
     png = tmp_path / "store.png"
     p = bench("store", "--backends", "shm,mooncake", "--samples", "32", "--min-len", "8", "--max-len", "64",
-              "--readers", "2", "--repeats", "2", "--small-repeats", "2", "--topk", "8", "--json", str(out),
-              "--plot", str(png))
+              "--writers", "2", "--group-size", "4", "--readers", "2", "--repeats", "2", "--small-repeats", "2",
+              "--fit-sizes", "none", "--topk", "8", "--json", str(out), "--plot", str(png))
     res = json.loads(out.read_text())
+    assert res["workload"]["writers"] == 2 and res["workload"]["group_size"] == 4
     # --topk 8: the teacher's [L, 8] log-probs and ids ride along, 64 bytes a token on top of the GRPO columns
     assert res["workload"]["topk"] == 8 and res["workload"]["bytes_per_token"] > 64
+    for name in ("memcpy", "shm_floor", "raw_mooncake", "shm", "mooncake"):
+        procs = res[name]["processes"]
+        assert [q["role"] for q in procs] == ["writer 0", "writer 1", "reader 0", "reader 1"], name
+        assert all(q["exitcode"] == 0 and q["peak_rss_mb"] > 0 for q in procs), (name, procs)
+        assert all(q["held_mb"] > 0 for q in procs), (name, procs)  # every one of them moved bytes
+        assert not any(q["copies_shard"] for q in procs), (name, procs)
+    assert "fit" not in res["shm"]
+    assert "| shm | reader 1 | 0 |" in p.stdout and "| raw_mooncake | writer 1 | 0 |" in p.stdout
     assert res["fresh_pages"]["e2e_gbps"]["median"] > 0
     for name in ("shm", "mooncake"):
         for key in ("write_gbps", "read_gbps", "e2e_gbps"):
@@ -40,12 +52,41 @@ def test_bench_store_json_and_plot(tmp_path):
     assert "get, other process" in p.stdout
 
 
+def test_bench_store_fit_separates_per_call_and_per_byte(tmp_path):
+    """The fit runs the rounds at 1 and 16 rows per call; rows of ~12k tokens make the bytes of a 16-row call
+    (~3.4 MB) cost well over its fixed part, so the fit of the CPU time the calls took finds a positive
+    bandwidth for put and get (the wall-clock fit too on a quiet machine; on a loaded one its points can
+    swap, which the fit reports as no bandwidth resolved); the 16-row put target is judged."""
+    out = tmp_path / "fit.json"
+    p = bench("store", "--backends", "shm", "--samples", "32", "--min-len", "8192", "--max-len", "16384",
+              "--writers", "2", "--readers", "1", "--repeats", "1", "--small-repeats", "0", "--fit-sizes", "1,16",
+              "--fit-repeats", "2", "--json", str(out))
+    res = json.loads(out.read_text())
+    fit = res["shm"]["fit"]
+    assert set(fit) == {"put", "get"}
+    for op in ("put", "get"):
+        for f in (fit[op], fit[op]["cpu"]):
+            points = f["points"]
+            assert [q["rows"] for q in points] == [1, 16]
+            assert all(q["us_per_call"] > 0 and q["observations"] >= 2 for q in points)
+            assert points[1]["bytes_per_call"] > 10 * points[0]["bytes_per_call"]
+        assert fit[op]["cpu"]["bandwidth_gbps"] > 0 and fit[op]["cpu"]["per_call_us"] > 0
+        assert fit[op]["bandwidth_gbps"] is None or fit[op]["bandwidth_gbps"] > 0
+    (put16,) = [t for t in res["targets"] if "16 rows" in t["target"]]
+    assert put16["measured"] == round(fit["put"]["points"][1]["us_per_call"], 1) and put16["pass"] in (True, False)
+    assert [t["target_workload"] for t in res["targets"] if "floor" in t["target"]] == [False]
+    assert all(q["exitcode"] == 0 for q in res["shm"]["processes"] + res["shm_floor"]["processes"])
+    assert "Fit of time = calls x per_call + bytes / bandwidth" in p.stdout and "| shm | put, CPU |" in p.stdout
+    assert "Targets (issue 36" in p.stdout
+
+
 def test_bench_store_options_have_help_with_their_defaults():
     p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "bench", "store", "--help"],
                        capture_output=True, text=True, timeout=120)
     text = " ".join(p.stdout.split())  # argparse wraps lines
-    for option, default in (("--samples", 512), ("--min-len", 256), ("--max-len", 1024), ("--readers", 2),
-                            ("--repeats", 10), ("--small-repeats", 20), ("--topk", 0)):
+    for option, default in (("--samples", 512), ("--min-len", 256), ("--max-len", 1024), ("--writers", 1),
+                            ("--readers", 2), ("--group-size", 8), ("--repeats", 10), ("--fit-sizes", "4,16,64"),
+                            ("--fit-repeats", 3), ("--small-repeats", 20), ("--topk", 0)):
         meta = option.lstrip("-").upper().replace("-", "_")
         help_ = re.search(rf"  ?{option} {meta} (.*?)(?= --[a-z]|$)", text.split("options:")[1])
         assert help_ and help_.group(1).endswith(f"(default {default})"), (option, help_ and help_.group(1))

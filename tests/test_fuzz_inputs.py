@@ -162,7 +162,8 @@ def test_round3_probe_files_and_flags(tmp_path, capsys):
                 plot=None)
     for bad, says in ((dict(samples=0), "--samples 0: must be at least 1"), (dict(samples=-5), "--samples -5"),
                       (dict(repeats=0), "--repeats 0"), (dict(readers=0), "--readers 0"),
-                      (dict(small_repeats=0), "--small-repeats 0"),
+                      (dict(small_repeats=-1), "--small-repeats -1"), (dict(writers=0), "--writers 0"),
+                      (dict(fit_sizes="16"), "at least two different sizes"),
                       (dict(min_len=10, max_len=2), "--min-len 10 is above --max-len 2")):
         assert run_args(argparse.Namespace(**{**base, **bad})) == 2
         err = capsys.readouterr().err.strip().splitlines()

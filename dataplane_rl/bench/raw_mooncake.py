@@ -1,8 +1,9 @@
 """Raw Mooncake throughput: the reference the column-store benchmark is compared against.
 
-One writer process puts every buffer under its own key with `batch_put_from` (one call, from one
-registered arena); then R reader processes, started together, each read a contiguous shard with one
-`batch_get_into` (or `get_into_ranges`) call into their own registered arena. No serialization, no
+W writer processes put every buffer under its own key with `batch_put_from` (one call per group of
+keys, from each writer's registered arena; groups dealt out as rollout actors finish theirs); then R
+reader processes, started together, each read a contiguous shard with one `batch_get_into` (or
+`get_into_ranges`) call into their own registered arena. No serialization, no
 checksums, no catalog: just Mooncake's zero-copy batch calls.
 
     from dataplane_rl.bench.raw_mooncake import raw_mooncake_roundtrip
@@ -14,8 +15,8 @@ Run standalone (starts its own cluster):
     python benchmarks/raw_mooncake.py --samples 512 --layout per-sample --layout per-column --readers 1 2
     python -m dataplane_rl.bench.raw_mooncake ...          # the same
 
-GB/s are 1e9 bytes per second over the payload bytes. write: the writer's batch_put_from call.
-read: first reader start to last reader end (readers are released at the same instant).
+GB/s are 1e9 bytes per second over the payload bytes. write: the slowest writer's batch_put_from calls.
+read: the slowest reader's calls (readers are released at the same instant).
 e2e: write + read of the same repeat (the data path of one put followed by the shard reads,
 without the coordination between them).
 """
@@ -85,14 +86,15 @@ def _chunks(n: int, per_call: int):
 
 def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: list[int],
             payload: np.ndarray | None, ranges: list[tuple[int, int, int]] | None, per_call: int) -> None:
-    """role 'writer': holds all buffers; role 'reader': reads `ranges` ((key index, byte lo, byte hi))."""
+    """role 'writer': holds its buffers back to back in `payload` and puts `ranges`, a list of calls (a group's
+    [(key index, 0, size)]); role 'reader': reads `ranges` ((key index, byte lo, byte hi))."""
     try:
+        from dataplane_rl.bench.store_work import memory
         from dataplane_rl.store.mooncake.client import connect_client, no_eviction_config
 
         t0 = time.monotonic()
         client = connect_client(master, 0, protocol=protocol, device_name=device)
         setup_s = time.monotonic() - t0
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist() if sizes else []
         if role == "writer":
             arena = payload
             nbytes = int(arena.nbytes)
@@ -104,20 +106,25 @@ def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: lis
         if rc != 0:
             raise RuntimeError(f"register_buffer({nbytes} bytes) failed: {rc}")
         cfg = no_eviction_config()
-        conn.send(("ready", setup_s))
+        conn.send(("ready", setup_s, memory()))
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
                 break
             _, prefix, t_go = msg
             keys = [f"{prefix}/{i}" for i in range(len(sizes))]
-            if msg[0] == "write":
-                ptrs = [base + o for o in offsets]
+            if msg[0] == "write":  # one batch_put_from per call (a group's keys), split at per_call keys
+                calls, pos = [], 0
+                for group in ranges:
+                    calls.append(([keys[k] for k, _, _ in group], [base + pos + o for o in
+                                  np.cumsum([0] + [hi for _, _, hi in group[:-1]]).tolist()], [hi for _, _, hi in group]))
+                    pos += sum(hi for _, _, hi in group)
                 _wait_until(t_go)
                 s = time.monotonic()
                 codes = []
-                for lo, hi in _chunks(len(keys), per_call):
-                    codes += client.batch_put_from(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi], cfg)
+                for ks, ps, ns in calls:
+                    for lo, hi in _chunks(len(ks), per_call):
+                        codes += client.batch_put_from(ks[lo:hi], ps[lo:hi], ns[lo:hi], cfg)
                 e = time.monotonic()
                 err = _codes(codes) if any(c != 0 for c in codes) else ""
                 conn.send(("done", s, e, err))
@@ -156,11 +163,12 @@ def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: lis
                 conn.send(("done", s, e, err, xxhash.xxh3_64_intdigest(arena)))
             elif msg[0] == "remove":
                 codes = []
-                for lo, hi in _chunks(len(keys), per_call):
-                    codes += client.batch_remove(keys[lo:hi], True)
+                mine = [keys[k] for group in ranges for k, _, _ in group]
+                for lo, hi in _chunks(len(mine), per_call):
+                    codes += client.batch_remove(mine[lo:hi], True)
                 conn.send(("done", [c for c in codes if c != 0]))
         client.close()
-        conn.send(("closed",))
+        conn.send(("closed", memory()))
     except BaseException as e:  # report, don't hang the parent
         try:
             conn.send(("error", f"{role}: {type(e).__name__}: {e}"))
@@ -168,20 +176,22 @@ def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: lis
             pass
 
 
-def _shards(sizes: list[int], readers: int, shard: str) -> list[list[tuple[int, int, int]]]:
+def _shards(sizes: list[int], readers: int, shard: str, group_of: Sequence[int]) -> list[list[tuple[int, int, int]]]:
     n = len(sizes)
-    if shard == "keys":
-        if readers > n:
-            raise ValueError(f"{readers} readers but only {n} keys; use shard='bytes'")
-        return [[(k, 0, sizes[k]) for k in range(r * n // readers, (r + 1) * n // readers)] for r in range(readers)]
+    if shard == "keys":  # whole groups of keys
+        groups = max(group_of) + 1
+        if readers > groups:
+            raise ValueError(f"{readers} readers but only {groups} groups of keys; use shard='bytes'")
+        return [[(k, 0, sizes[k]) for k in range(n) if r * groups // readers <= group_of[k] < (r + 1) * groups // readers]
+                for r in range(readers)]
     if shard == "bytes":
         return [[(k, sizes[k] * r // readers, sizes[k] * (r + 1) // readers) for k in range(n)
                  if sizes[k] * (r + 1) // readers > sizes[k] * r // readers] for r in range(readers)]
     raise ValueError(f"shard must be 'keys' or 'bytes', got {shard!r}")
 
 
-def _expected_digest(payload: np.ndarray, offsets: list[int], ranges: list[tuple[int, int, int]]) -> int:
-    parts = [payload[offsets[k] + lo: offsets[k] + hi] for k, lo, hi in ranges]
+def _expected_digest(arrays: list[np.ndarray], ranges: list[tuple[int, int, int]]) -> int:
+    parts = [arrays[k][lo:hi] for k, lo, hi in ranges]
     arr = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
     if arr.nbytes == 0:
         arr = np.ones(1, np.uint8)  # a reader with nothing to read keeps its 1-byte arena of ones
@@ -190,37 +200,52 @@ def _expected_digest(payload: np.ndarray, offsets: list[int], ranges: list[tuple
 
 # ---- the measurement ---------------------------------------------------------------------------
 def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repeats: int = 10, readers: int = 1, *,
-                           shard: str = "keys", warmup: int = 1, verify: bool = True,
-                           max_keys_per_call: int = 1024, timeout: float = 300.0) -> dict[str, Any]:
-    """Measure raw batch_put_from / batch_get_into GB/s for one writer and `readers` reader processes.
+                           writers: int = 1, group_of: Sequence[int] | None = None, shard: str = "keys",
+                           warmup: int = 1, verify: bool = True, max_keys_per_call: int = 1024,
+                           timeout: float = 300.0) -> dict[str, Any]:
+    """Measure raw batch_put_from / batch_get_into GB/s for `writers` writer and `readers` reader processes.
 
     cluster_or_address: a started MooncakeCluster, or a master address 'HOST:PORT' / 'mooncake://HOST:PORT'
     (tcp). buffers: one object per key (memoryview, bytes-like or numpy array; read as raw bytes).
-    shard: 'keys' - reader r reads keys [r*n/R, (r+1)*n/R) whole (one batch_get_into);
+    group_of: each buffer's group (consecutive buffers of one group): writer w puts groups w, w + writers,
+    ... each with one batch_put_from, as rollout actors put their groups (default: one writer call of all).
+    shard: 'keys' - reader r reads the keys of groups [r*G/R, (r+1)*G/R) whole (one batch_get_into);
            'bytes' - reader r reads bytes [r/R, (r+1)/R) of every key (one get_into_ranges), i.e. a row
            shard of per-column chunks of fixed-width columns.
     max_keys_per_call: batch calls are split into calls of at most this many keys, run back to back
     (Mooncake's TCP transport wedges on batches of more than ~2000 small keys; see store/mooncake/client.py).
     Each repeat writes fresh keys and removes them afterwards (put of an existing key would be a no-op).
-    Returns write/read/e2e GB/s stats (median, min, max over `repeats`), the per-repeat seconds, and setup times.
+    write: the slowest writer's puts; read: the slowest reader's gets (each timed in its process).
+    Returns write/read/e2e GB/s stats (median, min, max over `repeats`), the per-repeat seconds, setup
+    times, and every process's exit status and memory (`processes`).
     """
-    if repeats < 1 or readers < 1:
-        raise ValueError("repeats and readers must be >= 1")
+    from dataplane_rl.bench.store_procs import process_memory
+
+    if repeats < 1 or readers < 1 or writers < 1:
+        raise ValueError("repeats, readers and writers must be >= 1")
     master, protocol, device = _address_of(cluster_or_address)
     arrays = [as_bytes_array(b) for b in buffers]
     sizes = [int(a.nbytes) for a in arrays]
     if not sizes or min(sizes) <= 0:
         raise ValueError("need at least one buffer, and Mooncake refuses empty objects")
+    if group_of is not None and len(group_of) != len(sizes):
+        raise ValueError(f"group_of has {len(group_of)} entries for {len(sizes)} buffers")
     total = int(sum(sizes))
-    pad = (-total) % 8
-    payload = np.concatenate(arrays + ([np.zeros(pad, np.uint8)] if pad else []))
-    payload_view = payload[:total]
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist()
-    shards = _shards(sizes, readers, shard)
-    expected = [_expected_digest(payload_view, offsets, s) for s in shards] if verify else None
+    # without groups: one writer call of every key, and readers shard by key
+    shards = _shards(sizes, readers, shard, range(len(sizes)) if group_of is None else group_of)
+    group_of = [0] * len(sizes) if group_of is None else [int(g) for g in group_of]
+    calls: list[list[list[tuple[int, int, int]]]] = [[] for _ in range(writers)]  # per writer, per group
+    for k, g in enumerate(group_of):
+        mine = calls[g % writers]
+        if not mine or group_of[mine[-1][-1][0]] != g:
+            mine.append([])
+        mine[-1].append((k, 0, sizes[k]))
+    payloads = [np.concatenate([arrays[k] for group in mine for k, _, _ in group]) if mine else np.ones(1, np.uint8)
+                for mine in calls]
+    expected = [_expected_digest(arrays, s) for s in shards] if verify else None
 
     ctx = mp.get_context("spawn")  # a Mooncake client must not be forked
-    procs, conns = [], []
+    procs, conns, roles = [], [], []
 
     def start(role, data, ranges):
         parent, child = ctx.Pipe()
@@ -229,6 +254,7 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
         p.start()
         procs.append(p)
         conns.append(parent)
+        roles.append(f"{role} {sum(r.startswith(role) for r in roles)}")
         return parent
 
     def recv(conn):
@@ -239,19 +265,25 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
             raise RuntimeError(f"raw_mooncake worker failed: {msg[1]}")
         return msg
 
-    write_s, read_s, per_reader, setups = [], [], [], {}
+    write_s, read_s, per_reader, setups, mem0, mem1 = [], [], [], {}, [], []
     prefix_base = f"raw-mooncake-{uuid.uuid4().hex[:12]}"
     try:
-        writer = start("writer", payload_view, None)
+        writer_conns = [start("writer", payload, mine) for payload, mine in zip(payloads, calls) if mine]
         reader_conns = [start("reader", None, s) for s in shards]
-        setups["writer_setup_s"] = recv(writer)[1]
-        setups["reader_setup_s"] = [recv(c)[1] for c in reader_conns]
+        ready = [recv(c) for c in writer_conns + reader_conns]
+        setups["writer_setup_s"] = [m[1] for m in ready[:len(writer_conns)]]
+        setups["reader_setup_s"] = [m[1] for m in ready[len(writer_conns):]]
+        mem0 = [m[2] for m in ready]
+        del payloads
         for rep in range(warmup + repeats):
             prefix = f"{prefix_base}/{rep}"
-            writer.send(("write", prefix, time.monotonic() + 0.005))
-            _, ws, we, err = recv(writer)
-            if err:
-                raise RuntimeError(f"batch_put_from failed for {total} bytes in {len(sizes)} keys: {err}")
+            t_go = time.monotonic() + 0.005
+            for c in writer_conns:
+                c.send(("write", prefix, t_go))
+            wres = [recv(c) for c in writer_conns]
+            errs = [err for _, _, _, err in wres if err]
+            if errs:
+                raise RuntimeError(f"batch_put_from failed for {total} bytes in {len(sizes)} keys: {errs[0]}")
             t_go = time.monotonic() + 0.02
             for c in reader_conns:
                 c.send(("read", prefix, t_go))
@@ -261,37 +293,46 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
                     raise RuntimeError(f"reader {r}: batch read failed: {err}")
                 if verify and digest != expected[r]:
                     raise RuntimeError(f"reader {r} read different bytes than were written (repeat {rep})")
-            writer.send(("remove", prefix, 0.0))
-            recv(writer)
+            for c in writer_conns:
+                c.send(("remove", prefix, 0.0))
+            for c in writer_conns:
+                recv(c)
             if rep >= warmup:
-                write_s.append(we - ws)
+                write_s.append(max(e - s for _, s, e, _ in wres))
                 read_s.append(max(e - s for _, s, e, _, _ in results))  # the slowest reader, as bench store times it
                 per_reader.append([e - s for _, s, e, _, _ in results])
         for c in conns:
             c.send(("stop",))
         for c in conns:
             try:
-                recv(c)
+                mem1.append(recv(c)[1])
             except (EOFError, TimeoutError):
-                pass
+                mem1.append({})
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join(5)
+    held = [sum(n for group in mine for _, _, n in group) for mine in calls if mine] + \
+        [sum(hi - lo for _, lo, hi in s) for s in shards]
+    processes = [process_memory(role, p.exitcode, m0, m1, h, m1.get("anon", 0), m1.get("rss", 0), True)
+                 for role, p, m0, m1, h in zip(roles, procs, mem0, mem1, held)]
+    bad = [f"raw Mooncake {o['role']} exited with {o['exitcode']}" for o in processes if o["exitcode"] != 0]
+    if bad:
+        raise RuntimeError("; ".join(bad))
 
     e2e_s = [w + r for w, r in zip(write_s, read_s)]
     gb = total / 1e9
     return {
-        "master_address": master, "bytes": total, "keys": len(sizes), "readers": readers, "shard": shard,
-        "max_keys_per_call": max_keys_per_call,
+        "master_address": master, "bytes": total, "keys": len(sizes), "readers": readers, "writers": len(writer_conns),
+        "shard": shard, "max_keys_per_call": max_keys_per_call,
         "repeats": repeats, "warmup": warmup,
         "write_gbps": _stats([gb / s for s in write_s]),
         "read_gbps": _stats([gb / s for s in read_s]),
         "e2e_gbps": _stats([gb / s for s in e2e_s]),
         "write_s": write_s, "read_s": read_s, "e2e_s": e2e_s, "per_reader_read_s": per_reader,
-        **setups,
+        "processes": processes, **setups,
     }
 
 

@@ -1,230 +1,211 @@
-"""Column-store throughput in the pattern of an RL step: one writer process, R reader processes, a
-GRPO-shaped batch, a new partition every round.
+"""Column-store throughput in the pattern of an RL step: N writer processes put GRPO groups into one
+partition, M reader processes get rank shards, a new partition every round.
 
-The batch holds DP_TRAIN_FIELDS with their declared dtypes (`--topk K`: and a teacher's top-k log-probs and ids,
-[L, K] per row, the heaviest columns a distillation step moves); row lengths are drawn uniformly from
-[min_len, max_len] with a fixed seed. Per round: create a partition, the writer puts every column of every
-row in one put (write), the R readers, released together, each get their contiguous shard and touch
-every byte (read: the slowest reader's get + touch, timed in its process), then the partition is dropped.
-End-to-end is write + read of the same round. Round 0 is cold (new store, new pages, processes that have
-not read yet): `cold`; after a warm-up round, the median of the rest is the steady state: `e2e_gbps`.
+The batch holds DP_TRAIN_FIELDS with their declared dtypes (`--topk K`: and a teacher's top-k log-probs and
+ids, [L, K] per row, the heaviest columns a distillation step moves); row lengths are drawn uniformly from
+[min_len, max_len] with a fixed seed. Per round: create a partition; the N writers, released together,
+each put their groups (`--group-size` rows each, groups w, w+N, w+2N, ... as a run's rollout actors
+finish theirs; write: the slowest writer's puts, timed in its process); the M readers, released together,
+each get their contiguous shard and touch every byte (read: the slowest reader's get + touch); then the
+partition is dropped. End-to-end is write + read of the same round. Round 0 is cold (new store, new
+pages, processes that have not read yet): `cold`; after a warm-up round, the median of the rest is the
+steady state: `e2e_gbps`.
 
-References measured in the same run on the same bytes:
-- memcpy: copy the batch's buffers into pre-faulted memory, then touch every byte (the steady ceiling);
-- fresh pages: the same into a new tmpfs file's pages, allocated by the copy (the cold ceiling);
-- shm floor: this harness's processes and hand-offs doing only the work no checksummed shm store can
-  skip (the writer copies and checksums each buffer into a pre-touched shared mapping, each reader
-  checksums and touches its share): what is left between a store and it is the store's own cost;
-- raw Mooncake: batch_put_from / batch_get_into of the same bytes with registered buffers.
-Workers are started once and reused across repeats, so process start-up is not timed.
+References in the same run, on the same bytes with the same N writers, M readers and groups:
+- memcpy: the writers copy their groups into a pre-faulted shared mapping, the readers touch their
+  shards' pieces (the steady ceiling);
+- shm floor: the same, with the writers checksumming each piece they copy and the readers each piece
+  they read: only the work no checksummed shm store can skip;
+- fresh pages (in one process): the batch copied into a new tmpfs file's pages, then touched (the cold
+  ceiling);
+- raw Mooncake: one batch_put_from per group by the same writers, one batch_get_into per shard.
+The fit (store_fit.py) runs the same rounds at several rows per call; every process's exit status and
+peak memory is reported, and a reader holding more than its shard is flagged.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
+import os
 import sys
 import time
 from typing import Any
 
-import numpy as np
-
-from dataplane_rl.bench.store_refs import (
-    fresh_page_ceiling,
-    memcpy_ceiling,
-    raw_mooncake,
-    shm_floor,
-)
-from dataplane_rl.bench.store_report import plot, table
+from dataplane_rl.bench.store_fit import fit_all, observations, targets
+from dataplane_rl.bench.store_procs import Pool, serve
+from dataplane_rl.bench.store_refs import fresh_page_ceiling, raw_mooncake, ref_pool
+from dataplane_rl.bench.store_report import plot, print_profiles, table
+from dataplane_rl.bench.store_small import small_calls
 from dataplane_rl.bench.store_work import (
+    Workload,
     _stats,
     bench_fields,
     bench_schema,
     make_batch,
+    make_groups,
     payload_bytes,
     touch,
     views_of,
+    writer_groups,
 )
 
 DEFAULT_BACKENDS = "shm,mooncake,ray"
-__all__ = ["fresh_page_ceiling", "make_batch", "memcpy_ceiling", "payload_bytes", "plot", "raw_mooncake", "run",
+DEFAULT_FIT_SIZES = "4,16,64"
+__all__ = ["Workload", "fresh_page_ceiling", "make_batch", "payload_bytes", "plot", "raw_mooncake", "run",
            "table", "touch", "views_of"]
 
 
-# ---- workload --------------------------------------------------------------------------------------
-def _writer(url: str, conn, samples: int, min_len: int, max_len: int, topk: int = 0) -> None:
-    from dataplane_rl.store import open_store
+# ---- the store's workers ---------------------------------------------------------------------------
+def _writer(conn, barrier, url: str, w: int, work: Workload, profile: str) -> None:
+    """Writer w: on ("prep", size) makes its groups of `size` rows; on ("put", pid, size) puts them, one
+    put per group in row order, timing each."""
+    from dataplane_rl.bench.store_work import memory
 
-    store = open_store(url)
-    batch = make_batch(samples, min_len, max_len, topk=topk)
-    conn.send("ready")
-    while (msg := conn.recv()) is not None:
-        store.create_partition(msg, bench_schema(topk), samples)
-        t0 = time.perf_counter()
-        store.put(msg, batch, range(samples))
-        conn.send(time.perf_counter() - t0)
-    store.close()
+    def setup():
+        from dataplane_rl.store import open_store
+
+        store = open_store(url)
+        mine: dict[int, list] = {}
+
+        def prep(size: int) -> None:
+            if size not in mine:
+                mine.clear()  # one size at a time: a writer holds its share of the batch once
+                ranges = writer_groups(work.groups(size), w, work.writers)
+                groups = make_groups(work.samples, work.min_len, work.max_len, ranges, topk=work.topk)
+                mine[size] = (list(zip(ranges, groups)), sum(payload_bytes(g) for g in groups))
+
+        prep(work.group_size)
+
+        def handle(msg) -> dict:
+            if msg[0] == "prep":
+                prep(msg[1])
+                return {}
+            _, pid, size = msg
+            groups, nbytes = mine[size]
+            busy = cpu = 0.0
+            t0 = time.perf_counter()
+            for (lo, hi), cols in groups:
+                a, c = time.perf_counter(), time.thread_time()
+                store.put(pid, cols, range(lo, hi))
+                busy += time.perf_counter() - a
+                cpu += time.thread_time() - c
+            return {"t0": t0, "t1": time.perf_counter(), "calls": len(groups), "bytes": nbytes, "busy": busy,
+                    "cpu": cpu, "mem": memory()}
+
+        return handle, store.close
+
+    serve(conn, barrier, setup, profile)
 
 
-def _reader(url: str, conn, barrier, rows: tuple[int, int], topk: int = 0) -> None:
-    """Gets on request: ("shard", pid) its shard, released with the other readers by the barrier;
-    ("rows", pid, lo, hi) rows lo..hi-1 at once. Replies (start, end, bytes touched)."""
-    from dataplane_rl.store import open_store
+def _reader(conn, barrier, url: str, rows: tuple[int, int], profile: str, topk: int = 0) -> None:
+    """On ("get", pid, size): its shard, in gets of `size` rows (0: one get), then touches every byte;
+    on ("rows", pid, lo, hi): rows lo..hi-1 in one get, alone. Replies the times, calls and bytes touched,
+    and its memory while it still holds what it got."""
+    from dataplane_rl.bench.store_work import memory
 
-    fields = bench_fields(topk)
+    def setup():
+        from dataplane_rl.store import open_store
 
-    store = open_store(url)
-    conn.send("ready")
-    while (msg := conn.recv()) is not None:
-        if msg[0] == "shard":
-            barrier.wait()
-            lo, hi = rows
-        else:
-            lo, hi = msg[2], msg[3]
-        t0 = time.perf_counter()
-        table = store.get(msg[1], fields, range(lo, hi))
-        touched = touch(views_of(table))
-        t1 = time.perf_counter()
-        del table
-        conn.send((t0, t1, touched))
-    store.close()
+        fields = bench_fields(topk)
+        store = open_store(url)
+        # a get of a partition of its own first: the modules and caches a first get brings in (10-30 MB of
+        # private memory) are in the start memory, so what a round adds is what it got
+        warm = f"bench-warm-{os.getpid()}"
+        store.create_partition(warm, bench_schema(topk), 2)
+        store.put(warm, make_batch(2, 8, 16, seed=2, topk=topk), range(2))
+        touch(views_of(store.get(warm, fields, range(2))))
+        store.drop_partition(warm)
+
+        def handle(msg) -> dict:
+            if msg[0] == "prep":
+                return {}
+            lo, hi = (rows if msg[0] == "get" else msg[2:4])
+            step = (msg[2] or hi - lo) if msg[0] == "get" else hi - lo
+            tables, busy, cpu = [], 0.0, 0.0
+            t0 = time.perf_counter()
+            for a in range(lo, hi, max(step, 1)):
+                s, c = time.perf_counter(), time.thread_time()
+                tables.append(store.get(msg[1], fields, range(a, min(hi, a + step))))
+                busy += time.perf_counter() - s
+                cpu += time.thread_time() - c
+            touched = sum(touch(views_of(t)) for t in tables)
+            t1 = time.perf_counter()
+            return {"t0": t0, "t1": t1, "calls": len(tables), "bytes": touched, "busy": busy, "cpu": cpu,
+                    "mem": memory()}
+
+        return handle, store.close
+
+    serve(conn, barrier, setup, profile)
 
 
-def run_backend(url: str, store, samples: int, min_len: int, max_len: int, readers: int, repeats: int,
-                nbytes: int, small_repeats: int = 20, small_rows: int = 64, full_puts: int = 200,
-                topk: int = 0) -> dict[str, Any]:
-    """Rounds of what an RL step does with the store: create a partition, put the batch (writer process),
-    get it by `readers` processes (each its shard, touched), drop it. Round 0 is cold (a new store, new
-    processes, new pages); round 1 warms; the steady figures are the medians of rounds 2..repeats+1.
-    Then the small calls, with reader 0 as the other process."""
-    ctx = mp.get_context("spawn")
-    w_parent, w_child = ctx.Pipe()
-    barrier = ctx.Barrier(readers)
-    procs = [ctx.Process(target=_writer, args=(url, w_child, samples, min_len, max_len, topk), daemon=True)]
-    bounds = np.linspace(0, samples, readers + 1).astype(int)
-    r_pipes = []
-    for i in range(readers):
-        parent, child = ctx.Pipe()
-        r_pipes.append(parent)
-        procs.append(ctx.Process(target=_reader, args=(url, child, barrier, (int(bounds[i]), int(bounds[i + 1])),
-                                                       topk), daemon=True))
-    for p in procs:
-        p.start()
+def store_pool(label: str, url: str, work: Workload) -> Pool:
+    return Pool(label, _writer, [(url, w, work, work.profile_path(label, f"writer {w}")) for w in range(work.writers)],
+                _reader, [(url, s, work.profile_path(label, f"reader {i}"), work.topk) for i, s in enumerate(work.shards())],
+                private=label == "mooncake")
+
+
+# ---- rounds ----------------------------------------------------------------------------------------
+def run_rounds(pool: Pool, count: int, nbytes: int, put_size: int, get_size: int, begin=None, end=None) -> list[dict]:
+    """`count` rounds: begin(k) gives the partition (made there), the writers put, the readers get, end(pid)."""
+    rounds = []
+    for k in range(count):
+        pid = begin(k) if begin else f"round-{k}"
+        ws = pool.ask_all(pool.writers, ("put", pid, put_size))
+        rs = pool.ask_all(pool.readers, ("get", pid, get_size))
+        if end:
+            end(pid)
+        if sum(r["bytes"] for r in rs) < nbytes:  # (each shard's offsets also hold one entry more)
+            raise RuntimeError(f"{pool.label}: readers touched {sum(r['bytes'] for r in rs)} bytes of {nbytes}")
+        # the slowest process's own time: released together by a barrier, processes still wake up to
+        # ~1 ms apart on 2 cores; that is the benchmark's signalling, not the store, and reported apart (skew)
+        rounds.append({"write_s": max(r["t1"] - r["t0"] for r in ws), "read_s": max(r["t1"] - r["t0"] for r in rs),
+                       "skew_s": max(r["t0"] for r in rs) - min(r["t0"] for r in rs), "writers": ws, "readers": rs,
+                       "put_size": put_size, "get_size": get_size})
+    return rounds
+
+
+def summary(rounds: list[dict], nbytes: int) -> dict[str, Any]:
+    """Steady medians of rounds 2.. (0 is cold, 1 warms up) and the cold round."""
+    steady, cold = rounds[2:], rounds[0]
+    return {"write_gbps": _stats([nbytes / r["write_s"] / 1e9 for r in steady]),
+            "read_gbps": _stats([nbytes / r["read_s"] / 1e9 for r in steady]),
+            "e2e_gbps": _stats([nbytes / (r["write_s"] + r["read_s"]) / 1e9 for r in steady]),
+            "cold": {"write_s": cold["write_s"], "read_s": cold["read_s"],
+                     "e2e_gbps": nbytes / (cold["write_s"] + cold["read_s"]) / 1e9},
+            "rounds_e2e_gbps": [nbytes / (r["write_s"] + r["read_s"]) / 1e9 for r in rounds],
+            "reader_start_skew_ms": _stats([r["skew_s"] * 1e3 for r in steady])}
+
+
+def run_backend(label: str, store, work: Workload, nbytes: int) -> dict[str, Any]:
+    """The workload's rounds on one backend (`store` makes and drops the partitions), then the fit's passes
+    (one warm-up and `fit_repeats` rounds per size), then the small calls with reader 0 as the other process."""
+    pool = store_pool(label, store.url, work)
+    seq = iter(range(10**9))
+
+    def begin(_k: int) -> str:
+        pid = f"bench-{next(seq):05d}"
+        store.create_partition(pid, bench_schema(work.topk), work.samples)
+        return pid
+
     try:
-        for c in [w_parent, *r_pipes]:
-            if _recv(c, procs, 120) != "ready":
-                raise RuntimeError("a benchmark worker failed to start")
-        rounds, skews = [], []  # (write s, read s); how far apart the readers started
-        for k in range(repeats + 2):
-            pid = f"bench-{k:04d}"
-            w_parent.send(pid)
-            w = _recv(w_parent, procs)
-            for c in r_pipes:
-                c.send(("shard", pid))
-            res = [_recv(c, procs) for c in r_pipes]
-            # the read: the slowest reader's get and touch, timed in its own process. Released together by
-            # a barrier, the readers still wake up to ~1 ms apart on 2 cores: that is the benchmark's
-            # signalling, not the store, and is reported apart (skew)
-            r = max(t1 - t0 for t0, t1, _ in res)
-            skews.append(max(t0 for t0, _, _ in res) - min(t0 for t0, _, _ in res))
-            if sum(n for *_, n in res) < nbytes:  # (each shard's offsets also hold one entry more)
-                raise RuntimeError(f"readers touched {sum(n for *_, n in res)} bytes of {nbytes}")
-            store.drop_partition(pid)
-            rounds.append((w, r))
-        small = small_calls(store, min_len, max_len, small_repeats, r_pipes[0], procs, small_rows, full_puts, topk)
-    finally:
-        for c in [w_parent, *r_pipes]:
-            try:
-                c.send(None)
-            except OSError:
-                pass
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    steady = rounds[2:]
-    cw, cr = rounds[0]  # the cold round
-    return {"write_gbps": _stats([nbytes / w / 1e9 for w, _ in steady]),
-            "read_gbps": _stats([nbytes / r / 1e9 for _, r in steady]),
-            "e2e_gbps": _stats([nbytes / (w + r) / 1e9 for w, r in steady]),
-            "cold": {"write_s": cw, "read_s": cr, "e2e_gbps": nbytes / (cw + cr) / 1e9},
-            "rounds_e2e_gbps": [nbytes / (w + r) / 1e9 for w, r in rounds],
-            "reader_start_skew_ms": _stats([x * 1e3 for x in skews[2:]]),
-            "small": small}
-
-
-def _recv(conn, procs, timeout: float = 300):
-    """The next message from a worker, or an error if none comes in `timeout` s or a worker died."""
-    deadline = time.monotonic() + timeout
-    while not conn.poll(0.2):
-        dead = [p for p in procs if not p.is_alive()]
-        if dead:
-            raise RuntimeError(f"benchmark worker {dead[0].name} exited with {dead[0].exitcode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no answer from a benchmark worker in {timeout:g} s")
-    return conn.recv()
-
-
-def small_calls(store, min_len: int, max_len: int, repeats: int, reader=None, procs=(), rows: int = 64,
-                full_puts: int = 200, topk: int = 0) -> dict[str, Any]:
-    """µs per put and per get of `rows` rows (a GRPO step of 8 groups of 8) of DP_TRAIN_FIELDS: the fixed
-    cost per call that the streaming trainer's many small puts and reads pay.
-    - put, get: into a fresh partition and back, in this process;
-    - remote_get: the same rows read by another process (`reader`), which first sees the partition then;
-    - put_full, remote_get_full: a put into a partition already holding `full_puts` puts, and its rows
-      read by the other process."""
-    batch, schema, fields = make_batch(rows, min_len, max_len, seed=1, topk=topk), bench_schema(topk), bench_fields(topk)
-    puts, gets, remote = [], [], []
-    for k in range(repeats + 1):  # call 0 warms up
-        pid = f"bench-small-{k:04d}"
-        store.create_partition(pid, schema, rows)
-        t0 = time.perf_counter()
-        store.put(pid, batch, range(rows))
-        t1 = time.perf_counter()
-        table = store.get(pid, fields, range(rows))
-        t2 = time.perf_counter()
-        assert table.num_rows == rows
-        del table
-        if reader is not None:
-            reader.send(("rows", pid, 0, rows))
-            r0, r1, _ = _recv(reader, procs)
-        store.drop_partition(pid)
-        if k:
-            puts.append((t1 - t0) * 1e6)
-            gets.append((t2 - t1) * 1e6)
-            if reader is not None:
-                remote.append((r1 - r0) * 1e6)
-    out = {"rows": rows, "bytes": payload_bytes(batch), "put_us": _stats(puts), "get_us": _stats(gets)}
-    if reader is not None:
-        out["remote_get_us"] = _stats(remote)
-    # A streaming step: many small puts into one partition, each read by the other process as it lands.
-    # Pass 0 is the run's first such step (every put in new pages); pass 1 the steady one, whose puts
-    # reuse what pass 0's partition gave back when dropped. Timed: the puts after the first `full_puts`.
-    for step in range(2):
-        full, full_remote = [], []
-        pid = f"bench-small-full-{step}"
-        store.create_partition(pid, schema, rows * (full_puts + repeats))
-        try:
-            for k in range(full_puts + repeats):
-                lo = k * rows
-                t0 = time.perf_counter()
-                store.put(pid, batch, range(lo, lo + rows))
-                t1 = time.perf_counter()
-                if reader is not None:
-                    reader.send(("rows", pid, lo, lo + rows))
-                    r0, r1, _ = _recv(reader, procs)
-                if k >= full_puts:
-                    full.append((t1 - t0) * 1e6)
-                    if reader is not None:
-                        full_remote.append((r1 - r0) * 1e6)
-        finally:
-            store.drop_partition(pid)
-        suffix = "" if step else "_first_step"
-        out[f"put_full{suffix}_us"] = _stats(full)
-        if reader is not None:
-            out[f"remote_get_full{suffix}_us"] = _stats(full_remote)
-    out["full_puts"] = full_puts
+        pool.ready()
+        rounds = run_rounds(pool, work.repeats + 2, nbytes, work.group_size, 0, begin, store.drop_partition)
+        out = summary(rounds, nbytes)
+        fit_rounds = []
+        for rep in range(work.fit_repeats + 1):  # the sizes alternate, so a busy neighbour slows them alike
+            for size in work.fit_sizes:
+                pool.ask_all(pool.writers, ("prep", size))
+                done = run_rounds(pool, 1, nbytes, size, size, begin, store.drop_partition)
+                fit_rounds += done if rep else []  # pass 0 warms each size up
+        if work.fit_sizes:
+            out["fit"] = fit_all(observations(fit_rounds))
+        if work.small_repeats:
+            out["small"] = small_calls(store, work.min_len, work.max_len, work.small_repeats, pool, topk=work.topk)
+    except BaseException:
+        pool.abort()
+        raise
+    out["processes"] = pool.close()
     return out
 
 
@@ -239,24 +220,37 @@ def open_for_bench(name: str, mooncake_segment_mb: int):
     return open_store({"shm": "shm://", "ray": "ray://", "memory": "memory://"}[name])
 
 
-def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: int, repeats: int,
-        log=print, small_repeats: int = 20, topk: int = 0) -> dict[str, Any]:
-    batch = make_batch(samples, min_len, max_len, topk=topk)
+def run(backends: list[str], work: Workload, log=print) -> dict[str, Any]:
+    batch = make_batch(work.samples, work.min_len, work.max_len, topk=work.topk)
     nbytes = payload_bytes(batch)
-    # mooncake holds a put and its warm-up copy: size the segment from the batch (plus slack), and room
-    # for the small calls' partition of 200+ puts
-    small_bytes = payload_bytes(make_batch(64, min_len, max_len, seed=1, topk=topk)) * (200 + max(small_repeats, 1))
-    seg_mb = max(256, int(nbytes * 4 / 2**20) + 64, int(small_bytes * 1.5 / 2**20) + 64)
     tokens = int(batch["input_lengths"].to_numpy().sum())
-    log(f"[bench] {samples} samples, lengths {min_len}-{max_len}, {nbytes / 1e6:.2f} MB ({nbytes / tokens:.0f} B/token"
-        f"{f', teacher top-{topk}' if topk else ''}), {readers} readers, 1 cold + 1 warm-up + {repeats} steady rounds")
-    results: dict[str, Any] = {"workload": {"samples": samples, "min_len": min_len, "max_len": max_len,
-                                            "readers": readers, "repeats": repeats, "bytes": nbytes, "topk": topk,
+    # mooncake holds a round's puts and its warm-up copy: size the segment from the batch (plus slack), and
+    # room for the small calls' partition of 200+ puts
+    small_bytes = payload_bytes(make_batch(64, work.min_len, work.max_len, seed=1, topk=work.topk)) * (200 + max(work.small_repeats, 1))
+    seg_mb = max(256, int(nbytes * 4 / 2**20) + 64, int(small_bytes * 1.5 / 2**20) + 64)
+    log(f"[bench] {work.samples} samples, lengths {work.min_len}-{work.max_len}, {nbytes / 1e6:.2f} MB ({nbytes / tokens:.0f} B/token"
+        f"{f', teacher top-{work.topk}' if work.topk else ''}), "
+        f"{work.writers} writers putting groups of {work.group_size or 'all their'} rows, {work.readers} readers, "
+        f"1 cold + 1 warm-up + {work.repeats} steady rounds; fit at {list(work.fit_sizes) or 'no'} rows per call")
+    results: dict[str, Any] = {"workload": {"samples": work.samples, "min_len": work.min_len, "max_len": work.max_len,
+                                            "writers": work.writers, "readers": work.readers,
+                                            "group_size": work.group_size, "repeats": work.repeats,
+                                            "fit_sizes": list(work.fit_sizes), "bytes": nbytes, "topk": work.topk,
                                             "bytes_per_token": nbytes / tokens}}
-    results["memcpy"] = memcpy_ceiling(batch, repeats)
-    results["fresh_pages"] = fresh_page_ceiling(batch, max(repeats, 3))
-    if "shm" in backends:
-        results["shm_floor"] = shm_floor(samples, min_len, max_len, readers, repeats, nbytes, _recv, topk)
+    results["fresh_pages"] = fresh_page_ceiling(batch, max(work.repeats, 3))
+    refs = ["memcpy", *(["shm_floor"] if "shm" in backends else [])]
+    for ref in refs:
+        pool, remove = ref_pool(ref, work)
+        try:
+            pool.ready()
+            results[ref] = summary(run_rounds(pool, work.repeats + 2, nbytes, work.group_size, 0), nbytes)
+            del results[ref]["cold"]  # its mapping is pre-touched: no cold round to speak of
+        except BaseException:
+            pool.abort()
+            raise
+        finally:
+            remove()
+        results[ref]["processes"] = pool.close()
     log(f"[bench] memcpy ceiling e2e {results['memcpy']['e2e_gbps']['median']:.2f} GB/s, fresh tmpfs pages "
         f"{results['fresh_pages']['e2e_gbps']['median']:.2f} GB/s" +
         (f", shm floor {results['shm_floor']['e2e_gbps']['median']:.2f} GB/s" if "shm_floor" in results else ""))
@@ -267,14 +261,19 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
         log(f"[bench] {name} ...")
         store = open_for_bench(name, seg_mb)
         try:
-            results[name] = run_backend(store.url, store, samples, min_len, max_len, readers, repeats, nbytes,
-                                        small_repeats=max(small_repeats, 1), topk=topk)
+            results[name] = run_backend(name, store, work, nbytes)
             if name == "mooncake":
-                results["raw_mooncake"] = raw_mooncake(batch, readers, repeats, store.cluster)
+                results["raw_mooncake"] = raw_mooncake(work, store.cluster)
         finally:
             store.close()
         log(f"[bench] {name} e2e {results[name]['e2e_gbps']['median']:.3f} GB/s steady, "
             f"{results[name]['cold']['e2e_gbps']:.3f} GB/s cold")
+    add_ratios(results, backends)
+    results["targets"] = targets(results)
+    return results
+
+
+def add_ratios(results: dict[str, Any], backends: list[str]) -> None:
     ceiling = results["memcpy"]["e2e_gbps"]["median"]
     fresh = results["fresh_pages"]["e2e_gbps"]["median"]
     raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
@@ -287,7 +286,13 @@ def run(backends: list[str], samples: int, min_len: int, max_len: int, readers: 
             results[name]["cold"]["ratio_to_fresh_pages"] = results[name]["cold"]["e2e_gbps"] / fresh
             if raw:
                 results[name]["ratio_to_raw_mooncake"] = results[name]["e2e_gbps"]["median"] / raw
-    return results
+
+
+# ---- command line ----------------------------------------------------------------------------------
+def default_group_size() -> int:
+    from dataplane_rl.config.models import GRPOConfig
+
+    return GRPOConfig.model_fields["num_generations_per_prompt"].default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -296,17 +301,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-len", type=int, default=256, help="shortest row in tokens; lengths are drawn uniformly "
                    "from [min-len, max-len] with a fixed seed (default %(default)s)")
     p.add_argument("--max-len", type=int, default=1024, help="longest row in tokens (default %(default)s)")
+    p.add_argument("--writers", type=int, default=1, help="writer processes, putting disjoint groups into one "
+                   "partition, interleaved as a run's rollout actors (default %(default)s)")
     p.add_argument("--readers", type=int, default=2, help="reader processes, each getting a contiguous shard of "
                    "the rows (default %(default)s)")
+    p.add_argument("--group-size", type=int, default=default_group_size(), help="rows per put, a GRPO group "
+                   "(grpo.num_generations_per_prompt); 0: each writer puts all its rows at once (default %(default)s)")
     p.add_argument("--repeats", type=int, default=10, help="steady rounds of create, put, get and drop, timed "
                    "after a cold round and a warm-up round; their median is reported (default %(default)s)")
-    p.add_argument("--small-repeats", type=int, default=20, help="timed calls of each small-call kind "
+    p.add_argument("--fit-sizes", default=DEFAULT_FIT_SIZES, help="rows per call of the passes that fit "
+                   "time = calls x per_call + bytes / bandwidth for put and get; at least two sizes, or 'none' "
+                   f"(default {DEFAULT_FIT_SIZES})")
+    p.add_argument("--fit-repeats", type=int, default=3, help="timed rounds per fit size, after one warm-up "
                    "(default %(default)s)")
+    p.add_argument("--small-repeats", type=int, default=20, help="timed calls of each small-call kind; 0 skips "
+                   "them (default %(default)s)")
+    p.add_argument("--profile", help="a folder: every worker runs its calls under cProfile and saves its stats "
+                   "there; the top entries of writer 0 and reader 0 are printed (the run's times then include "
+                   "the profiler's)")
     p.add_argument("--topk", type=int, default=0, help="add a teacher's top-k columns to the workload: "
                    "teacher_topk_logprobs (float32) and teacher_topk_ids (int32), [L, K] per row, 8*K bytes per token "
                    "(on-policy distillation; 0: none) (default %(default)s)")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--plot", help="write a bar chart PNG here")
+
+
+def _fit_sizes(text: str) -> tuple[int, ...] | str:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        return f"--fit-sizes {text!r}: give a comma list of rows per call, such as {DEFAULT_FIT_SIZES}, or none"
+    if len(sizes) < 2 or sizes[0] < 1:
+        return f"--fit-sizes {text!r}: the fit needs at least two different sizes of at least 1 row"
+    return sizes
 
 
 def run_args(args) -> int:
@@ -315,19 +344,38 @@ def run_args(args) -> int:
         if b not in ("shm", "mooncake", "ray", "memory"):
             print(f"error: unknown backend '{b}'; use shm, mooncake, ray", file=sys.stderr)
             return 2
-    for flag in ("samples", "min_len", "max_len", "readers", "repeats", "small_repeats"):
-        if getattr(args, flag) < 1:
+    for flag in ("samples", "min_len", "max_len", "readers", "repeats", "writers", "fit_repeats"):
+        if getattr(args, flag, 1) < 1:
             print(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1", file=sys.stderr)
             return 2
-    if args.topk < 0:
-        print(f"error: --topk {args.topk}: must be 0 (no teacher columns) or more", file=sys.stderr)
-        return 2
+    for flag in ("small_repeats", "group_size", "topk"):
+        if getattr(args, flag, 0) < 0:
+            print(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 0", file=sys.stderr)
+            return 2
     if args.min_len > args.max_len:
         print(f"error: --min-len {args.min_len} is above --max-len {args.max_len}; swap them", file=sys.stderr)
         return 2
-    res = run(backends, args.samples, args.min_len, args.max_len, args.readers, args.repeats,
-              log=lambda s: print(s, file=sys.stderr, flush=True), small_repeats=args.small_repeats, topk=args.topk)
+    sizes = _fit_sizes(getattr(args, "fit_sizes", "none") or "none")
+    if isinstance(sizes, str):
+        print(f"error: {sizes}", file=sys.stderr)
+        return 2
+    writers = getattr(args, "writers", 1)
+    if writers > args.samples or args.readers > args.samples:
+        print(f"error: --writers {writers} / --readers {args.readers}: at most --samples {args.samples} each",
+              file=sys.stderr)
+        return 2
+    profile = getattr(args, "profile", None) or ""
+    if profile:
+        import os
+
+        os.makedirs(profile, exist_ok=True)
+    work = Workload(args.samples, args.min_len, args.max_len, writers, args.readers,
+                    getattr(args, "group_size", default_group_size()), args.repeats, sizes,
+                    getattr(args, "fit_repeats", 3), args.small_repeats, profile, getattr(args, "topk", 0))
+    res = run(backends, work, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(table(res))
+    if profile:
+        print_profiles(res, work)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

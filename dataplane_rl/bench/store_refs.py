@@ -1,4 +1,4 @@
-"""`bench store`'s references on the same bytes: memcpy, fresh tmpfs pages, the shm floor, raw Mooncake."""
+"""`bench store`'s references on the same bytes, writers and readers: memcpy, the shm floor, fresh tmpfs pages, raw Mooncake."""
 
 from __future__ import annotations
 
@@ -8,7 +8,19 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dataplane_rl.bench.store_work import _stats, touch, views_of
+from dataplane_rl.bench.store_procs import Pool, serve
+from dataplane_rl.bench.store_work import (
+    Workload,
+    _stats,
+    make_groups,
+    memory,
+    piece_sizes,
+    row_lengths,
+    shard_pieces,
+    touch,
+    views_of,
+    writer_groups,
+)
 
 
 def fresh_page_ceiling(batch: dict[str, pa.Array], repeats: int, folder: str = "/dev/shm") -> dict[str, Any]:
@@ -44,144 +56,144 @@ def fresh_page_ceiling(batch: dict[str, pa.Array], repeats: int, folder: str = "
     return {"e2e_gbps": _stats(e2e)}
 
 
-def memcpy_ceiling(batch: dict[str, pa.Array], repeats: int) -> dict[str, Any]:
-    """Copy the batch's buffers into pre-faulted memory, then touch every byte of the copy."""
-    srcs = [v.view(np.uint8) for v in views_of(pa.table(batch))]
-    dst = [np.ones(s.size, dtype=np.uint8) for s in srcs]  # ones(): pre-faulted
-    nbytes = sum(s.size for s in srcs)
-    writes, reads = [], []
-    for k in range(repeats + 1):
-        t0 = time.perf_counter()
-        for s, d in zip(srcs, dst):
-            np.copyto(d, s)
-        t1 = time.perf_counter()
-        touch(dst)  # the readers' work
-        t2 = time.perf_counter()
-        if k:
-            writes.append(t1 - t0)
-            reads.append(t2 - t1)
-    return {"write_gbps": _stats([nbytes / w / 1e9 for w in writes]),
-            "read_gbps": _stats([nbytes / r / 1e9 for r in reads]),
-            "e2e_gbps": _stats([nbytes / (w + r) / 1e9 for w, r in zip(writes, reads)])}
-
-
-def raw_mooncake(batch: dict[str, pa.Array], readers: int, repeats: int, cluster) -> dict[str, Any]:
-    """Raw Mooncake batch_put_from / batch_get_into of the same bytes (one key per buffer)."""
+def raw_mooncake(work: Workload, cluster) -> dict[str, Any]:
+    """Raw Mooncake batch_put_from / batch_get_into of the same bytes: one key per group (its buffers back to
+    back, as the store keeps one object per put), each put with its own batch_put_from by the same writers
+    (groups interleaved as theirs), one batch_get_into per reader of its groups' keys."""
     from dataplane_rl.bench.raw_mooncake import raw_mooncake_roundtrip
 
-    bufs = [v.view(np.uint8) for v in views_of(pa.table(batch)) if v.size]
-    res = raw_mooncake_roundtrip(cluster, bufs, repeats=repeats, readers=readers)
-    return {k: res[k] for k in ("write_gbps", "read_gbps", "e2e_gbps")}
+    groups = make_groups(work.samples, work.min_len, work.max_len, work.groups(), topk=work.topk)
+    bufs = [np.concatenate([v.view(np.uint8) for v in views_of(pa.table(cols))]) for cols in groups]
+    del groups
+    res = raw_mooncake_roundtrip(cluster, bufs, repeats=work.repeats, readers=work.readers, writers=work.writers,
+                                 group_of=range(len(bufs)))
+    return {k: res[k] for k in ("write_gbps", "read_gbps", "e2e_gbps", "processes")}
 
 
-# ---- the shm floor: what the harness allows a store that copies once and checksums ------------------
-def _floor_writer(path: str, nbytes: int, conn, samples: int, min_len: int, max_len: int, topk: int = 0) -> None:
+# ---- memcpy and the shm floor: the harness's processes doing only what no store can skip ------------
+def _layout(work: Workload) -> tuple[np.ndarray, list[tuple[int, int]], list[int], int]:
+    """Row lengths, the groups' rows, each group's first byte in a group-major mapping, and its size."""
+    lengths = row_lengths(work.samples, work.min_len, work.max_len)
+    ranges = work.groups()
+    sizes = [sum(piece_sizes(lengths[lo:hi], work.topk)) for lo, hi in ranges]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+    return lengths, ranges, starts[:-1], starts[-1]
+
+
+def _ref_writer(conn, barrier, path: str, w: int, work: Workload, checksum: bool, profile: str) -> None:
+    """Copies its groups' buffers into the mapping, each group's back to back at its place (a store's
+    block per put), checksumming each piece if `checksum`."""
+    def setup():
+        import mmap
+        import os
+
+        import xxhash
+
+        lengths, ranges, starts, total = _layout(work)
+        mine = writer_groups(list(zip(ranges, starts)), w, work.writers)
+        groups = make_groups(work.samples, work.min_len, work.max_len, [r for r, _ in mine], topk=work.topk)
+        srcs = []  # (where, bytes view) per buffer
+        for ((lo, hi), start), cols in zip(mine, groups):
+            views = [v.view(np.uint8) for v in views_of(pa.table(cols))]
+            if [v.size for v in views] != piece_sizes(lengths[lo:hi], work.topk):
+                raise RuntimeError(f"group rows {lo}-{hi}: its buffers are not the layout's sizes")
+            at = start
+            for v in views:
+                srcs.append((at, v))
+                at += v.size
+        fd = os.open(path, os.O_RDWR)
+        st = {"mm": mmap.mmap(fd, total)}
+        st["dst"] = np.frombuffer(st["mm"], dtype=np.uint8)
+        nbytes = sum(v.size for _, v in srcs)
+
+        def handle(msg) -> dict:
+            dst = st["dst"]
+            t0 = time.perf_counter()
+            for at, src in srcs:  # one copy and (floor) one checksum per piece, nothing else
+                part = dst[at:at + src.size]
+                np.copyto(part, src)
+                if checksum:
+                    xxhash.xxh3_64_intdigest(part)
+            t1 = time.perf_counter()
+            return {"t0": t0, "t1": t1, "calls": len(mine), "bytes": nbytes, "busy": t1 - t0, "mem": memory()}
+
+        def close() -> None:
+            mm = st.pop("mm")
+            st.clear()  # every view of the map goes before the map (else: BufferError, exported pointers)
+            mm.close()
+            os.close(fd)
+
+        return handle, close
+
+    serve(conn, barrier, setup, profile)
+
+
+def _ref_reader(conn, barrier, path: str, rows: tuple[int, int], work: Workload, checksum: bool,
+                profile: str) -> None:
+    """Touches (and with `checksum`, checksums) the pieces of its shard's rows, where the writers put them."""
+    def setup():
+        import mmap
+        import os
+
+        import xxhash
+
+        lengths, ranges, starts, total = _layout(work)
+        pieces = shard_pieces(lengths, ranges, starts, *rows, topk=work.topk)
+        fd = os.open(path, os.O_RDONLY)
+        st = {"mm": mmap.mmap(fd, total, prot=mmap.PROT_READ)}
+        data = np.frombuffer(st["mm"], dtype=np.uint8)
+        st["parts"] = [data[at:at + n] for at, n in pieces]
+        del data
+
+        def handle(msg) -> dict:
+            t0 = time.perf_counter()
+            if checksum:
+                for p in st["parts"]:
+                    xxhash.xxh3_64_intdigest(p)
+            touched = touch(st["parts"])
+            t1 = time.perf_counter()
+            return {"t0": t0, "t1": t1, "calls": 1, "bytes": touched, "busy": t1 - t0, "mem": memory()}
+
+        def close() -> None:
+            mm = st.pop("mm")
+            st.clear()  # the views before the map: a live one makes close() raise BufferError
+            mm.close()
+            os.close(fd)
+
+        return handle, close
+
+    serve(conn, barrier, setup, profile)
+
+
+def ref_pool(name: str, work: Workload):
+    """memcpy or shm_floor: the workload's writers and readers over one pre-touched shared mapping;
+    returns the Pool and a function that removes the mapping's file."""
     import mmap
-    import os
-
-    import xxhash
-
-    from dataplane_rl.bench.store_work import make_batch
-
-    srcs = [v.view(np.uint8) for v in views_of(pa.table(make_batch(samples, min_len, max_len, topk=topk))) if v.size]
-    fd = os.open(path, os.O_RDWR)
-    mm = mmap.mmap(fd, nbytes)
-    dst = np.frombuffer(mm, dtype=np.uint8)
-    conn.send("ready")
-    while conn.recv() is not None:
-        t0, at = time.perf_counter(), 0
-        for src in srcs:  # one copy and one checksum per buffer, nothing else
-            part = dst[at:at + src.size]
-            np.copyto(part, src)
-            xxhash.xxh3_64_intdigest(part)
-            at += src.size
-        conn.send(time.perf_counter() - t0)
-    del dst
-    mm.close()
-    os.close(fd)
-
-
-def _floor_reader(path: str, nbytes: int, sizes: list[int], conn, barrier, share: tuple[int, int]) -> None:
-    import mmap
-    import os
-
-    import xxhash
-
-    fd = os.open(path, os.O_RDONLY)
-    mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
-    data = np.frombuffer(mm, dtype=np.uint8)
-    parts, at = [], 0
-    for n in sizes:  # this reader's share of each buffer, as a row shard has of each column
-        parts.append(data[at + n * share[0] // share[1]:at + n * (share[0] + 1) // share[1]])
-        at += n
-    conn.send("ready")
-    while conn.recv() is not None:
-        barrier.wait()
-        t0 = time.perf_counter()
-        for p in parts:
-            xxhash.xxh3_64_intdigest(p)
-        touched = touch(parts)
-        conn.send((t0, time.perf_counter(), touched))
-    del data, parts
-    mm.close()
-    os.close(fd)
-
-
-def shm_floor(samples: int, min_len: int, max_len: int, readers: int, repeats: int, nbytes: int,
-              recv, topk: int = 0) -> dict[str, Any]:
-    """The floor of this harness for an shm store: the store's processes and hand-offs (a writer process,
-    `readers` processes released by a barrier, pipes between rounds), and only the work no checksummed
-    shm store can skip: the writer copies each buffer of the batch into a pre-touched shared mapping
-    and checksums it, each reader checksums its share of each buffer and touches it. No catalog,
-    validation, Arrow objects or locks. Timed like a store's rounds (`recv(conn, procs)`: bench.store's)."""
-    import multiprocessing as mp
     import os
     import uuid
 
-    from dataplane_rl.bench.store_work import make_batch
-
-    sizes = [v.nbytes for v in views_of(pa.table(make_batch(samples, min_len, max_len, topk=topk))) if v.size]
-    path = f"/dev/shm/.dataplane-rl-bench-floor-{uuid.uuid4().hex}"
+    checksum = name == "shm_floor"
+    total = _layout(work)[3]
+    path = f"/dev/shm/.dataplane-rl-bench-{name}-{uuid.uuid4().hex}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    ctx = mp.get_context("spawn")
-    procs, pipes = [], []
     try:
-        os.posix_fallocate(fd, 0, sum(sizes))
-        import mmap
-
-        mmap.mmap(fd, sum(sizes), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()  # pre-touched
-        barrier = ctx.Barrier(readers)
-        w_parent, w_child = ctx.Pipe()
-        procs.append(ctx.Process(target=_floor_writer, args=(path, sum(sizes), w_child, samples, min_len, max_len, topk),
-                                 daemon=True))
-        for i in range(readers):
-            parent, child = ctx.Pipe()
-            pipes.append(parent)
-            procs.append(ctx.Process(target=_floor_reader, args=(path, sum(sizes), sizes, child, barrier, (i, readers)),
-                                     daemon=True))
-        for p in procs:
-            p.start()
-        for c in [w_parent, *pipes]:
-            if recv(c, procs, 120) != "ready":
-                raise RuntimeError("a floor worker failed to start")
-        rounds = []
-        for _ in range(repeats + 2):
-            w_parent.send(1)
-            w = recv(w_parent, procs)
-            for c in pipes:
-                c.send(1)
-            r = max(t1 - t0 for t0, t1, _ in (recv(c, procs) for c in pipes))
-            rounds.append((w, r))
-        for c in [w_parent, *pipes]:
-            c.send(None)
+        os.posix_fallocate(fd, 0, total)
+        mmap.mmap(fd, total, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE).close()  # pre-touched
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
         os.close(fd)
-        os.unlink(path)
-    steady = rounds[2:]
-    return {"write_gbps": _stats([nbytes / w / 1e9 for w, _ in steady]),
-            "read_gbps": _stats([nbytes / r / 1e9 for _, r in steady]),
-            "e2e_gbps": _stats([nbytes / (w + r) / 1e9 for w, r in steady])}
+
+    def remove() -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    try:
+        pool = Pool(name, _ref_writer,
+                    [(path, w, work, checksum, work.profile_path(name, f"writer {w}")) for w in range(work.writers)],
+                    _ref_reader, [(path, s, work, checksum, work.profile_path(name, f"reader {i}"))
+                                  for i, s in enumerate(work.shards())])
+    except BaseException:
+        remove()
+        raise
+    return pool, remove

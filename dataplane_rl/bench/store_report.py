@@ -32,6 +32,7 @@ def table(results: dict[str, Any]) -> str:
         c = f"{cold['e2e_gbps']:.3f} | {cold['e2e_gbps'] / fresh:.2f}" if cold else "- | -"
         rows.append(f"| {name} | {w} | {rd} | {e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | "
                     f"{e['median'] / mem:.2f} | {ratio_f} | {ratio_r} | {c} |")
+    rows += fit_table(results) + process_table(results) + target_table(results)
     small = [n for n in ("shm", "mooncake", "ray") if n in results and "small" in results[n]]
     if small:
         s0 = results[small[0]]["small"]
@@ -44,6 +45,79 @@ def table(results: dict[str, Any]) -> str:
                      for k, _ in SMALL_COLUMNS]
             rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+LABELS = ("memcpy", "shm_floor", "raw_mooncake", "shm", "mooncake", "ray")
+
+
+def fit_table(results: dict[str, Any]) -> list[str]:
+    fits = [(n, op, results[n]["fit"][op]) for n in LABELS if "fit" in results.get(n, {})
+            for op in ("put", "get") if op in results[n]["fit"]]
+    if not fits:
+        return []
+    rows = ["", "Fit of time = calls x per_call + bytes / bandwidth over rows per call (medians per size; each "
+            "process's own calls, a reader's touch not in them; CPU: its thread's CPU time in them):", "",
+            "| backend | op | per call µs | bandwidth GB/s | r² | µs per call at rows (MB per call) |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name, op, f in fits:
+        for label, g in ((op, f), (f"{op}, CPU", f.get("cpu"))):
+            if g:
+                bw = f"{g['bandwidth_gbps']:.3f}" if g["bandwidth_gbps"] else "not resolved"
+                pts = ", ".join(f"{p['us_per_call']:.0f} at {p['rows']} ({p['bytes_per_call'] / 1e6:.3f})"
+                                for p in g["points"])
+                rows.append(f"| {name} | {label} | {g['per_call_us']:.0f} | {bw} | {g['r2']:.3f} | {pts} |")
+    return rows
+
+
+def process_table(results: dict[str, Any]) -> list[str]:
+    """Every process's exit status and memory; a reader over its mapping is flagged."""
+    rows = ["", "Processes: RSS at start, at the end of a round (a reader still holding its shard) and at its "
+            "peak (VmHWM, small calls included); held: the most bytes one round handed it; beyond: RSS growth "
+            "past that (store pages mapped but not read: shared, not a copy); anon: growth of private memory, "
+            "where a copy lands. A reader whose anon grew by a copy of its shard (Mooncake: by a second copy; "
+            "+25% and 24 MiB) is flagged:", "",
+            "| run | process | exit | start RSS MB | round RSS MB | peak RSS MB | held MB | beyond MB | anon growth MB | |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    n = len(rows)
+    for name in LABELS:
+        for p in results.get(name, {}).get("processes", []):
+            flag = "**copies its shard**" if p["copies_shard"] else ""
+            rows.append(f"| {name} | {p['role']} | {p['exitcode']} | {p['start_rss_mb']:.0f} | {p['round_rss_mb']:.0f} | "
+                        f"{p['peak_rss_mb']:.0f} | {p['held_mb']:.1f} | {p['mapped_beyond_mb']:.1f} | "
+                        f"{p['anon_growth_mb']:.1f} | {flag} |")
+    return rows if len(rows) > n else []
+
+
+def target_table(results: dict[str, Any]) -> list[str]:
+    ts = results.get("targets", [])
+    if not ts:
+        return []
+    rows = ["", "Targets (issue 36; the ratios' target workload is 4096 samples of 512-4096 tokens, 4 writers, "
+            "4 readers):", "", "| target | measured | bound | |", "| --- | --- | --- | --- |"]
+    for t in ts:
+        verdict = "-" if t["pass"] is None else ("pass" if t["pass"] else "**miss**")
+        if t["pass"] is not None and not t["target_workload"]:
+            verdict += " (another workload)"
+        rows.append(f"| {t['target']} | {'-' if t['measured'] is None else t['measured']} | {t['bound']} | {verdict} |")
+    return rows
+
+
+def print_profiles(results: dict[str, Any], work, top: int = 15) -> None:
+    """The top entries (own time) of writer 0's and reader 0's cProfile stats of each backend."""
+    import io
+    import os
+    import pstats
+
+    for name in ("shm", "mooncake", "ray", "shm_floor"):
+        for role in ("writer 0", "reader 0"):
+            path = work.profile_path(name, role)
+            if name not in results or not os.path.exists(path):
+                continue
+            out = io.StringIO()
+            pstats.Stats(path, stream=out).strip_dirs().sort_stats("tottime").print_stats(top)
+            text = out.getvalue()
+            print(f"\ncProfile of {name} {role} ({path}), top {top} by own time:")
+            print(text[text.find("   ncalls"):].rstrip())
 
 
 def plot(results: dict[str, Any], path: str, title: str = "") -> None:
@@ -74,7 +148,8 @@ def plot(results: dict[str, Any], path: str, title: str = "") -> None:
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_ylabel("end-to-end GB/s (log)")
     w = results["workload"]
-    ax.set_title(f"{w['samples']} samples, lengths {w['min_len']}-{w['max_len']}, {w['readers']} readers", fontsize=9)
+    ax.set_title(f"{w['samples']} samples, lengths {w['min_len']}-{w['max_len']}, {w.get('writers', 1)} writers, "
+                 f"{w['readers']} readers", fontsize=9)
     ax.legend(fontsize=8)
     if small:
         ax = axes[0][1]
