@@ -77,13 +77,15 @@ def rows(batch: dict, idx: torch.Tensor) -> dict:
     return {k: v[idx] for k, v in batch.items()}
 
 
-def run_sharded(policy, batch, cfg: LossConfig, n_ranks: int, n_micro: int):
-    """Simulate D ranks x n_micro microbatches; DDP's gradient average is a mean over ranks."""
-    fn = ClippedPGLoss(cfg)
+def run_sharded(policy, batch, cfg: LossConfig, n_ranks: int, n_micro: int, threshold=None):
+    """Simulate D ranks x n_micro microbatches; DDP's gradient average is a mean over ranks.
+    `threshold`: grpo.seq_logprob_error_threshold, given to the loss and the counts alike."""
+    fn = ClippedPGLoss(cfg, threshold)
     shards = torch.tensor_split(torch.arange(batch["token_mask"].shape[0]), n_ranks)
-    local = [local_counts(rows(batch, s)) for s in shards]
+    local = [local_counts(rows(batch, s), threshold) for s in shards]
     counts = GlobalCounts(sum(c.tokens for c in local), sum(c.sequences for c in local),
-                          sum(c.positive_tokens for c in local), dp_size=n_ranks)
+                          sum(c.positive_tokens for c in local), dp_size=n_ranks,
+                          masked_sequences=sum(c.masked_sequences for c in local))
     loss_sum, metrics, rank_grads = 0.0, [], []
     for shard in shards:
         policy.zero_grad()
