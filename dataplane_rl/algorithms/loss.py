@@ -40,8 +40,8 @@ class LossConfig(StrictScalars):
     positive_example_nll_weight: float = Field(0.0, ge=0.0, description="mu: weight of the VAPO NLL on tokens of samples with reward > 0; needs the rewards column in the train fields.")
     use_importance_sampling_correction: bool = Field(False, description="Multiply the per-token PG and KL terms by the detached weight exp(prev - generation log-prob).")
     truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = Field(None, description="Bound the importance weight rho: tis = min(rho, ratio); icepop = rho inside [ratio_min, ratio], else 0; seq-mask-tis = rho on sequences whose geometric-mean rho lies in [ratio_min, ratio], else 0. null: rho unbounded. Needs use_importance_sampling_correction=true.")
-    truncated_importance_sampling_ratio: Optional[float] = Field(None, gt=0.0, description="Upper bound of the importance weight (NeMo-RL suggests 2 for tis, 5 for icepop, 1.01 for seq-mask-tis); required with a type.")
-    truncated_importance_sampling_ratio_min: Optional[float] = Field(None, gt=0.0, description="Lower bound of the importance weight; required by icepop (e.g. 0.5) and seq-mask-tis (e.g. 0.99), unused by tis.")
+    truncated_importance_sampling_ratio: Optional[float] = Field(None, gt=0.0, description="Upper bound of the importance weight, required with a type (peers start at 2 for tis, 5 for icepop, 1.01 for seq-mask-tis; docs/loss.md).")
+    truncated_importance_sampling_ratio_min: Optional[float] = Field(None, gt=0.0, description="Lower bound of the importance weight; required by icepop (peers: 0.5) and seq-mask-tis (peers: 0.99), unused by tis.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "LossConfig":
