@@ -333,8 +333,9 @@ class ClippedPGLoss:
                 "num_valid_tokens": m.sum(),
                 # the importance weights over the valid tokens: mean, mean square (for the effective sample size,
                 # `finish_metrics`), share truncated or masked; sequences seq-mask-tis zeroed (a count)
-                "sampling_importance_ratio": weight.sum() / n_tok,
-                "is_weight_sq_mean": (weight * weight).sum() / n_tok,
+                # float64 sums: the ESS (mean w)^2 / mean(w^2) <= 1 must not pass 1 by float32 summation order
+                "sampling_importance_ratio": weight.double().sum() / n_tok,
+                "is_weight_sq_mean": weight.double().square().sum() / n_tok,
                 "is_oob_ratio": oob.sum().to(dtype) / n_tok,
                 "is_masked_seqs": seq_masked.sum().to(dtype),
                 # per-sequence multiplicative probability error of the written samples, before the threshold mask
