@@ -22,7 +22,12 @@ from test_train_e2e import SMALL, TRAIN_KEYS, assert_close, assert_store_failure
 
 STEPS = "grpo.max_num_steps=3"
 ASYNC = ["grpo.async_grpo.enabled=true"]
-AGE1 = [*ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1", "loss_fn.use_importance_sampling_correction=true"]
+# the age-1 runs bound the weight (issue 39): tis at ratio 1 truncates every rho above 1, so the rows one update
+# behind show the bound at work; the error threshold sits far above any error, so it wires the masking path through
+# the workers' counts without masking
+AGE1 = [*ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1", "loss_fn.use_importance_sampling_correction=true",
+        "loss_fn.truncated_importance_sampling_type=tis", "loss_fn.truncated_importance_sampling_ratio=1.0",
+        "grpo.seq_logprob_error_threshold=10.0"]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +67,16 @@ def test_age_1_trains_only_rows_within_the_bound(age1):
     # step 1 trains rows of the weights it starts from; step 2 rows of the initial weights, one update
     # behind: the recomputed prev_logprobs (version 1) now differ from the behaviour policy's
     assert metrics[0]["train/logprob_mismatch"] < 1e-5 < metrics[1]["train/logprob_mismatch"]
+    # the bounded weight moves with the mismatch: off-policy steps truncate a share of the tokens, pull the mean
+    # weight under 1 and the effective sample size under 1; the sequence errors measure the same gap
+    for m in metrics[1:]:
+        assert all(math.isfinite(m[f"train/{k}"]) for k in (
+            "sampling_importance_ratio", "is_oob_ratio", "is_eff_sample_size", "mean_seq_mult_prob_error",
+            "max_seq_mult_prob_error", "num_masked_seqs", "is_masked_seqs"))
+        assert 0 < m["train/is_oob_ratio"] < 1 and m["train/sampling_importance_ratio"] < 1
+        assert 0 < m["train/is_eff_sample_size"] < 1
+        assert 1 < m["train/mean_seq_mult_prob_error"] <= m["train/max_seq_mult_prob_error"] < 10
+        assert m["train/num_masked_seqs"] == 0 == m["train/is_masked_seqs"]
 
 
 def test_age_above_0_needs_importance_sampling_correction():

@@ -101,14 +101,17 @@ def rows(batch: dict, idx: torch.Tensor) -> dict:
     return {k: v[idx] for k, v in batch.items()}
 
 
-def run_sharded(policy, batch, cfg, n_ranks: int, n_micro: int):
+def run_sharded(policy, batch, cfg, n_ranks: int, n_micro: int, threshold=None):
     """Simulate D ranks x n_micro microbatches; DDP's gradient average is a mean over ranks. `cfg` is a
-    LossConfig, or a loss object (DistillationLoss)."""
-    fn = ClippedPGLoss(cfg) if isinstance(cfg, LossConfig) else cfg
+    LossConfig, or a loss object (DistillationLoss, which then brings its own threshold). `threshold`:
+    grpo.seq_logprob_error_threshold, given to the loss and the counts alike."""
+    fn = ClippedPGLoss(cfg, threshold) if isinstance(cfg, LossConfig) else cfg
+    threshold = fn.seq_logprob_error_threshold
     shards = torch.tensor_split(torch.arange(batch["token_mask"].shape[0]), n_ranks)
-    local = [local_counts(rows(batch, s)) for s in shards]
+    local = [local_counts(rows(batch, s), threshold) for s in shards]
     counts = GlobalCounts(sum(c.tokens for c in local), sum(c.sequences for c in local),
-                          sum(c.positive_tokens for c in local), dp_size=n_ranks)
+                          sum(c.positive_tokens for c in local), dp_size=n_ranks,
+                          masked_sequences=sum(c.masked_sequences for c in local))
     loss_sum, metrics, rank_grads = 0.0, [], []
     for shard in shards:
         policy.zero_grad()
@@ -377,15 +380,30 @@ def test_no_positive_tokens_gives_zero_nll_and_finite_grad():
 
 # ---------------------------------------------------------------- plain loop twin
 
-def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCounts):
+def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCounts, threshold=None):
     """DESIGN §5 one token at a time, with 0-dim tensor ops so autograd still works."""
     beta, mu, c = cfg.reference_policy_kl_penalty, cfg.positive_example_nll_weight, cfg.ratio_clip_c
     lo, hi = 1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max
-    sums = dict(pg=0.0, kl=0.0, nll=0.0, clip=0, clip_lo=0, clip_hi=0, dual=0, ratio=0.0, ent=0.0, ppo_kl=0.0, n=0)
+    kind, w_hi, w_lo = (cfg.truncated_importance_sampling_type, cfg.truncated_importance_sampling_ratio,
+                        cfg.truncated_importance_sampling_ratio_min)
+    sums = dict(pg=0.0, kl=0.0, nll=0.0, clip=0, clip_lo=0, clip_hi=0, dual=0, ratio=0.0, ent=0.0, ppo_kl=0.0, n=0,
+                w=0.0, w2=0.0, oob=0, seq_masked=0, err=0.0, err_max=0.0, err_masked=0)
     B, T = lp.shape
     for i in range(B):
         if not batch["sample_mask"][i]:
             continue
+        toks = [t for t in range(T) if batch["token_mask"][i, t]]
+        log_rho = [float(batch["prev_logprobs"][i, t] - batch["generation_logprobs"][i, t]) for t in toks] \
+            if "generation_logprobs" in batch else []
+        # NeMo-RL's sequence error: mean of exp|gen - prev| over the tokens (0 without tokens or gen log-probs)
+        err = sum(math.exp(abs(x)) for x in log_rho) / len(log_rho) if log_rho else 0.0
+        sums["err"], sums["err_max"] = sums["err"] + err, max(sums["err_max"], err)
+        if threshold is not None and err > threshold:
+            sums["err_masked"] += 1
+            continue
+        geo = math.exp(sum(log_rho) / len(log_rho)) if log_rho else 1.0
+        seq_out = kind == "seq-mask-tis" and bool(toks) and not (w_lo <= geo <= w_hi)
+        sums["seq_masked"] += int(seq_out)
         seq_pg, seq_kl, seq_n = 0.0, 0.0, 0
         for t in range(T):
             if not batch["token_mask"][i, t]:
@@ -409,6 +427,9 @@ def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCoun
                 if cfg.reference_policy_kl_type != "k2" and abs(raw.item()) <= cfg.kl_input_clamp_value:
                     kl = kl * torch.exp(lp[i, t] - lp[i, t].detach())  # the score term (see kl_estimate)
             w = math.exp(batch["prev_logprobs"][i, t] - batch["generation_logprobs"][i, t]) if cfg.use_importance_sampling_correction else 1.0
+            out = (kind == "tis" and w > w_hi) or (kind == "icepop" and not (w_lo <= w <= w_hi)) or seq_out
+            w = (min(w, w_hi) if kind == "tis" else 0.0) if out else w
+            sums["w"], sums["w2"], sums["oob"] = sums["w"] + w, sums["w2"] + w * w, sums["oob"] + int(out)
             seq_pg, seq_kl, seq_n = seq_pg + w * pg, seq_kl + w * kl, seq_n + 1
             if "rewards" in batch and batch["rewards"][i] > 0:
                 sums["nll"] = sums["nll"] - lp[i, t]
@@ -427,7 +448,10 @@ def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCoun
                    dual_clip_fraction=sums["dual"] / n_tok, probs_ratio_mean=sums["ratio"] / n_tok,
                    approx_entropy=sums["ent"] / n_tok, num_valid_tokens=sums["n"],
                    clip_fraction_lower=sums["clip_lo"] / n_tok, clip_fraction_upper=sums["clip_hi"] / n_tok,
-                   ppo_kl=sums["ppo_kl"] / n_tok)
+                   ppo_kl=sums["ppo_kl"] / n_tok, sampling_importance_ratio=sums["w"] / n_tok,
+                   is_weight_sq_mean=sums["w2"] / n_tok, is_oob_ratio=sums["oob"] / n_tok, is_masked_seqs=sums["seq_masked"],
+                   mean_seq_mult_prob_error=sums["err"] / max(counts.sequences + counts.masked_sequences, 1),
+                   max_seq_mult_prob_error=sums["err_max"], num_masked_seqs=sums["err_masked"])
     return loss, {k: float(v.detach() if torch.is_tensor(v) else v) for k, v in metrics.items()}
 
 

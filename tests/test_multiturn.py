@@ -200,14 +200,22 @@ def lengthen_observations(batch: dict[str, torch.Tensor], extra: int, rng) -> di
     return res
 
 
-@pytest.mark.parametrize("token_level", [True, False])
-def test_longer_observations_leave_advantages_and_the_loss_unchanged(guess, token_level):
+# bounded: seq-mask-tis and the error threshold (issue 39); the observations' random log-probs, were they read,
+# would push every geometric mean and sequence error out of these bounds (and change the counts)
+BOUNDS = dict(truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=1.01,
+              truncated_importance_sampling_ratio_min=0.99)
+
+
+@pytest.mark.parametrize("token_level,bounded", [(True, False), (False, False), (True, True)])
+def test_longer_observations_leave_advantages_and_the_loss_unchanged(guess, token_level, bounded):
     _, table = guess
     batch = train_batch(table)
     longer = lengthen_observations(batch, 7, np.random.default_rng(1))
     assert longer["input_ids"].shape[1] > batch["input_ids"].shape[1]
+    threshold = 1.5 if bounded else None
     loss_fn = ClippedPGLoss(LossConfig(reference_policy_kl_penalty=0.05, positive_example_nll_weight=0.1,
-                                       token_level_loss=token_level, use_importance_sampling_correction=True))
+                                       token_level_loss=token_level, use_importance_sampling_correction=True,
+                                       **(BOUNDS if bounded else {})), threshold)
     rng = np.random.default_rng(2)
     trained = batch["token_mask"].bool()
     moved = batch["prev_logprobs"][trained] + torch.tensor(rng.normal(0, 0.3, int(trained.sum())), dtype=torch.float32)
@@ -217,9 +225,11 @@ def test_longer_observations_leave_advantages_and_the_loss_unchanged(guess, toke
         lp[b["token_mask"].bool()] = moved
         return lp
 
-    a_loss, a_m = loss_fn(current_lp(batch), batch, local_counts(batch))
-    b_loss, b_m = loss_fn(current_lp(longer), longer, local_counts(longer))
-    assert local_counts(batch) == local_counts(longer)
+    a_loss, a_m = loss_fn(current_lp(batch), batch, local_counts(batch, threshold))
+    b_loss, b_m = loss_fn(current_lp(longer), longer, local_counts(longer, threshold))
+    assert local_counts(batch, threshold) == local_counts(longer, threshold)
+    if bounded:
+        assert float(a_m["num_masked_seqs"]) == 0 == float(a_m["is_masked_seqs"]) and float(a_m["num_valid_tokens"]) > 0
     assert float(a_m["pg_loss"]) != 0 and float(a_m["clip_fraction"]) > 0  # the terms are really at work
     # equal but for float32 summation order (the rows are longer, so reductions group differently)
     assert float(a_loss) == pytest.approx(float(b_loss), rel=1e-6, abs=1e-7)

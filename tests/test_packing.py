@@ -26,6 +26,10 @@ from dataplane_rl.train.worker import train_microbatches
 LENGTHS = np.array([5, 31, 9, 17, 3, 26, 12, 40, 7, 22])
 LOSS = LossConfig(reference_policy_kl_penalty=0.05, positive_example_nll_weight=0.2, ratio_clip_c=3.0,
                   use_importance_sampling_correction=True)
+# issue 39: the bounded weight and sequences masked by their log-prob error (synthetic_table's generation and prev
+# log-probs are independent, so errors run ~2-20 and the threshold masks some rows) on every microbatch layout
+BOUNDED = (LOSS.model_copy(update=dict(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0,
+                                       truncated_importance_sampling_ratio_min=0.5)), 6.0)
 
 
 @pytest.mark.parametrize("algorithm", ["first_fit_decreasing", "concatenative"])
@@ -132,7 +136,7 @@ def test_packed_forward_equals_padded(folder, attention):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6 * max(1.0, float(a.grad.abs().max())))
 
 
-def one_step(folder, mode: str, table, budget: int = 64, distill: bool = False):
+def one_step(folder, mode: str, table, budget: int = 64, loss=(LOSS, None), distill: bool = False):
     """Metrics and gradients of one optimizer step over the table's rows, microbatched as `mode` says
     (dynamic8: dynamic batching with a round of 8, which pads some microbatches past their longest row).
     distill: the mixed top-k KL to a teacher (the same model at temperature 1.0) beside the GRPO loss."""
@@ -141,29 +145,33 @@ def one_step(folder, mode: str, table, budget: int = 64, distill: bool = False):
     if mode == "packed":
         packed_attention(model, torch.device("cpu"))
     batch = build_train_batch(table, load_schema("grpo"))
-    loss_fn = ClippedPGLoss(LOSS)
+    cfg, threshold = loss
+    loss_fn = ClippedPGLoss(cfg, threshold)
     if distill:
         with torch.no_grad():
             top, ids = token_logprobs(load_model(folder, torch.device("cpu")), batch["input_ids"],
                                       batch["attention_mask"], 1.0, topk=6)  # [B, T, 6] each
         batch.update(teacher_topk_logprobs=top, teacher_topk_ids=ids.long())
-        loss_fn = DistillationLoss(DistillationConfig(kl_type="mixed", task_loss_weight=0.5), LOSS)
+        loss_fn = DistillationLoss(DistillationConfig(kl_type="mixed", task_loss_weight=0.5), cfg, threshold)
     policy = policy_for(mode.removesuffix("8"), 3, budget)
     if mode == "dynamic8":
         policy.dynamic_batching.sequence_length_round = 8
     mbs = plan_microbatches(batch, policy, "train")
-    per_mb, used = train_microbatches(model, loss_fn, mbs, local_counts(batch), 0.7)
+    per_mb, used = train_microbatches(model, loss_fn, mbs, local_counts(batch, threshold), 0.7)
     return reduce_metrics(per_mb), [p.grad for p in model.parameters()], mbs, used
 
 
-@pytest.mark.parametrize("distill", [False, True], ids=["grpo", "distill"])
-def test_one_step_is_the_same_padded_dynamic_and_packed(folder, distill):
+# the GRPO loss alone; and on-policy distillation beside a bounded GRPO loss whose threshold masks rows (issues 39, 40)
+@pytest.mark.parametrize("loss, distill", [((LOSS, None), False), (BOUNDED, True)], ids=["grpo", "distill+icepop+threshold"])
+def test_one_step_is_the_same_padded_dynamic_and_packed(folder, loss, distill):
     table = synthetic_table(LENGTHS, 50, seed=3, prompt=4)
-    base, grads, _, used = one_step(folder, "padded", table, distill=distill)
+    base, grads, _, used = one_step(folder, "padded", table, loss=loss, distill=distill)
     assert float(used[0]) == LENGTHS.sum() and 0.3 < 1 - float(used[0] / used[1])  # padding is really there
     assert (base.get("distillation_loss", 0.0) > 1e-4) == distill  # the teacher's columns rode along
+    if loss is BOUNDED:
+        assert base["num_masked_seqs"] > 0 and 0 < base["is_oob_ratio"] < 1 and base["num_valid_tokens"] > 0
     for mode in ("dynamic", "dynamic8", "packed"):
-        m, g, mbs, used = one_step(folder, mode, table, distill=distill)
+        m, g, mbs, used = one_step(folder, mode, table, loss=loss, distill=distill)
         for k, v in base.items():
             assert math.isclose(m[k], v, rel_tol=1e-5, abs_tol=1e-8), f"{mode} {k}: {m[k]} vs {v}"
         for a, b in zip(grads, g):
@@ -211,7 +219,10 @@ def _worker_cfg(world: int) -> dict:
                              "policy.sequence_packing.logprob_mb_tokens=48", f"policy.dp_size={world}",
                              "policy.train_global_batch_size=6", "policy.train_micro_batch_size=1",
                              "grpo.num_prompts_per_step=3", "grpo.num_generations_per_prompt=2", "grpo.num_epochs=2",
-                             "loss_fn.positive_example_nll_weight=0.2"])
+                             "loss_fn.positive_example_nll_weight=0.2", "loss_fn.use_importance_sampling_correction=true",
+                             "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+                             "loss_fn.truncated_importance_sampling_ratio=1.1",
+                             "loss_fn.truncated_importance_sampling_ratio_min=0.9", "grpo.seq_logprob_error_threshold=6.0"])
     return cfg.model_dump(mode="json", by_alias=True)
 
 
@@ -256,7 +267,11 @@ def test_unbalanced_packs_on_two_ranks_equal_one_rank(folder, tmp_path):
             assert not alive and p.exitcode == 0, f"world {world}: a rank hung or failed (exit {p.exitcode})"
         outs[world] = torch.load(out, weights_only=True)
     one, two = outs[1], outs[2]
-    for k in ("loss", "pg_loss", "positive_nll_loss", "kl_penalty", "entropy", "grad_norm", "ppo_kl"):
+    # the bounds and the threshold act on these rows: sequences masked by either, the rest weighted
+    assert one["metrics"]["num_masked_seqs"] > 0 and one["metrics"]["is_masked_seqs"] > 0 and one["metrics"]["loss"] != 0
+    for k in ("loss", "pg_loss", "positive_nll_loss", "kl_penalty", "entropy", "grad_norm", "ppo_kl",
+              "sampling_importance_ratio", "is_oob_ratio", "is_eff_sample_size", "mean_seq_mult_prob_error",
+              "max_seq_mult_prob_error", "num_masked_seqs", "is_masked_seqs"):
         assert math.isclose(one["metrics"][k], two["metrics"][k], rel_tol=1e-4, abs_tol=1e-7), k
     assert two["metrics"]["rank_token_imbalance"] > 1.9  # 176 of 181 tokens on one of two ranks
     # AdamW divides by sqrt(v): on a weight whose gradient is ~0, float noise of the summation order moves the

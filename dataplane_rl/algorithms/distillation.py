@@ -79,15 +79,21 @@ class DistillationLoss:
     metrics are ClippedPGLoss's (its `loss` renamed `task_loss`, `loss` the total) plus DISTILL_METRIC_NAMES.
     """
 
-    def __init__(self, dcfg, loss_cfg: Optional[LossConfig] = None):
+    def __init__(self, dcfg, loss_cfg: Optional[LossConfig] = None, seq_logprob_error_threshold: Optional[float] = None):
         self.dcfg = dcfg
-        self.pg = ClippedPGLoss(loss_cfg)
+        # the threshold's masked sequences leave the KL as they leave the task loss and the counts' N_tok
+        self.pg = ClippedPGLoss(loss_cfg, seq_logprob_error_threshold)
+
+    @property
+    def seq_logprob_error_threshold(self) -> Optional[float]:
+        """The threshold the counts and the train step's masks must use, as for ClippedPGLoss."""
+        return self.pg.seq_logprob_error_threshold
 
     def __call__(self, curr_logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], counts: GlobalCounts,
                  student_topk_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         d = self.dcfg
         task, metrics = self.pg(curr_logprobs, batch, counts)  # task carries dp_size; metrics do not
-        valid = batch_masks(batch)[0]  # [B, T]
+        valid = batch_masks(batch, self.pg.seq_logprob_error_threshold)[0]  # [B, T]
         teacher = _require(batch, "teacher_topk_logprobs", "the distillation KL needs (distillation.enabled)")
         kl, dm = distillation_loss(student_topk_logprobs, teacher, valid, counts.tokens, d.kl_type, d.mixed_kl_weight)
         loss = d.task_loss_weight * task + counts.dp_size * d.kl_loss_weight * kl

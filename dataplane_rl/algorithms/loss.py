@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Literal, Mapping, Optional
 
 import torch
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
+from dataplane_rl.algorithms.correction import bounded_weight, seq_error_keep
 from dataplane_rl.config_types import StrictScalars
 from dataplane_rl.errors import MissingColumnError, SchemaError
 
@@ -38,12 +39,58 @@ class LossConfig(StrictScalars):
     token_level_loss: bool = Field(True, description="True: mean over all valid tokens of the global batch; False: per-sequence token means averaged over sequences.")
     positive_example_nll_weight: float = Field(0.0, ge=0.0, description="mu: weight of the VAPO NLL on tokens of samples with reward > 0; needs the rewards column in the train fields.")
     use_importance_sampling_correction: bool = Field(False, description="Multiply the per-token PG and KL terms by the detached weight exp(prev - generation log-prob).")
+    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = Field(None, description="Bound the importance weight rho: tis = min(rho, ratio); icepop = rho inside [ratio_min, ratio], else 0; seq-mask-tis = rho on sequences whose geometric-mean rho lies in [ratio_min, ratio], else 0. null: rho unbounded. Needs use_importance_sampling_correction=true.")
+    truncated_importance_sampling_ratio: Optional[float] = Field(None, gt=0.0, description="Upper bound of the importance weight, required with a type (peers start at 2 for tis, 5 for icepop, 1.01 for seq-mask-tis; docs/loss.md).")
+    truncated_importance_sampling_ratio_min: Optional[float] = Field(None, gt=0.0, description="Lower bound of the importance weight; required by icepop (peers: 0.5) and seq-mask-tis (peers: 0.99), unused by tis.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "LossConfig":
+        kind, hi, lo = (self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio,
+                        self.truncated_importance_sampling_ratio_min)
+        key = "loss_fn.truncated_importance_sampling_"
+        if kind is None:
+            if hi is not None or lo is not None:
+                raise ValueError(f"{key}ratio / {key}ratio_min are set but {key}type is null, so they bound nothing; "
+                                 f"set {key}type (tis, icepop or seq-mask-tis) or drop them")
+            return self
+        if not self.use_importance_sampling_correction:
+            raise ValueError(f"{key}type={kind} bounds the importance weight, which needs "
+                             "loss_fn.use_importance_sampling_correction=true; set it, or set the type to null")
+        if hi is None:
+            raise ValueError(f"{key}type={kind} needs an upper bound {key}ratio (e.g. 2.0 for tis)")
+        if kind == "tis" and lo is not None:
+            raise ValueError(f"{key}ratio_min={lo} is unused by {key}type=tis (it truncates above only); drop it, "
+                             "or use icepop or seq-mask-tis")
+        if kind != "tis":
+            if lo is None:
+                raise ValueError(f"{key}type={kind} needs a lower bound {key}ratio_min (e.g. 0.5 for icepop, 0.99 "
+                                 "for seq-mask-tis)")
+            if lo > hi:
+                raise ValueError(f"{key}ratio_min={lo} is above {key}ratio={hi}: the bounds are inverted; "
+                                 "ratio_min must be <= ratio")
+        return self
 
 
 METRIC_NAMES: tuple[str, ...] = (
     "loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
     "probs_ratio_mean", "approx_entropy", "num_valid_tokens", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl",
+    "sampling_importance_ratio", "is_weight_sq_mean", "is_oob_ratio", "is_masked_seqs",
+    "mean_seq_mult_prob_error", "max_seq_mult_prob_error", "num_masked_seqs",
 )
+# Reduced by max over microbatches and ranks, not summed (each microbatch returns its own max).
+MAX_METRICS: frozenset[str] = frozenset({"max_seq_mult_prob_error"})
+
+
+def finish_metrics(total: dict[str, float]) -> dict[str, float]:
+    """Metrics that are ratios of global sums, computed once after the reduction (never per microbatch).
+
+    is_eff_sample_size = (mean w)^2 / mean(w^2) over the valid tokens: Kish's effective sample size of the
+    importance weights as a fraction of the tokens (1 when every weight is equal, as verl's rollout_is_eff_sample_size).
+    """
+    if "sampling_importance_ratio" in total and "is_weight_sq_mean" in total:
+        sq = total["is_weight_sq_mean"]
+        total["is_eff_sample_size"] = total["sampling_importance_ratio"] ** 2 / sq if sq > 0 else 1.0
+    return total
 
 
 @dataclass(frozen=True)
@@ -51,7 +98,8 @@ class GlobalCounts:
     """The loss normalisers of one optimizer step, summed over every microbatch of every rank.
 
     tokens = N_tok = sum(token_mask * sample_mask); sequences = N_seq = sum(sample_mask);
-    positive_tokens = N_pos = sum(token_mask * sample_mask * [rewards > 0]); dp_size = D, the number
+    positive_tokens = N_pos = sum(token_mask * sample_mask * [rewards > 0]), each over the sequences that
+    `grpo.seq_logprob_error_threshold` keeps (`batch_masks`); dp_size = D, the number
     of data-parallel ranks whose gradients DDP averages. Build them with
     `dataplane_rl.train.counts.local_counts` + `all_reduce_counts`.
     """
@@ -60,9 +108,10 @@ class GlobalCounts:
     sequences: int
     positive_tokens: int
     dp_size: int = 1
+    masked_sequences: int = 0  # samples grpo.seq_logprob_error_threshold took out of N_seq (and their tokens of N_tok)
 
     def __post_init__(self):
-        for name in ("tokens", "sequences", "positive_tokens"):
+        for name in ("tokens", "sequences", "positive_tokens", "masked_sequences"):
             if getattr(self, name) < 0:
                 raise ValueError(f"GlobalCounts.{name}={getattr(self, name)} must be >= 0")
         if self.dp_size < 1:
@@ -84,11 +133,14 @@ def _check_shape(name: str, t: torch.Tensor, want: list[int], what: str) -> None
         raise SchemaError(f"{name} has shape {_shape(t)} but must be {what} = {want}")
 
 
-def batch_masks(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(valid [B, T], sample_mask [B], positive [B, T] or None) as bool tensors, shapes checked.
+def derived_masks(batch: Mapping[str, torch.Tensor], seq_logprob_error_threshold: Optional[float] = None):
+    """(valid [B, T], sample [B], positive [B, T] or None, written [B], error [B]), shapes checked.
 
-    valid = token_mask * sample_mask; positive = valid * [rewards > 0], None without `rewards`.
-    Masks may be int8, bool or float: any nonzero entry counts as 1.
+    written = sample_mask != 0, as the column holds it; error = each sequence's multiplicative probability
+    error over its written valid tokens (`correction.seq_mult_prob_error`, 0 without generation_logprobs);
+    sample = written & error <= threshold (the column itself is never rewritten); valid = token_mask * sample;
+    positive = valid * [rewards > 0], None without `rewards`. Masks may be int8, bool or float: any nonzero
+    entry counts as 1.
     """
     token_mask = _require(batch, "token_mask", "marks the trained tokens")
     sample_mask = _require(batch, "sample_mask", "marks the trained samples")
@@ -96,13 +148,21 @@ def batch_masks(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.
         raise SchemaError(f"token_mask has shape {_shape(token_mask)} but must be [B, T]")
     B = token_mask.shape[0]
     _check_shape("sample_mask", sample_mask, [B], "[B] with B from token_mask")
-    sample = sample_mask != 0  # [B]
-    valid = (token_mask != 0) & sample[:, None]  # [B, T]
+    written = sample_mask != 0  # [B]
+    tokens = token_mask != 0  # [B, T]
+    sample, error = seq_error_keep(batch, written, tokens & written[:, None], seq_logprob_error_threshold)  # [B] each
+    valid = tokens & sample[:, None]  # [B, T]
     rewards = batch.get("rewards")
     if rewards is None:
-        return valid, sample, None
+        return valid, sample, None, written, error
     _check_shape("rewards", rewards, [B], "[B] with B from token_mask")
-    return valid, sample, valid & (rewards > 0)[:, None]  # [B, T]
+    return valid, sample, valid & (rewards > 0)[:, None], written, error  # positive [B, T]
+
+
+def batch_masks(batch: Mapping[str, torch.Tensor], seq_logprob_error_threshold: Optional[float] = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(valid [B, T], sample [B], positive [B, T] or None) as bool tensors: the first three of `derived_masks`."""
+    return derived_masks(batch, seq_logprob_error_threshold)[:3]
 
 
 def kl_estimate(lp: torch.Tensor, lp_ref: torch.Tensor, kind: str, input_clamp: float, output_clamp: float) -> torch.Tensor:
@@ -157,8 +217,10 @@ class ClippedPGLoss:
     beta and mu, so loss = pg_loss + beta * kl_penalty + mu * positive_nll_loss.
     """
 
-    def __init__(self, cfg: Optional[LossConfig] = None):
+    def __init__(self, cfg: Optional[LossConfig] = None, seq_logprob_error_threshold: Optional[float] = None):
         self.cfg = cfg if cfg is not None else LossConfig()
+        # grpo.seq_logprob_error_threshold: pass the same value to train.counts.local_counts
+        self.seq_logprob_error_threshold = seq_logprob_error_threshold
 
     def __call__(
         self, curr_logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], counts: GlobalCounts
@@ -168,7 +230,7 @@ class ClippedPGLoss:
         if not isinstance(counts, GlobalCounts):
             raise TypeError(f"counts must be a GlobalCounts, got {type(counts).__name__}; "
                             "build it with dataplane_rl.train.counts.all_reduce_counts")
-        valid, sample, positive = batch_masks(batch)
+        valid, sample, positive, written, seq_error = derived_masks(batch, self.seq_logprob_error_threshold)
         B, T = valid.shape
         _check_shape("curr_logprobs", curr_logprobs, [B, T], "[B, T] as token_mask")
         if mu > 0 and positive is None:
@@ -223,9 +285,16 @@ class ClippedPGLoss:
         if cfg.use_importance_sampling_correction:
             lp_gen = clean(token_input("generation_logprobs", "loss_fn.use_importance_sampling_correction needs"))
             # Detached: w corrects the sampling distribution, it is not a function of the policy.
-            weight = torch.exp(lp_old - lp_gen).detach() * m  # [B, T]
+            if cfg.truncated_importance_sampling_type is None:
+                weight = torch.exp(lp_old - lp_gen).detach() * m  # [B, T]
+                oob, seq_masked = torch.zeros_like(valid), torch.zeros_like(sample)  # [B, T], [B]
+            else:
+                weight, oob, seq_masked = bounded_weight(
+                    (lp_old - lp_gen).detach(), valid, cfg.truncated_importance_sampling_type,
+                    cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min)  # [B, T], [B, T], [B]
         else:
             weight = m  # [B, T]
+            oob, seq_masked = torch.zeros_like(valid), torch.zeros_like(sample)  # [B, T], [B]
 
         n_tok = max(counts.tokens, 1)
         if cfg.token_level_loss:
@@ -262,5 +331,17 @@ class ClippedPGLoss:
                 "probs_ratio_mean": (ratio * m).sum() / n_tok,
                 "approx_entropy": (-lp * m).sum() / n_tok,
                 "num_valid_tokens": m.sum(),
+                # the importance weights over the valid tokens: mean, mean square (for the effective sample size,
+                # `finish_metrics`), share truncated or masked; sequences seq-mask-tis zeroed (a count)
+                # float64 sums: the ESS (mean w)^2 / mean(w^2) <= 1 must not pass 1 by float32 summation order
+                "sampling_importance_ratio": weight.double().sum() / n_tok,
+                "is_weight_sq_mean": weight.double().square().sum() / n_tok,
+                "is_oob_ratio": oob.sum().to(dtype) / n_tok,
+                "is_masked_seqs": seq_masked.sum().to(dtype),
+                # per-sequence multiplicative probability error of the written samples, before the threshold mask
+                "mean_seq_mult_prob_error": torch.where(written, seq_error, 0.0).sum().to(dtype)
+                / max(counts.sequences + counts.masked_sequences, 1),
+                "max_seq_mult_prob_error": torch.where(written, seq_error, 0.0).max().to(dtype) if B else zero,
+                "num_masked_seqs": (written & ~sample).sum().to(dtype),
             }
         return loss, {k: v.detach() for k, v in metrics.items()}

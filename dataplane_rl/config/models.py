@@ -43,6 +43,7 @@ class GRPOConfig(_Section):
     val_at_start: bool = Field(False, description="Also validate the initial policy, logged at step 0.")
     max_val_samples: int = Field(128, ge=1, description="Held-out prompts per validation (fewer if the task holds out fewer); one sample each.")
     val_batch_size: int = Field(64, ge=1, description="Held-out prompts per validation partition (one generate round each).")
+    seq_logprob_error_threshold: Optional[float] = Field(None, ge=1.0, description="Samples whose multiplicative probability error (mean over valid tokens of exp(abs(generation - prev log-prob))) exceeds this leave the loss and its normalisers (NeMo-RL's key; sample_mask is not rewritten). null: none.")
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
 
 
@@ -312,7 +313,7 @@ class Config(_Section):
             )
         if loss.reference_policy_kl_penalty > 0:
             need.add("reference_policy_logprobs")
-        if loss.use_importance_sampling_correction:
+        if loss.use_importance_sampling_correction or g.seq_logprob_error_threshold is not None:
             need.add("generation_logprobs")
         if self.distillation.enabled:
             need.update(schema.field_set("DISTILL_FIELDS"))

@@ -362,7 +362,9 @@ class GRPOTrainer:
         for k in ("loss", "pg_loss", "kl_penalty", "positive_nll_loss", "clip_fraction", "dual_clip_fraction",
                   "probs_ratio_mean", "approx_entropy", "entropy", "grad_norm", "global_valid_toks", "logprob_mismatch",
                   "token_mult_prob_error", "lr", "param_norm", "clip_fraction_lower", "clip_fraction_upper", "ppo_kl",
-                  "padding_fraction", "rank_token_imbalance"):
+                  "padding_fraction", "rank_token_imbalance", "sampling_importance_ratio", "is_oob_ratio",
+                  "is_eff_sample_size", "is_masked_seqs", "mean_seq_mult_prob_error", "max_seq_mult_prob_error",
+                  "num_masked_seqs"):
             m[f"train/{k}"] = train[k]
         m.update({f"train/{k}": v for k, v in train.items() if k.startswith("distillation_") or k == "task_loss"})
         generated = np.concatenate(got.rounds_rewards)

@@ -51,7 +51,7 @@ def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: flo
         # reduced gradient is the global one (sum over all tokens / the global counts)
         loss, metrics = loss_fn(lp, mb, counts) if ids is None else loss_fn(lp, mb, counts, got[2])
         loss.backward()
-        valid = batch_masks(mb)[0]  # [b, t]
+        valid = batch_masks(mb, loss_fn.seq_logprob_error_threshold)[0]  # [b, t]: the loss's own derived mask
         metrics["entropy"] = (ent * valid).sum() / max(counts.tokens, 1)  # this mb's share, like the loss's
         per_mb.append(metrics)
     return per_mb, used
@@ -89,11 +89,12 @@ class TrainWorker:
                 if m is not None:
                     packed_attention(m, self.device)
         self.opt = None  # made in init_dist, over the sharded parameters
-        self.loss_fn = ClippedPGLoss(self.cfg.loss_fn)
+        threshold = self.cfg.grpo.seq_logprob_error_threshold
+        self.loss_fn = ClippedPGLoss(self.cfg.loss_fn, threshold)
         if d.enabled:
             from dataplane_rl.algorithms.distillation import DistillationLoss
 
-            self.loss_fn = DistillationLoss(d, self.cfg.loss_fn)
+            self.loss_fn = DistillationLoss(d, self.cfg.loss_fn, threshold)
         self.io = ActorIO(store_url)
 
     def address(self) -> str:
@@ -202,6 +203,7 @@ class TrainWorker:
     def train(self, steps: list[RowSet], tables: list[pa.Table] | None = None) -> dict:
         """grpo.num_epochs passes over this rank's shards of the step's global batches, one optimizer step
         per shard per pass; prev_logprobs stay those of the log-prob pass. Returns global metrics."""
+        from dataplane_rl.algorithms.loss import MAX_METRICS
         from dataplane_rl.train.counts import all_reduce_counts, local_counts, reduce_metrics
 
         p = self.cfg.policy
@@ -224,7 +226,7 @@ class TrainWorker:
                 mismatch[2] += float((torch.where(m > 0, gap, 0.0).double().exp() * m).sum())
         for _ in range(self.cfg.grpo.num_epochs):
             for batch, mbs, extra in zip(batches, plans, extras):
-                counts = all_reduce_counts(local_counts(batch))
+                counts = all_reduce_counts(local_counts(batch, self.loss_fn.seq_logprob_error_threshold))
                 self.opt.zero_grad(set_to_none=True)
                 per_mb, mb_used = train_microbatches(self.model, self.loss_fn, mbs, counts, self.cfg.generation.temperature)
                 used += mb_used
@@ -246,7 +248,7 @@ class TrainWorker:
         rows = self._row_stats(batches)
         if dist.is_initialized() and self.world > 1:
             mismatch, used = _all_reduce(mismatch), _all_reduce(used)
-        out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+        out = {k: float((np.max if k in MAX_METRICS else np.mean)([h[k] for h in history])) for k in history[0]}
         # the step's trained tokens: N_tok of every optimizer step (all epochs) added up, not their mean
         out["global_valid_toks"] = float(sum(h["global_valid_toks"] for h in history))
         out["logprob_mismatch"] = float(mismatch[0] / max(float(mismatch[1]), 1.0))
