@@ -206,3 +206,26 @@ def test_traced_functions_record_only_when_on(on):
     finally:
         trace.configure(False)
     assert got == (["work"] if on else [])
+
+
+def test_the_trace_command_sums_phases_and_draws_the_timeline(tmp_path, capsys):
+    from dataplane_rl.cli.main import main
+
+    t = Tracer()
+    t.configure(True, "driver", ["driver", "rollout-0"])
+    for step in (1, 2):
+        with t.span("step", step=step):
+            with t.span("train"):
+                time.sleep(0.002)
+    f = TraceFile(tmp_path / "trace.json", max_events=100)
+    f.write(t.take())
+    f.write([{"name": "generate", "ph": "X", "ts": 0, "dur": 5_000_000, "pid": 10_001, "tid": 1, "args": {}}])
+    f.close()
+    assert main(["trace", str(tmp_path), "--json", "--png", str(tmp_path / "t.png"), "--steps", "2-2"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(r["process"], r["phase"], r["count"]) for r in rows] == \
+        [("driver", "step", 2), ("driver", "train", 2), ("rollout-0", "generate", 1)]  # driver first, longest first
+    assert rows[0]["seconds"] >= rows[1]["seconds"] >= 0.004 and rows[2]["seconds"] == 5.0
+    assert (tmp_path / "t.png").stat().st_size > 10_000
+    assert main(["trace", str(tmp_path / "none")]) == 2
+    assert "no trace.json" in capsys.readouterr().err

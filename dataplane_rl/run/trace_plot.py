@@ -7,6 +7,16 @@ from pathlib import Path
 
 from dataplane_rl.trace import read_trace
 
+# one colour per phase, related phases in one hue: rollouts orange, log-prob and train passes blue, the refit
+# red, the store's puts and gets purple, checkpoints brown; another phase takes the next of tab10's
+COLOURS = {"step": "#d9d9d9", "start": "#bdbdbd", "close": "#bdbdbd", "validation": "#31a354",
+           "collect_groups": "#fdd0a2", "wait_for_rollouts": "#fd8d3c", "rollout_job": "#fdae6b", "generate": "#e6550d",
+           "advantages": "#1b9e77", "train_data": "#66a61e", "drop_partitions": "#a6761d",
+           "logprobs": "#6baed6", "train": "#c6dbef", "forward_backward": "#08519c",
+           "refit": "#de2d26", "gather_weights": "#fc9272", "load_weights": "#a50f15",
+           "put": "#54278f", "get": "#e7298a", "checkpoint": "#8c6d31", "save_checkpoint": "#bd9e39",
+           "checkpoint_load": "#e7ba52", "load_checkpoint": "#e7ba52"}
+
 
 def processes(events: list[dict]) -> dict[int, str]:
     """pid -> process name, in the file's sort order (driver, rollout actors, train ranks)."""
@@ -63,8 +73,9 @@ def timeline_figure(path: str | Path, steps: tuple[int, int] | None = None):
     lanes = {pid: i for i, pid in enumerate(names)}
     deepest = max(depth, default=0) + 1
     phases = sorted({e["name"] for e in timed})
-    cmap = plt.get_cmap("tab20")
-    colour = {p: cmap(i % 20) for i, p in enumerate(phases)}
+    cmap = plt.get_cmap("tab10")
+    others = iter(range(10**6))
+    colour = {p: COLOURS.get(p) or cmap(next(others) % 10) for p in phases}
     fig, ax = plt.subplots(figsize=(12, 0.8 + 0.55 * len(lanes)), constrained_layout=True)
     shown = set()
     for e, d in zip(timed, depth):
