@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 # what the bound drops: events past the buffer's cap (per process, between two takes) or the file's cap,
-# counted; process and thread names (metadata) are always kept
+# counted; process names and labels (metadata) are always kept
 BUFFER_EVENTS = 50_000
 _OFFSET_NS = time.time_ns() - time.perf_counter_ns()  # perf_counter -> wall clock, fixed once per process
 

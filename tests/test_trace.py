@@ -59,10 +59,10 @@ def assert_run_trace(run_dir: Path, roles: list[str], steps: list[int], data_pla
     lo, hi = min(e["ts"] for e in driver), max(e["ts"] + e["dur"] for e in driver)
     for e in timed:
         assert e["dur"] >= 0 and lo <= e["ts"] and e["ts"] + e["dur"] <= hi, e
-    # the rollout and train phases of a step happen inside that step's driver span (sync GRPO)
+    # every phase of a step, the rollout actors' and the ranks' too, happens inside its driver span (sync GRPO)
     for s in step_spans if sync else ():
         inside = [e for e in timed if s["ts"] <= e["ts"] and e["ts"] + e["dur"] <= s["ts"] + s["dur"]]
-        assert {"generate", "forward_backward"} <= {e["name"] for e in inside}, s
+        assert DRIVER_PHASES | {"generate", "forward_backward"} <= {e["name"] for e in inside}, s
     for pid in {e["pid"] for e in timed}:  # complete events of one thread nest: a viewer draws them as a stack
         open_ends: list[int] = []
         for e in sorted((e for e in timed if e["pid"] == pid), key=lambda e: (e["ts"], -e["dur"])):
@@ -208,8 +208,10 @@ def test_traced_functions_record_only_when_on(on):
     assert got == (["work"] if on else [])
 
 
-def test_the_trace_command_sums_phases_and_draws_the_timeline(tmp_path, capsys):
-    from dataplane_rl.cli.main import main
+def test_the_trace_command_sums_phases_and_draws_the_timeline(tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "trace", *args], capture_output=True,
+                              text=True, timeout=120)
 
     t = Tracer()
     t.configure(True, "driver", ["driver", "rollout-0"])
@@ -221,11 +223,12 @@ def test_the_trace_command_sums_phases_and_draws_the_timeline(tmp_path, capsys):
     f.write(t.take())
     f.write([{"name": "generate", "ph": "X", "ts": 0, "dur": 5_000_000, "pid": 10_001, "tid": 1, "args": {}}])
     f.close()
-    assert main(["trace", str(tmp_path), "--json", "--png", str(tmp_path / "t.png"), "--steps", "2-2"]) == 0
-    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    p = cli(str(tmp_path), "--json", "--png", str(tmp_path / "t.png"), "--steps", "2-2")
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(x) for x in p.stdout.splitlines()]
     assert [(r["process"], r["phase"], r["count"]) for r in rows] == \
         [("driver", "step", 2), ("driver", "train", 2), ("rollout-0", "generate", 1)]  # driver first, longest first
     assert rows[0]["seconds"] >= rows[1]["seconds"] >= 0.004 and rows[2]["seconds"] == 5.0
     assert (tmp_path / "t.png").stat().st_size > 10_000
-    assert main(["trace", str(tmp_path / "none")]) == 2
-    assert "no trace.json" in capsys.readouterr().err
+    p = cli(str(tmp_path / "none"))
+    assert p.returncode == 2 and "no trace.json" in p.stderr, p.stderr
