@@ -92,8 +92,7 @@ class GRPOTrainer:
         self.ray_lost = False  # Ray's processes were stopped under us: close() must not wait on them
         self._unprivate = None  # undoes private_ray.make_private once this run's Ray is shut down
         self.kept_store_url: str | None = None
-        trace.configure(cfg.logger.trace_max_events > 0, "driver",
-                        ["driver", *trace.actor_roles(cfg.generation.num_workers, cfg.policy.dp_size)])
+        trace.configure(cfg.logger.trace_max_events > 0, "driver", trace.actor_roles(cfg.generation.num_workers, cfg.policy.dp_size))
 
     # -- lifecycle ----------------------------------------------------------------------------------
     @trace.traced("start")
@@ -364,7 +363,6 @@ class GRPOTrainer:
                 for (pid, row), gid, pr, resp, rw, a, m, v, nt, er in zip(((pid, row) for pid, rows in rs for row in rows),
                                                                           *cols)]
 
-    @trace.traced("drop_partitions")
     def _drop(self, pids: list[str]) -> None:
         for pid in pids:
             self.store.drop_partition(pid)
