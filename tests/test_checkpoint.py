@@ -128,8 +128,12 @@ def test_kill_9_then_resume_on_one_rank_and_one_rollout_actor(tmp_path, ray_sess
     from dataplane_rl.driver.loop import train
     from dataplane_rl.checkpoint.resume import resume_config
 
+    from test_trace import assert_run_trace
+
     shape = ("policy.dp_size=2", "generation.num_workers=2", "data_plane.enabled=true", *MULTI_TURN)
     expected = straight_run(tmp_path / "straight2", *shape)
+    two = ["driver", "rollout-0", "rollout-1", "train-rank-0", "train-rank-1"]
+    assert_run_trace(tmp_path / "straight2", two, [1, 2, 3], checkpoints=True)  # every process's timeline
     run_dir = tmp_path / "killed2"
     # kill -9 skips the store's close: give the killed run a named shm folder that this test removes
     shm = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}-{tmp_path.name}"
@@ -145,6 +149,11 @@ def test_kill_9_then_resume_on_one_rank_and_one_rollout_actor(tmp_path, ray_sess
 
         shutil.rmtree(shm, ignore_errors=True)
     assert summary["status"] == "completed" and len(summary["nodes"]["train"]) == 1
+    # the killed run's trace.json (cut off by kill -9) continued by the resumed run of another shape; the
+    # ranks' spans of the last save were still in the ranks when the driver died (docs/trace.md)
+    doc = assert_run_trace(run_dir, two, [1, 2, 3])
+    names = {e["name"] for e in doc["traceEvents"]}
+    assert {"checkpoint", "checkpoint_load", "load_checkpoint"} <= names
     got = read_metrics(run_dir)
     assert_same_steps(got, expected, rel=1e-4)
     assert all(m["rollout/num_turns_mean"] > 1 for m in got), "multi-turn rows"

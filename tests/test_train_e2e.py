@@ -343,6 +343,12 @@ def test_default_config_learns(tmp_path, mode):
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_completed"] == len(metrics) == 100
+    from test_trace import assert_run_trace
+
+    # the default run's timeline: every step of every process, far below its bound
+    doc = assert_run_trace(run_dir, ["driver", "rollout-0", "train-rank-0"], list(range(1, 101)),
+                           data_plane=mode == "async", sync=mode == "sync")
+    assert "validation" in {e["name"] for e in doc["traceEvents"]}
     assert summary["reward_first_quarter"] < 0.5, "the untrained policy must not already solve the task"
     assert summary["reward_last_quarter"] >= 0.8, summary
     val = [m for m in metrics if "validation/reward" in m]

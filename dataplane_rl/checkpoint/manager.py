@@ -24,6 +24,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from dataplane_rl import trace
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.checkpoint.files import CheckpointError, damage, dcp_load, read_dcp_metadata, read_json, write_manifest
 from dataplane_rl.rng import RNGState
@@ -104,6 +105,7 @@ class CheckpointManager:
         check_partitions(path, driver.get("ahead", []))
         return driver
 
+    @trace.traced("checkpoint")
     def save(self, trainer, step: int, config_yaml: str) -> Path:
         import json
 
@@ -130,6 +132,7 @@ class CheckpointManager:
         self.prune()
         return final
 
+    @trace.traced("checkpoint_load")
     def load(self, trainer, path: Path, driver: dict | None = None) -> int:
         """Restore every process from `path` (verified by find); returns its step. The caller refits the
         rollout actors. Rollout actors beyond the saving run's number keep their seeded RNG: generation

@@ -15,7 +15,7 @@ import sys
 from dataplane_rl.errors import DataPlaneError
 
 # module name -> its add_parser registers one top-level command
-COMMANDS = ("train_cmd", "export_cmd", "schema_cmd", "config_cmd", "store_cmd", "bench_cmd")
+COMMANDS = ("train_cmd", "export_cmd", "schema_cmd", "config_cmd", "store_cmd", "bench_cmd", "trace_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:

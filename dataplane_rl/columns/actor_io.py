@@ -6,6 +6,7 @@ import time
 
 import pyarrow as pa
 
+from dataplane_rl import trace
 from dataplane_rl.columns.rowsets import RowSet, fetch, write
 
 
@@ -24,7 +25,9 @@ class ActorIO:
         """The fields of the row set: from the store (on) or the table the driver handed over (off)."""
         if table is None:
             t0 = time.perf_counter()
-            table = fetch(self.store, rs, fields)
+            with trace.span("get") as args:
+                table = fetch(self.store, rs, fields)
+                args["bytes"] = table.nbytes
             self.io["get_s"] += time.perf_counter() - t0
             self.io["bytes_read"] += table.nbytes
         return table.select(list(fields))
@@ -34,7 +37,9 @@ class ActorIO:
         if self.store is None:
             return table
         t0 = time.perf_counter()
-        self.io["bytes_written"] += write(self.store, rs, table)
+        with trace.span("put") as args:
+            args["bytes"] = write(self.store, rs, table)
+        self.io["bytes_written"] += args["bytes"]
         self.io["put_s"] += time.perf_counter() - t0
         return None
 

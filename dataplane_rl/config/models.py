@@ -205,6 +205,7 @@ class LoggerConfig(_Section):
     tensorboard_enabled: bool = Field(True, description="Write every metric to RUN_DIR/tensorboard/ (`tensorboard --logdir runs/`).")
     wandb_enabled: bool = Field(False, description="Also log to Weights & Biases, offline, into RUN_DIR/wandb/; needs `pip install wandb`.")
     wandb_project: str = Field("dataplane-rl", description="W&B project name (with wandb_enabled).")
+    trace_max_events: int = Field(200_000, ge=0, description="RUN_DIR/trace.json, the run's timeline (docs/trace.md): keep the first this many events (~100 bytes each), count the rest as dropped; 0 writes no trace.")
 
     @field_validator("wandb_enabled")
     @classmethod

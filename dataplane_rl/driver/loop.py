@@ -10,6 +10,7 @@ import math
 import signal
 import sys
 
+from dataplane_rl import trace
 from dataplane_rl.config import Config, dump_config
 from dataplane_rl.errors import ConfigError, DataPlaneError
 from dataplane_rl.driver import validation
@@ -102,7 +103,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         cfg.logger.run_dir = str(run.path)
     ckpt = CheckpointManager.for_config(cfg)
     config_yaml = dump_config(cfg)
-    trainer = loggers = None
+    trainer = loggers = timeline = None
     status, error, bar = "failed", None, None
     stop = StopSignals()
     try:
@@ -128,6 +129,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
             if cfg.logger.save_rollouts:
                 trainer.rollouts_dir = run.path / "rollouts"
                 trainer.rollouts_dir.mkdir(exist_ok=True)
+            if cfg.logger.trace_max_events:  # the run's timeline, appended once a step (docs/trace.md)
+                timeline = trace.TraceFile(run.path / "trace.json", cfg.logger.trace_max_events, resume=start is not None)
             print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
                                               if trainer.store_url else ""), file=sys.stderr, flush=True)
             # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
@@ -143,7 +146,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
             bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1, every=cfg.logger.log_every_n_steps)
             done = first - 1  # the last step finished
             for step in range(first, last + 1):
-                metrics, samples = trainer.step(step)
+                with trace.span("step", step=step):
+                    metrics, samples = trainer.step(step)
                 check_finite(metrics)
                 if validation.due(cfg.grpo, step):
                     metrics.update(validation.validate(trainer, step))
@@ -153,6 +157,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
                                                   or stop.requested):
                     ckpt.save(trainer, step, config_yaml)
+                if timeline is not None:  # after the checkpoint: a kill leaves its span in the file
+                    timeline.write(trace.take())
                 done = step
                 if stop.requested and step < last:
                     break
@@ -192,6 +198,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
                                                          "nodes": trainer.nodes if trainer else {},
                                                          "store_url": trainer.store_url if trainer else None,
                                                          "kept_store_url": trainer.kept_store_url if trainer else None})
+                    if timeline is not None:  # the checkpoints' and the close's spans, the actors' last events
+                        timeline.close(trace.take())
             finally:
                 run.close()
     return summary

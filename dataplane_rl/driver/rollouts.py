@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from dataplane_rl import trace
 from dataplane_rl.errors import DataPlaneError, StoreTimeoutError, format_rows
 from dataplane_rl.rollout.worker import Pending, RolloutJob
 
@@ -81,6 +82,7 @@ class Rollouts:
         return self.pending.pop(step, None) or self.send_round(step, 0)
 
     # -- taking back --------------------------------------------------------------------------------
+    @trace.traced("wait_for_rollouts")
     def collect(self, p: Pending, io=None) -> list[dict]:
         """Block until every row of the round is in the store (store.wait, in slices that check the actors
         are alive), land it (data plane off) and return the receipts. A timeout names step and groups."""
@@ -91,6 +93,8 @@ class Rollouts:
                 receipts = self.t.transport.collect(p.pid, list(zip(rows, p.futures)), self.fields, self.timeout)
         except StoreTimeoutError:
             raise RolloutWaitError(self._missing(p)) from None
+        for i, r in enumerate(receipts):  # job i ran on rollout actor i (send)
+            trace.absorb(r.pop("trace", None), f"rollout-{i}")
         if io is not None:
             for r in receipts:
                 io.add(r)

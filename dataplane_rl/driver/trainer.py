@@ -20,6 +20,7 @@ import pyarrow as pa
 from dataplane_rl.algorithms.grpo import advantages, informative_groups
 from dataplane_rl.config import Config
 from dataplane_rl.errors import DataPlaneError
+from dataplane_rl import trace
 from dataplane_rl.rollout.multiturn import episode_metrics
 from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
@@ -95,8 +96,10 @@ class GRPOTrainer:
         self.ray_lost = False  # Ray's processes were stopped under us: close() must not wait on them
         self._unprivate = None  # undoes private_ray.make_private once this run's Ray is shut down
         self.kept_store_url: str | None = None
+        trace.configure(cfg.logger.trace_max_events > 0, "driver", trace.actor_roles(cfg.generation.num_workers, cfg.policy.dp_size))
 
     # -- lifecycle ----------------------------------------------------------------------------------
+    @trace.traced("start")
     def start(self) -> None:
         import ray
 
@@ -148,6 +151,7 @@ class GRPOTrainer:
         init_method = ray.get(self.workers[0].address.remote())  # rank 0's node IP
         ray.get([w.init_dist.remote(init_method) for w in self.workers] + [a.ready.remote() for a in self.rollout])
 
+    @trace.traced("close")
     def close(self) -> None:
         """Stop actors, the store and Ray, each even if an earlier one fails; a Ctrl-C meanwhile waits."""
         import ray
@@ -157,10 +161,11 @@ class GRPOTrainer:
                 # a rollout actor with batches sent ahead would generate them all before close(): just kill it
                 polite = self.workers + ([] if self.rollouts.pending else self.rollout)
                 # with Ray gone, every call below would wait 30-60 s for a GCS that is not coming back
-                for actor in [] if self.ray_lost else self.rollout + self.workers:
+                for actor, role in [] if self.ray_lost else zip(self.rollout + self.workers,
+                                                                     trace.actor_roles(len(self.rollout), len(self.workers))):
                     if any(actor is a for a in polite):
                         with contextlib.suppress(Exception):  # the actor may already be dead; the kill is what matters
-                            ray.get(actor.close.remote(), timeout=30)
+                            trace.absorb(ray.get(actor.close.remote(), timeout=30), role)  # its last events
                     with contextlib.suppress(Exception):
                         ray.kill(actor)
             finally:
@@ -228,6 +233,7 @@ class GRPOTrainer:
         io.timing["step"] = time.perf_counter() - t_step
         return self.log(step, train, got, rewards, io), samples
 
+    @trace.traced("collect_groups")
     def collect_groups(self, step: int, io: StepIO) -> Groups:
         """Whole groups for the step: the step's round partition (sent ahead in async mode), then, with
         dynamic sampling or stale rows, more rounds with the current weights until P groups are kept.
@@ -276,6 +282,7 @@ class GRPOTrainer:
         sc = pa.concat_tables([scalars[pid].take(pa.array(rows)) for pid, rows in rs])
         return Groups(rs, sc, list(scalars), rounds_rewards, rounds_sources, dropped, generated, flat)
 
+    @trace.traced("advantages")
     def advantages_and_masks(self, got: Groups, io: StepIO) -> np.ndarray:
         """Per-sample advantages and sample_mask, put as driver columns; returns the kept rewards."""
         g, sc = self.cfg.grpo, got.scalars
@@ -309,6 +316,7 @@ class GRPOTrainer:
                 per_rank[r].append(select(got.rs, pos[shard]))
         return per_rank
 
+    @trace.traced("logprobs")
     def logprobs(self, per_rank_steps: list[list[RowSet]], io: StepIO) -> None:
         """prev_logprobs under the current weights (and the reference's), written as columns."""
         t0 = time.perf_counter()
@@ -316,6 +324,7 @@ class GRPOTrainer:
                             self.schema.field_set("LOGPROB_SEED_FIELDS"))
         io.timing["logprobs"] = time.perf_counter() - t0
 
+    @trace.traced("train")
     def train(self, per_rank_steps: list[list[RowSet]], io: StepIO) -> dict:
         """The optimizer steps; returns rank 0's global metrics."""
         import ray
@@ -323,10 +332,12 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         results = self.transport.call(self.workers, "train", per_rank_steps, self.cfg.train_fields(self.schema))
         io.timing["train"] = time.perf_counter() - t0
-        for receipt in ray.get([w.take_io.remote() for w in self.workers]):
+        for r, receipt in enumerate(ray.get([w.take_io.remote() for w in self.workers])):
             io.add(receipt)
+            trace.absorb(receipt.pop("trace", None), f"train-rank-{r}")
         return results[0]
 
+    @trace.traced("refit")
     def refit_phase(self, io: StepIO) -> None:
         """Sync: the rollout actors load the new weights before the next step. Async: they load them after
         the batches in flight, and the steps those weights may generate are sent at once."""
@@ -343,6 +354,7 @@ class GRPOTrainer:
                 self.rollouts.send_ahead(self.version)
         io.timing["refit"] = time.perf_counter() - t0
 
+    @trace.traced("train_data")
     def train_data(self, rs: RowSet, io: StepIO) -> list[dict]:
         """The trained rows for the run folder's train_data/ file."""
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from dataplane_rl import trace
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.store import to_numpy
 
@@ -28,6 +29,7 @@ def due(grpo_cfg, step: int) -> bool:
     return p > 0 and (step % p == 0 or step == grpo_cfg.max_num_steps)
 
 
+@trace.traced("validation")
 def validate(trainer, step: int) -> dict:
     """validation/reward (mean), validation/accuracy (share of reward 1.0), validation/num_samples and
     timing/validation of the current policy; `trainer` is a started GRPOTrainer."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from dataplane_rl import trace
 from dataplane_rl.rollout.generation import Generation
 from dataplane_rl.store import list_array
 from dataplane_rl.tasks import row_columns
@@ -135,10 +136,12 @@ class RolloutWorker:
 
         self.io = ActorIO(store_url)
         self.version = 0  # generation_policy_version of what this engine generates: the last refit's step
+        trace.configure(self.cfg.logger.trace_max_events > 0)
 
     def ready(self) -> int:
         return os.getpid()
 
+    @trace.traced("load_weights")
     def load_weights(self, state_dict, version: int) -> float:
         """Refit the engine with the policy's weights after training step `version`; returns the seconds
         the engine took. An actor runs one call at a time, so a refit lands between generation batches."""
@@ -160,6 +163,7 @@ class RolloutWorker:
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
 
+    @trace.traced("rollout_job")
     def generate(self, job: RolloutJob):
         """Generate G samples per prompt of the job with the current weights; returns (table, receipt):
         the table is None when the data plane put it, else the driver holds the columns."""
@@ -188,9 +192,12 @@ class RolloutWorker:
             gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
             table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G, self.version)
         receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": self.version}
+        trace.complete("generate", t0, step=job.step, round=job.round, rows=table.num_rows, validation=job.validation)
         table = self.io.emit([(job.pid, np.arange(job.row_start, job.row_start + table.num_rows))], table)
-        receipt.update(self.io.take())
+        receipt.update(self.io.take(), trace=trace.take())
         return table, receipt
 
-    def close(self) -> None:
+    def close(self) -> list[dict]:
+        """Close the store client; returns the trace events not yet taken."""
         self.io.close()
+        return trace.take()

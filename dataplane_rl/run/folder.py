@@ -32,7 +32,7 @@ from pathlib import Path
 from dataplane_rl.errors import ConfigError
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
-_STALE = ("metrics.jsonl", "summary.json", "reward.png", "store.json")
+_STALE = ("metrics.jsonl", "summary.json", "reward.png", "store.json", "trace.json")
 
 
 def _atomic_write(path: Path, text: str) -> None:

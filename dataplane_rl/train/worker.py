@@ -16,6 +16,7 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from dataplane_rl import trace
 from dataplane_rl.store import list_array
 from dataplane_rl.columns.rowsets import RowSet
 from dataplane_rl.train.batch import build_train_batch, plan_microbatches, slots
@@ -32,6 +33,7 @@ def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return on.cpu()
 
 
+@trace.traced("forward_backward")
 def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: float) -> tuple[list[dict], torch.Tensor]:
     """Forward and backward of one optimizer step's microbatches (gradients accumulate in `model`).
     Returns each microbatch's metrics (shares of the global values) and [valid, all] token slots computed."""
@@ -96,6 +98,7 @@ class TrainWorker:
 
             self.loss_fn = DistillationLoss(d, self.cfg.loss_fn, threshold)
         self.io = ActorIO(store_url)
+        trace.configure(self.cfg.logger.trace_max_events > 0)
 
     def address(self) -> str:
         """tcp://IP:PORT on this actor's node, for rank 0 to host the process-group rendezvous."""
@@ -130,9 +133,11 @@ class TrainWorker:
         return os.getpid()
 
     def take_io(self) -> dict:
-        return self.io.take()
+        """The step's data-plane bytes and seconds, and its trace events (`trace`)."""
+        return {**self.io.take(), "trace": trace.take()}
 
     # -- log-prob pass ------------------------------------------------------------------------------
+    @trace.traced("logprobs")
     @torch.no_grad()
     def logprobs(self, rs: RowSet, table: pa.Table | None = None) -> pa.Table | None:
         """prev_logprobs (the policy's current weights, before this step: in async mode newer than the rows'
@@ -200,6 +205,7 @@ class TrainWorker:
                 (logits.sum() * 0.0).backward()
 
     # -- train pass ---------------------------------------------------------------------------------
+    @trace.traced("train")
     def train(self, steps: list[RowSet], tables: list[pa.Table] | None = None) -> dict:
         """grpo.num_epochs passes over this rank's shards of the step's global batches, one optimizer step
         per shard per pass; prev_logprobs stay those of the log-prob pass. Returns global metrics."""
@@ -272,23 +278,28 @@ class TrainWorker:
                 "prompt_length_mean": float(sums[1]) / n, "response_tokens": float(sums[0]), "total_tokens": float(sums[3]),
                 "rank_token_imbalance": float(peak[1]) / max(float(sums[3]) / self.world, 1.0)}
 
+    @trace.traced("gather_weights")
     def state_dict(self) -> dict:
         """The full policy for refit, gathered once: rank 0 returns it, the other ranks {} (collective)."""
         from dataplane_rl.train.fsdp import full_state_dict
 
         return full_state_dict(self.model)
 
+    @trace.traced("save_checkpoint")
     def save_checkpoint(self, path: str) -> None:
         from dataplane_rl.train.state import save_worker
 
         save_worker(self, path)
 
+    @trace.traced("load_checkpoint")
     def load_checkpoint(self, path: str) -> None:
         from dataplane_rl.train.state import load_worker
 
         load_worker(self, path)
 
-    def close(self) -> None:
+    def close(self) -> list[dict]:
+        """Close the store client and the process group; returns the trace events not yet taken."""
         self.io.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        return trace.take()
