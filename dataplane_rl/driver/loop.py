@@ -125,6 +125,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             else:
                 run.begin(config_yaml)
             run.record_store(trainer.store_url)
+            trainer.recovery.record(run.path)  # actors.json: each rollout actor's node and PID
             print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
                                               if trainer.store_url else ""), file=sys.stderr, flush=True)
             # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
@@ -187,6 +188,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 with deferred_sigint():
                     summary = run.finish(status, error, {"run_dir": str(run.path), "signal": stop.signum,
                                                          "nodes": trainer.nodes if trainer else {},
+                                                         "faults": trainer.recovery.faults if trainer else [],
                                                          "store_url": trainer.store_url if trainer else None,
                                                          "kept_store_url": trainer.kept_store_url if trainer else None})
             finally:

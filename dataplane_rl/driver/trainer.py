@@ -28,7 +28,8 @@ from dataplane_rl.driver import validation
 from dataplane_rl.columns.rowsets import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.packing import balance_by_tokens, refuse_over_budget
 from dataplane_rl.run.reaper import deferred_sigint
-from dataplane_rl.driver.rollouts import Rollouts, fresh_groups, rollout_actors_alive
+from dataplane_rl.driver.recovery import RolloutRecovery
+from dataplane_rl.driver.rollouts import Rollouts, fresh_groups
 from dataplane_rl.driver.transport import DriverTransport
 from dataplane_rl.train.worker import TrainWorker
 from dataplane_rl.driver.preflight import open_run_store, preflight, torch_threads
@@ -81,9 +82,10 @@ class GRPOTrainer:
         self.rollout: list = []
         self.workers: list = []
         self.rollouts = Rollouts(self)
+        self.recovery = RolloutRecovery(self)  # dead rollout actors replaced, the run's faults (driver/recovery.py)
         self.policy_ref = None  # the last refit's full state dict, in the object store
-        self.version = 0  # the policy's weight version: the last training step done (0: the initial weights)
-        self._refits: list = []  # async: rollout actors' load_weights calls not yet confirmed
+        self.version = self.in_step = 0  # the weights' version: the last training step done (0: the initial ones)
+        self._refits: list = []  # async: rollout actors' load_weights calls not yet confirmed, (slot, actor, future)
         self._last_step_end: float | None = None
         self._groups: list = []  # placement groups: rollout, train
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
@@ -134,15 +136,16 @@ class GRPOTrainer:
         rollout_gpus, train_gpus = placement.gpu_plan(cfg)
         self._groups = [placement.placement_group("rollout", N, rollout_gpus, cfg, ray_nodes),
                         placement.placement_group("train", D, train_gpus, cfg, ray_nodes)]
-        Rollout, Train = ray.remote(RolloutWorker), ray.remote(TrainWorker)
-        self.rollout = [Rollout.options(**placement.options(self._groups[0], i, rollout_gpus)).remote(
-            cfg_dict, self.model_folder, self.store_url, gen_threads) for i in range(N)]
+        self.recovery.spec = (cfg_dict, gen_threads, rollout_gpus)
+        self.rollout = [self.recovery.spawn(i) for i in range(N)]
+        Train = ray.remote(TrainWorker)
         self.workers = [Train.options(**placement.options(self._groups[1], r, train_gpus)).remote(
             cfg_dict, self.model_folder, self.store_url, r, D, train_threads) for r in range(D)]
         self.nodes = {"rollout": placement.node_ips(self.rollout), "train": placement.node_ips(self.workers)}
         placement.pin_gloo_interfaces(self.workers)
         init_method = ray.get(self.workers[0].address.remote())  # rank 0's node IP
-        ray.get([w.init_dist.remote(init_method) for w in self.workers] + [a.ready.remote() for a in self.rollout])
+        self.recovery.pids = ray.get([w.init_dist.remote(init_method) for w in self.workers]
+                                     + [a.ready.remote() for a in self.rollout])[D:]
 
     def close(self) -> None:
         """Stop actors, the store and Ray, each even if an earlier one fails; a Ctrl-C meanwhile waits."""
@@ -194,11 +197,15 @@ class GRPOTrainer:
         refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
         ray.get(refs[1:])
         self.policy_ref = refs[0]
-        loads = [a.load_weights.remote(self.policy_ref, self.version) for a in self.rollout]
+        self.recovery.keep_weights(self.version, self.policy_ref)
         if not wait:
-            self._refits += loads
+            self._refits += [(i, a, a.load_weights.remote(self.policy_ref, self.version)) for i, a in enumerate(self.rollout)]
             return 0.0
-        return max(ray.get(loads))
+        n = len(self.rollout)
+        seconds = max(self.recovery.on_all(f"step {self.version}: refit", "load_weights", [self.policy_ref] * n,
+                                           [self.version] * n))
+        self._refits = []  # every engine holds these weights now, a replacement's included
+        return seconds
 
     def rollout_round(self, pid: str, step: int, round_: int, prompts: list[str], G: int, io: StepIO | None = None,
                       group_offset: int = 0, validation: bool = False) -> list[dict]:
@@ -208,6 +215,7 @@ class GRPOTrainer:
     # -- one step, in phases ------------------------------------------------------------------------
     def step(self, step: int) -> tuple[dict, list[dict]]:
         io = StepIO()
+        self.in_step = step  # the step under way, for the faults a recovery records
         t_step = time.perf_counter()
         got = self.collect_groups(step, io)
         rewards = self.advantages_and_masks(got, io)
@@ -323,17 +331,13 @@ class GRPOTrainer:
     def refit_phase(self, io: StepIO) -> None:
         """Sync: the rollout actors load the new weights before the next step. Async: they load them after
         the batches in flight, and the steps those weights may generate are sent at once."""
-        import ray
-
         t0 = time.perf_counter()
         if self.rollouts.ahead is None:
             io.timing["refit_engine"] = self.refit()
         else:
-            with rollout_actors_alive(f"step {self.version}: refit"):
-                self.refit(wait=False)
-                done, self._refits = ray.wait(self._refits, num_returns=len(self._refits), timeout=0)
-                io.timing["refit_engine"] = max(ray.get(done), default=0.0)  # earlier refits: errors surface here
-                self.rollouts.send_ahead(self.version)
+            self.refit(wait=False)  # earlier refits' errors surface here; a dead actor is replaced
+            io.timing["refit_engine"] = self.recovery.settle_refits(f"step {self.version}: refit")
+            self.rollouts.send_ahead(self.version)
         io.timing["refit"] = time.perf_counter() - t0
 
     def train_data(self, rs: RowSet, io: StepIO) -> list[dict]:
@@ -383,6 +387,7 @@ class GRPOTrainer:
         m["async/staleness_mean"] = float(staleness.mean())
         m["async/staleness_max"] = int(staleness.max())
         m["async/dropped_stale"] = got.dropped_stale
+        m.update(self.recovery.counters())
         m["data_plane/enabled"] = bool(self.store_url)
         m["data_plane/bytes_written"] = io.bytes_written
         m["data_plane/bytes_read"] = io.bytes_read

@@ -25,6 +25,7 @@ class RolloutJob:
     group_ids: list[int]       # one per prompt (the prompt's index in the round)
     prompts: list[str]
     validation: bool = False   # held-out prompts: 1 sample each at generation.val_temperature
+    retry: bool = False        # sent again after an actor died: write only the cells not yet committed
 
 
 @dataclass
@@ -34,8 +35,9 @@ class Pending:
     pid: str
     step: int
     G: int
-    jobs: list[RolloutJob]
+    jobs: list[RolloutJob]     # job i runs on rollout actor i
     futures: list
+    version: int = 0           # the weights the jobs were sent after (driver/recovery.py sends them again with these)
 
 
 def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, version: int) -> pa.Table:
@@ -185,7 +187,11 @@ class RolloutWorker:
             gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
             table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G, self.version)
         receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": self.version}
-        table = self.io.emit([(job.pid, np.arange(job.row_start, job.row_start + table.num_rows))], table)
+        rows = np.arange(job.row_start, job.row_start + table.num_rows)
+        if job.retry:
+            table, receipt["rows_regenerated"] = self.io.emit_missing(job.pid, rows, table)
+        else:
+            table = self.io.emit([(job.pid, rows)], table)
         receipt.update(self.io.take())
         return table, receipt
 
