@@ -89,3 +89,112 @@ def test_the_budget_names_its_key_when_it_runs_out():
     assert load(None, []).fault_tolerance.max_generation_failures == 3
     with pytest.raises(ConfigError, match="fault_tolerance.max_generation_failures"):
         load(None, ["fault_tolerance.max_generation_failures=-1"])
+
+
+class Flaky:
+    """A task whose reward raises ZeroDivisionError for the chosen prompts: the first `times` calls of each
+    (prompt, response), or always (times=None). User code failing, so a hook is fair here."""
+
+    def __init__(self, task, prompts, times):
+        self.task, self.bad, self.times, self.calls = task, set(prompts), times, {}
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def raises(self, key) -> bool:
+        n = self.calls[key] = self.calls.get(key, 0) + 1
+        return key[0] in self.bad and (self.times is None or n <= self.times)
+
+    def reward(self, prompt, response):
+        if self.raises((prompt, response)):
+            return 1 / 0
+        return self.task.reward(prompt, response)
+
+
+class FlakyEnv(Flaky):
+    """A multi-turn task whose environment step raises instead, at every turn of the chosen prompts' episodes."""
+
+    def step(self, prompt, actions):
+        if self.raises((prompt, tuple(actions))):
+            return 1 / 0
+        return self.task.step(prompt, actions)
+
+
+@pytest.mark.parametrize("task,flaky", [("count", Flaky), ("guess", FlakyEnv)])
+def test_a_raising_reward_or_environment_is_retried_then_fails_its_whole_group(tmp_path, task, flaky):
+    """Failing twice per call, within fault_tolerance.max_data_retries=2: the job's rows equal the clean job's.
+    Failing always: the group's rows are never written (no zero reward, no empty row), the others are."""
+    from dataplane_rl.schema import load_schema
+    from dataplane_rl.store import open_store
+    from test_multiturn import job, worker_for
+
+    reason = "reward" if flaky is Flaky else "environment"
+    w = worker_for(task)
+    j = job(w, P=3)
+    clean, receipt = w.generate(j)
+    assert "data_retries" not in receipt and "failed_groups" not in receipt
+    w.task = flaky(w.task, [j.prompts[1]], times=2)
+    again, receipt = w.generate(j)
+    assert again.equals(clean) and receipt["data_retries"][reason] >= 2 and "failed_groups" not in receipt
+    store = open_store(f"shm://{tmp_path / 'store'}")
+    try:
+        G = w.cfg.grpo.num_generations_per_prompt
+        store.create_partition(j.pid, load_schema("grpo"), 3 * G)
+        w.io.close()
+        from dataplane_rl.columns.actor_io import ActorIO
+
+        w.io = ActorIO(store.url)
+        w.task = flaky(w.task.task, [j.prompts[1]], times=None)
+        table, receipt = w.generate(j)
+        assert table is None
+        [[group, why, error]] = receipt["failed_groups"]
+        assert (group, why) == (1, reason) and error.startswith("ZeroDivisionError: division by zero"), receipt
+        assert receipt["failed_rows"] == list(range(G, 2 * G)) and receipt["rows"] == 2 * G
+        assert store.ready(j.pid, ["total_reward", "input_ids"]).tolist() == [*range(G), *range(2 * G, 3 * G)]
+        others = [*range(G), *range(2 * G, 3 * G)]
+        kept = store.get(j.pid, ["input_ids", "total_reward", "group_id"], others)
+        assert kept.to_pylist() == clean.select(["input_ids", "total_reward", "group_id"]).take(pa.array(others)).to_pylist()
+    finally:
+        w.close()
+        store.close()
+
+
+def test_a_failed_group_is_left_out_and_replaced_then_the_budget_stops_the_run(tmp_path, ray_session):
+    """In a run: a group whose reward always raises is named in one line, left out, and the step takes its place
+    from a second round; the group past fault_tolerance.max_failed_groups stops the run, naming task, step,
+    group and exception."""
+    import sys
+
+    import ray
+    from ray import cloudpickle  # Ray's own copy pickles the calls
+
+    from dataplane_rl.driver.data_faults import DataFailureError
+    from dataplane_rl.driver.trainer import GRPOTrainer
+
+    cloudpickle.register_pickle_by_value(sys.modules[Flaky.__module__])  # the actors cannot import the tests folder
+    cfg = load_config(None, ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
+                             "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2",
+                             "generation.max_new_tokens=4", "data_plane.enabled=true", "task.name=count",
+                             "fault_tolerance.max_failed_groups=1", f"logger.run_dir={tmp_path / 'run'}"])
+    t = GRPOTrainer(cfg)
+    try:
+        t.start()
+        bad = [t.task.prompts(cfg.grpo.seed, 1, 0, 2)[1], t.task.prompts(cfg.grpo.seed, 2, 0, 2)[0]]
+
+        def break_reward(actor):
+            actor.task = Flaky(actor.task, bad, times=None)
+
+        ray.get([a.__ray_call__.remote(break_reward) for a in t.rollout])
+        m, samples = t.step(1)
+        assert m["train/generation_rounds"] == 2 and m["rollout/failed_groups_total"] == 1
+        assert m["rollout/data_retries_total/reward"] == 2 * 2  # the group's 2 rows, each tried 1 + 2 times
+        assert {s["sample_id"].split("/")[0] for s in samples} == {"step-000001", "step-000001-r1"}
+        assert not [s for s in samples if s["prompt"] == bad[0]] and all(np.isfinite([s["total_reward"] for s in samples]))
+        [fault] = t.recovery.faults
+        assert fault["where"] == {"task": "count", "partition": "step-000001", "group": 1}, fault
+        with pytest.raises(DataFailureError, match=r"step 2: task 'count' group 0 \(partition step-000002\): its "
+                                                   r"reward call raised ZeroDivisionError: division by zero on each of 3 "
+                                                   r"tries .*max_failed_groups=1"):
+            t.step(2)
+    finally:
+        t.close()

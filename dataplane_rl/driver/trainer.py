@@ -28,6 +28,7 @@ from dataplane_rl.driver import validation
 from dataplane_rl.columns.rowsets import RowSet, fetch, merge, rowset_size, select, shard_balanced, write
 from dataplane_rl.train.packing import balance_by_tokens, refuse_over_budget
 from dataplane_rl.run.reaper import deferred_sigint
+from dataplane_rl.driver.data_faults import DataFaults
 from dataplane_rl.driver.recovery import RolloutRecovery
 from dataplane_rl.driver.rollouts import Rollouts, fresh_groups
 from dataplane_rl.driver.transport import DriverTransport
@@ -83,6 +84,7 @@ class GRPOTrainer:
         self.workers: list = []
         self.rollouts = Rollouts(self)
         self.recovery = RolloutRecovery(self)  # dead rollout actors replaced, the run's faults (driver/recovery.py)
+        self.data_faults = DataFaults(self, self.recovery.faults)  # failed groups left out (driver/data_faults.py)
         self.policy_ref = None  # the last refit's full state dict, in the object store
         self.version = self.in_step = 0  # the weights' version: the last training step done (0: the initial ones)
         self._refits: list = []  # async: rollout actors' load_weights calls not yet confirmed, (slot, actor, future)
@@ -239,18 +241,20 @@ class GRPOTrainer:
         P = g.num_prompts_per_step
         oldest = step - 1 - (self.rollouts.ahead or 0)
         kept: list = []  # (pid, rows of one whole group)
-        scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS, read once
+        scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS on its written rows, read once
+        written: dict[str, np.ndarray] = {}  # per round partition: those rows (not a failed group's)
         rounds_rewards, dropped = [], 0
-        generated = flat = 0
+        generated = flat = round_ = 0
         rounds = g.max_gen_batches if g.use_dynamic_sampling or self.rollouts.ahead else 1
-        for round_ in range(rounds):
+        while round_ < rounds:
             p = self.rollouts.first_round(step) if round_ == 0 else self.rollouts.send_round(step, round_)
             receipts = self.rollouts.collect(p, io)
             io.timing["generate"] = io.timing.get("generate", 0.0) + max(r["generate_s"] for r in receipts)
-            t0 = time.perf_counter()
-            sc = scalars[p.pid] = self.store.get(p.pid, self.schema.field_set("DRIVER_FIELDS"))
-            io.get_s += time.perf_counter() - t0
-            io.driver_bytes_read += sc.nbytes
+            sc, rows = self.data_faults.read_round(step, p, receipts, self.schema.field_set("DRIVER_FIELDS"), io)
+            scalars[p.pid], written[p.pid] = sc, rows
+            if len(rows) < p.G * sum(len(j.prompts) for j in p.jobs):  # failed groups: one more round may replace them
+                rounds = max(rounds, min(round_ + 2, g.max_gen_batches))
+            round_ += 1
             rewards = to_numpy(sc.column("total_reward")).astype(np.float64)
             groups = to_numpy(sc.column("group_id"))
             rounds_rewards.append(rewards)
@@ -263,7 +267,7 @@ class GRPOTrainer:
                 keep = np.intersect1d(keep, informative_groups(rewards, groups))
             for gid in keep:
                 if len(kept) < P:
-                    kept.append((p.pid, np.flatnonzero(groups == gid)))
+                    kept.append((p.pid, rows[groups == gid]))
             if len(kept) >= P:
                 break
         if len(kept) < P:
@@ -274,7 +278,7 @@ class GRPOTrainer:
                 f"rounds (grpo.max_gen_batches={g.max_gen_batches}); raise grpo.max_gen_batches, lower "
                 "grpo.num_prompts_per_step, or turn grpo.use_dynamic_sampling off")
         rs = merge([[k] for k in kept])  # the kept rows, whole groups in order, by partition
-        sc = pa.concat_tables([scalars[pid].take(pa.array(rows)) for pid, rows in rs])
+        sc = pa.concat_tables([scalars[pid].take(pa.array(np.searchsorted(written[pid], rows))) for pid, rows in rs])
         return Groups(rs, sc, list(scalars), rounds_rewards, dropped, generated, flat)
 
     def advantages_and_masks(self, got: Groups, io: StepIO) -> np.ndarray:
@@ -387,7 +391,7 @@ class GRPOTrainer:
         m["async/staleness_mean"] = float(staleness.mean())
         m["async/staleness_max"] = int(staleness.max())
         m["async/dropped_stale"] = got.dropped_stale
-        m.update(self.recovery.counters())
+        m.update(self.recovery.counters(), **self.data_faults.counters())
         m["data_plane/enabled"] = bool(self.store_url)
         m["data_plane/bytes_written"] = io.bytes_written
         m["data_plane/bytes_read"] = io.bytes_read
