@@ -22,6 +22,7 @@ from dataplane_rl.driver.rollouts import RolloutActorError, RolloutWaitError
 from dataplane_rl.run.folder import RunDir
 from dataplane_rl.driver.trainer import DynamicSamplingError, GRPOTrainer
 from dataplane_rl.driver.preflight import open_run_store, preflight
+from dataplane_rl.driver.train_faults import train_rank_error
 
 __all__ = ["DynamicSamplingError", "GRPOTrainer", "NonFiniteError", "RolloutActorError", "RolloutWaitError", "StepProgress", "check_finite",
            "open_run_store", "preflight", "train"]
@@ -140,8 +141,15 @@ def train(cfg: Config, resume: bool = False) -> dict:
             last = cfg.grpo.max_num_steps
             bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1, every=cfg.logger.log_every_n_steps)
             done = first - 1  # the last step finished
+            saved_step = first - 1 if start is not None else None  # the latest checkpoint's step
             for step in range(first, last + 1):
-                metrics, samples = trainer.step(step)
+                try:
+                    metrics, samples = trainer.step(step)
+                except ray.exceptions.RayActorError as e:  # a rollout actor's death is recovered inside the step
+                    dead = train_rank_error(trainer, e, step, run.path, saved_step)
+                    if dead is None:
+                        raise
+                    raise dead from None
                 check_finite(metrics)
                 if validation.due(cfg.grpo, step):
                     metrics.update(validation.validate(trainer, step))
@@ -151,6 +159,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
                                                   or stop.requested):
                     ckpt.save(trainer, step, config_yaml)
+                    saved_step = step
                 done = step
                 if stop.requested and step < last:
                     break

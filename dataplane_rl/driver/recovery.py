@@ -52,7 +52,7 @@ class RolloutRecovery:
             cfg_dict, self.t.model_folder, self.t.store_url, threads)
 
     def record(self, run_dir: Path) -> None:
-        """Keep RUN_DIR/actors.json (each rollout actor's node and PID) up to date from now on."""
+        """Keep RUN_DIR/actors.json (each rollout actor's and train rank's PID and node) up to date from now on."""
         self.actors_file = Path(run_dir) / "actors.json"
         self._write()
 
@@ -62,7 +62,9 @@ class RolloutRecovery:
         nodes = self.t.nodes.get("rollout", [])
         rows = [{"slot": i, "pid": pid, "node": nodes[i] if i < len(nodes) else None} for i, pid in enumerate(self.pids)]
         tmp = self.actors_file.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"rollout": rows}, indent=2) + "\n")
+        train = [{"rank": r, "pid": pid, "node": ip} for r, (pid, ip) in enumerate(zip(self.t.train_pids,
+                                                                                   self.t.nodes.get("train", [])))]
+        tmp.write_text(json.dumps({"rollout": rows, "train": train}, indent=2) + "\n")
         tmp.replace(self.actors_file)
 
     def counters(self) -> dict:

@@ -91,6 +91,7 @@ class GRPOTrainer:
         self._last_step_end: float | None = None
         self._groups: list = []  # placement groups: rollout, train
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
+        self.train_pids: list[int] = []
         self._ray_started = False
         self.ray_lost = False  # Ray's processes were stopped under us: close() must not wait on them
         self._unprivate = None  # undoes private_ray.make_private once this run's Ray is shut down
@@ -144,6 +145,7 @@ class GRPOTrainer:
         self.workers = [Train.options(**placement.options(self._groups[1], r, train_gpus)).remote(
             cfg_dict, self.model_folder, self.store_url, r, D, train_threads) for r in range(D)]
         self.nodes = {"rollout": placement.node_ips(self.rollout), "train": placement.node_ips(self.workers)}
+        self.train_pids = placement.pids(self.workers)  # a dead rank's output is found by its PID (driver/train_faults.py)
         placement.pin_gloo_interfaces(self.workers)
         init_method = ray.get(self.workers[0].address.remote())  # rank 0's node IP
         self.recovery.pids = ray.get([w.init_dist.remote(init_method) for w in self.workers]
