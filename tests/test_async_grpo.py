@@ -134,7 +134,7 @@ def test_a_rollout_actor_killed_mid_run_fails_clearly(tmp_path):
     import psutil
 
     run_dir = tmp_path / "kill"
-    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "grpo.max_num_steps=300",
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "grpo.max_num_steps=300", "fault_tolerance.max_generation_failures=0",
                              f"logger.run_dir={run_dir}", "data_plane.enabled=true", *AGE1],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -53,7 +53,7 @@ def cli(*args, timeout=300):
                           timeout=timeout)
 
 
-def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> None:
+def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 240, poll: float = 0.05) -> None:
     """Bounded wait that fails at once when the child dies first."""
     deadline = time.monotonic() + timeout
     while not ready():
@@ -62,7 +62,7 @@ def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> 
         if time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"no {what} after {timeout}s")
-        time.sleep(0.05)
+        time.sleep(poll)
 
 
 def descendants(pid: int) -> list[int]:
@@ -120,6 +120,67 @@ def test_kill_9_then_resume_on_two_ranks_with_the_data_plane_on(straight, tmp_pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps_completed"] == 3
     assert (run_dir / "policy" / "model.safetensors").is_file()
+
+
+def kill_rollout_actors(run_dir: Path, kills: list[tuple], *overrides: str) -> tuple[int, str]:
+    """Start a CLI run (data plane on) and, for each (when, slot) in order, SIGKILL the rollout actor on `slot` by
+    the PID the run recorded in actors.json: a real external kill. when=N: once metrics.jsonl holds N lines.
+    when="start": SIGSTOP it as soon as actors.json appears, SIGKILL it once step 1's partition exists, so it
+    dies with its step-1 job sent and unfinished (a tiny model generates a job in ~30 ms: a kill after a
+    metrics line finds no job in flight). Returns (exit code, output)."""
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *TINY,
+                             f"logger.run_dir={run_dir}", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, actors = run_dir / "metrics.jsonl", run_dir / "actors.json"
+    try:
+        for when, slot in kills:
+            if when == "start":
+                wait_for(proc, actors.is_file, "actors.json", poll=0.002)
+                pid = json.loads(actors.read_text())["rollout"][slot]["pid"]
+                os.kill(pid, signal.SIGSTOP)
+                store = Path(json.loads((run_dir / "store.json").read_text())["store_url"][len("shm://"):])
+                wait_for(proc, (store / "step-000001").exists, "step 1's partition")
+                time.sleep(0.2)  # the driver sends the jobs right after it makes the partition
+            else:
+                wait_for(proc, lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= when,
+                         f"step {when}")
+                pid = json.loads(actors.read_text())["rollout"][slot]["pid"]
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out
+
+
+def train_rows(run_dir: Path) -> list[list[dict]]:
+    return [[json.loads(x) for x in p.read_text().splitlines()] for p in sorted((run_dir / "train_data").iterdir())]
+
+
+def test_rollout_actors_killed_mid_run_are_replaced_and_the_run_ends_the_same(straight, tmp_path):
+    """Chaos: two rollout actors, each SIGKILLed once, the data plane on: one with its step-1 job unfinished, the
+    other after step 2 (the run notices it at the checkpoint or the next call). Each is replaced on its slot, its
+    unfinished jobs run again, and every step trains the same rows, to the same numbers, as the unkilled run."""
+    straight_dir, expected = straight
+    run_dir = tmp_path / "chaos"
+    code, out = kill_rollout_actors(run_dir, [("start", 0), (2, 1)], "generation.num_workers=2",
+                                    "data_plane.enabled=true")
+    assert code == 0, out[-3000:]
+    assert_same_steps(read_metrics(run_dir), expected)
+    assert train_rows(run_dir) == train_rows(straight_dir), "the regenerated rows are the rows the run would have had"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    faults = summary["faults"]
+    assert [(f["what"], f["where"]["slot"]) for f in faults] == [("rollout actor died", 0), ("rollout actor died", 1)]
+    assert out.count("died") >= 2 and "fault_tolerance.max_generation_failures: 2 of 3 used" in out, out[-3000:]
+    last = read_metrics(run_dir)[-1]
+    assert last["rollout/actor_restarts_total"] == 2
+    assert last["rollout/redispatch_total"] == sum(f["cost"]["jobs_redispatched"] for f in faults)
+    assert faults[0]["cost"]["jobs_redispatched"] == 1 and faults[0]["cost"]["rows_redispatched"] == 8, faults[0]
+    assert faults[0]["step"] == 1 and last["rollout/rows_regenerated_total"] >= 8
+    assert expected[-1]["rollout/actor_restarts_total"] == 0 and expected[-1]["rollout/redispatch_total"] == 0
+    pids = [a["pid"] for a in json.loads((run_dir / "actors.json").read_text())["rollout"]]
+    assert [f["where"]["pid"] for f in faults] != pids[:2] and len(set(pids)) == 2
 
 
 def test_kill_9_then_resume_on_one_rank_and_one_rollout_actor(tmp_path, ray_session):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from test_checkpoint import (KEYS, MULTI_TURN, Payload, assert_export_is_the_final_policy, cli, kill_after_checkpoint,
-                             read_metrics, straight_run)
+                             kill_rollout_actors, read_metrics, straight_run)
 
 ASYNC_KEYS = (*KEYS, "train/filtered_reward", "train/generation_rounds", "train/lr", "async/staleness_mean",
               "async/staleness_max", "async/dropped_stale")
@@ -63,13 +63,27 @@ def refuse_a_crafted_partition(ckpt: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.fixture(scope="module")
+def straights(tmp_path_factory, ray_session):
+    """Each case's unkilled run, made once for the tests that compare with it: case -> (run folder, metrics)."""
+    made: dict = {}
+
+    def get(case: str) -> tuple[Path, list[dict]]:
+        if case not in made:
+            run_dir = tmp_path_factory.mktemp(case) / "straight"
+            made[case] = run_dir, straight_run(run_dir, *CASES[case][0])
+        return made[case]
+
+    return get
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_async_kill_9_then_resume_continues_the_run(case, tmp_path, ray_session):
+def test_async_kill_9_then_resume_continues_the_run(case, tmp_path, straights):
     from dataplane_rl.driver.loop import train
     from dataplane_rl.checkpoint.resume import resume_config
 
     overrides, on_resume, age = CASES[case]
-    expected = straight_run(tmp_path / "straight", *overrides)
+    straight_dir, expected = straights(case)
     run_dir = tmp_path / "killed"
     shm = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}-{tmp_path.name}"  # kill -9 skips the store's close
     named = [f"data_plane.backend=shm://{shm}"] if "data_plane.enabled=true" in overrides else []
@@ -89,12 +103,30 @@ def test_async_kill_9_then_resume_continues_the_run(case, tmp_path, ray_session)
     for x, y in zip(got, expected):
         for k in ASYNC_KEYS:
             assert math.isclose(x[k], y[k], rel_tol=1e-6, abs_tol=1e-9), f"step {x['step']} {k}: {x[k]} vs {y[k]}"
-    assert_same_rows(train_data(run_dir), train_data(tmp_path / "straight"))
+    assert_same_rows(train_data(run_dir), train_data(straight_dir))
     ahead = [r for r in train_data(run_dir)["step_000003.jsonl"] if r["sample_id"].startswith("step-000003/")]
     assert ahead and {r["generation_policy_version"] for r in ahead} == {3 - 1 - age}, \
         "step 3 trains the rows generated before the kill, with the weights of then"
     if case == "age2_dynamic_multiturn":
         assert_multi_turn_rows_export(run_dir, got, tmp_path)
+
+
+def test_async_rollout_actor_killed_with_steps_ahead_is_replaced(tmp_path, straights):
+    """Async GRPO (age 1), two rollout actors: one SIGKILLed with the steps sent ahead at the start unfinished
+    (docs/faults.md). It is replaced with the weights those jobs were sent with, they run again, and every step
+    trains the unkilled run's rows to its numbers."""
+    straight_dir, expected = straights("age1")
+    run_dir = tmp_path / "killed"
+    code, out = kill_rollout_actors(run_dir, [("start", 1)], *CASES["age1"][0], "generation.num_workers=2")
+    assert code == 0, out[-3000:]
+    got = read_metrics(run_dir)
+    for x, y in zip(got, expected, strict=True):
+        for k in ASYNC_KEYS:
+            assert math.isclose(x[k], y[k], rel_tol=1e-6, abs_tol=1e-9), f"step {x['step']} {k}: {x[k]} vs {y[k]}"
+    assert_same_rows(train_data(run_dir), train_data(straight_dir))
+    faults = json.loads((run_dir / "summary.json").read_text())["faults"]
+    assert len(faults) == 1 and faults[0]["where"]["slot"] == 1 and faults[0]["cost"]["jobs_redispatched"] >= 1, faults
+    assert got[-1]["rollout/actor_restarts_total"] == 1 and got[-1]["rollout/redispatch_total"] >= 1
 
 
 def assert_multi_turn_rows_export(run_dir: Path, metrics: list[dict], tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ templates, and the data_source/extra_info columns, through the real rollout work
 from __future__ import annotations
 
 import json
+import re
 import math
 import subprocess
 import sys
@@ -151,12 +152,23 @@ def test_a_bad_reward_is_a_data_failure_naming_function_source_and_value(tmp_pat
         fn("gsm8k", "42", "42", {})
 
 
-def test_a_bad_reward_stops_the_rollout_job_with_the_rows_source(tmp_path):
+def test_a_bad_reward_fails_its_groups_naming_the_rows_source(tmp_path):
+    """A NaN from the user's function is a data failure (issue 38): retried, then its whole group fails; the
+    receipt names the function, the row's data_source and the value, and no row of that group is returned."""
     (tmp_path / "nan.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                      "    return float('nan') if data_source == 'sub' else 1.0\n")
     w = worker("task.name=dataset", f"task.path={TRAIN}", f"task.reward_function={tmp_path / 'nan.py'}")
-    with pytest.raises(RewardFunctionError, match=r"nan\.py:compute_score returned nan for data_source 'sub'"):
-        generate(w, P=8)
+    prompts = w.task.prompts(0, 1, 0, 8)
+    table, receipt = w.generate(RolloutJob("step-000001", 1, 0, 0, list(range(8)), prompts))
+    subs = {g for g, p in enumerate(prompts) if w.task.row(p).data_source == "sub"}
+    assert subs and len(subs) < 8  # the fixed draw holds both sources
+    assert {g for g, reason, _ in receipt["failed_groups"]} == subs
+    for _, reason, error in receipt["failed_groups"]:
+        assert reason == "reward" and re.search(r"RewardFunctionError: .*nan\.py:compute_score returned nan for "
+                                                r"data_source 'sub'", error), error
+    rows = table.to_pylist()
+    assert {r["data_source"] for r in rows} == {"add"} and {r["group_id"] for r in rows} == set(range(8)) - subs
+    assert all(r["total_reward"] == 1.0 for r in rows)
 
 
 def test_a_module_that_fails_to_import_is_one_error_line_before_ray(tmp_path, capsys):

@@ -41,11 +41,15 @@ def save_ahead(trainer, folder: Path) -> list[dict]:
         p = r.pending[step]
         receipts = r.collect(p)  # lands the rows in the store (the data plane off: from the futures)
         p.futures = _done(receipts)  # the step that takes it later sees the same receipts, no second write
-        table = trainer.store.get(p.pid, r.fields)
+        failed = [row for receipt in receipts for row in receipt.get("failed_rows", ())]  # never written
+        size = sum(len(j.prompts) for j in p.jobs) * p.G
+        written = np.setdiff1d(np.arange(size), failed) if failed else None
+        table = trainer.store.get(p.pid, r.fields, written)
         rel = f"partitions/{p.pid}.arrow"
         _write(folder / rel, table)
         entries.append({"pid": p.pid, "step": p.step, "G": p.G, "rows": table.num_rows, "file": rel,
-                        "jobs": [asdict(j) for j in p.jobs], "receipts": receipts})
+                        "jobs": [asdict(j) for j in p.jobs], "receipts": receipts,
+                        **({"size": size, "written": written.tolist()} if failed else {})})
     return entries
 
 
@@ -84,7 +88,8 @@ def restore_ahead(trainer, folder: Path, entries: list) -> None:
     """Put the saved rounds into this run's store and schedule them for their steps."""
     for e in entries:
         table = _read(folder, e)
-        trainer.store.create_partition(e["pid"], trainer.schema, e["rows"])
-        write(trainer.store, [(e["pid"], np.arange(e["rows"]))], table)
+        trainer.store.create_partition(e["pid"], trainer.schema, e.get("size", e["rows"]))
+        written = np.asarray(e["written"], np.int64) if "written" in e else np.arange(e["rows"])  # failed groups: not
+        write(trainer.store, [(e["pid"], written)], table)
         jobs = [RolloutJob(**j) for j in e["jobs"]]
         trainer.rollouts.pending[e["step"]] = Pending(e["pid"], e["step"], e["G"], jobs, _done(e["receipts"]))

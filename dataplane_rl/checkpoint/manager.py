@@ -121,7 +121,7 @@ class CheckpointManager:
         tmp.mkdir(mode=0o700)
         ray.get([w.save_checkpoint.remote(str(tmp / "train")) for w in trainer.workers])
         driver = {"step": step, "rng": RNGState().state_dict(),
-                  "rollout_rng": ray.get([a.rng_state.remote() for a in trainer.rollout]),
+                  "rollout_rng": trainer.recovery.on_all(f"step {step}: checkpoint", "rng_state"),
                   "ahead": save_ahead(trainer, tmp)}
         (tmp / DRIVER).write_text(json.dumps(driver))
         (tmp / "config.yaml").write_text(config_yaml)

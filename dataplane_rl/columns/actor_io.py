@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pyarrow as pa
 
 from dataplane_rl import trace
@@ -42,6 +43,23 @@ class ActorIO:
         self.io["bytes_written"] += args["bytes"]
         self.io["put_s"] += time.perf_counter() - t0
         return None
+
+    def emit_missing(self, pid: str, rows: np.ndarray, table: pa.Table) -> tuple[pa.Table | None, int]:
+        """A retried job's columns (driver/recovery.py): on, put only the cells of `rows` its first attempt did
+        not commit (cells are written once), by column; returns (table or None as emit does, rows written)."""
+        if self.store is None:
+            return table, table.num_rows
+        todo: dict[bytes, list[str]] = {}  # the positions still missing -> the columns missing exactly there
+        for name in table.column_names:
+            missing = np.flatnonzero(~np.isin(rows, self.store.ready(pid, [name])))
+            todo.setdefault(missing.astype(np.int64).tobytes(), []).append(name)
+        written = 0
+        for key, names in todo.items():
+            pos = np.frombuffer(key, dtype=np.int64)
+            if pos.size:
+                self.emit([(pid, rows[pos])], table.select(names).take(pa.array(pos)))
+                written = max(written, int(pos.size))
+        return None, written
 
     def take(self) -> dict:
         out, self.io = self.io, {k: 0 * v for k, v in self.io.items()}

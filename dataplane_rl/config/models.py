@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dataplane_rl.algorithms.loss import LossConfig
 from dataplane_rl.config.distillation import DistillationConfig
+from dataplane_rl.config.faults import FaultToleranceConfig
 from dataplane_rl.config.multi_turn import MultiTurnConfig
 from dataplane_rl.config.task import TaskConfig
 from dataplane_rl.config_types import CONFIG, StrictScalars
@@ -250,6 +251,7 @@ class Config(_Section):
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

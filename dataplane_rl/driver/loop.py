@@ -21,8 +21,10 @@ from dataplane_rl.run.reaper import deferred_sigint
 from dataplane_rl.run.preempt import LOST, RayLost, StopSignals
 from dataplane_rl.driver.rollouts import RolloutActorError, RolloutWaitError
 from dataplane_rl.run.folder import RunDir
-from dataplane_rl.driver.trainer import DynamicSamplingError, GRPOTrainer
+from dataplane_rl.driver.step_io import DynamicSamplingError
+from dataplane_rl.driver.trainer import GRPOTrainer
 from dataplane_rl.driver.preflight import open_run_store, preflight
+from dataplane_rl.driver.train_faults import train_rank_error
 
 __all__ = ["DynamicSamplingError", "GRPOTrainer", "NonFiniteError", "RolloutActorError", "RolloutWaitError", "StepProgress", "check_finite",
            "open_run_store", "preflight", "train"]
@@ -131,6 +133,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 trainer.rollouts_dir.mkdir(exist_ok=True)
             if cfg.logger.trace_max_events:  # the run's timeline, appended once a step (docs/trace.md)
                 timeline = trace.TraceFile(run.path / "trace.json", cfg.logger.trace_max_events, resume=start is not None)
+            trainer.recovery.record(run.path)  # actors.json: each rollout actor's node and PID
             print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
                                               if trainer.store_url else ""), file=sys.stderr, flush=True)
             # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
@@ -145,9 +148,16 @@ def train(cfg: Config, resume: bool = False) -> dict:
             last = cfg.grpo.max_num_steps
             bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1, every=cfg.logger.log_every_n_steps)
             done = first - 1  # the last step finished
+            saved_step = first - 1 if start is not None else None  # the latest checkpoint's step
             for step in range(first, last + 1):
-                with trace.span("step", step=step):
-                    metrics, samples = trainer.step(step)
+                try:
+                    with trace.span("step", step=step):
+                        metrics, samples = trainer.step(step)
+                except ray.exceptions.RayActorError as e:  # a rollout actor's death is recovered inside the step
+                    dead = train_rank_error(trainer, e, step, run.path, saved_step)
+                    if dead is None:
+                        raise
+                    raise dead from None
                 check_finite(metrics)
                 if validation.due(cfg.grpo, step):
                     metrics.update(validation.validate(trainer, step))
@@ -157,6 +167,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
                                                   or stop.requested):
                     ckpt.save(trainer, step, config_yaml)
+                    saved_step = step
                 if timeline is not None:  # after the checkpoint: a kill leaves its span in the file
                     timeline.write(trace.take())
                 done = step
@@ -196,6 +207,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 with deferred_sigint():
                     summary = run.finish(status, error, {"run_dir": str(run.path), "signal": stop.signum,
                                                          "nodes": trainer.nodes if trainer else {},
+                                                         "faults": trainer.recovery.faults if trainer else [],
                                                          "store_url": trainer.store_url if trainer else None,
                                                          "kept_store_url": trainer.kept_store_url if trainer else None})
                     if timeline is not None:  # the checkpoints' and the close's spans, the actors' last events

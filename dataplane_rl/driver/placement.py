@@ -124,6 +124,17 @@ def _pin_gloo_interface(_actor) -> str | None:
     return os.environ.get("GLOO_SOCKET_IFNAME")
 
 
+def _pid(_actor) -> int:
+    return os.getpid()
+
+
+def pids(actors: list) -> list[int]:
+    """The process id of each actor, in order."""
+    import ray
+
+    return ray.get([a.__ray_call__.remote(_pid) for a in actors])
+
+
 def node_ips(actors: list) -> list[str]:
     """The node IP each actor runs on, in order."""
     import ray

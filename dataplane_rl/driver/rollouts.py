@@ -10,7 +10,6 @@ trains. Each row records the version that generated it (`generation_policy_versi
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
@@ -28,20 +27,6 @@ class RolloutActorError(DataPlaneError, RuntimeError):
     """A rollout actor died; the rows it owed never arrive."""
 
 
-@contextlib.contextmanager
-def rollout_actors_alive(what: str):
-    """Turn a dead rollout actor (Ray's RayActorError, raised by any call to it) into a RolloutActorError
-    that says what the run was doing; an error raised inside a live actor passes unchanged."""
-    from ray.exceptions import RayActorError
-
-    try:
-        yield
-    except RayActorError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RolloutActorError(f"{what}: a rollout actor died ({first}); the run stops here, its folder keeps "
-                                "the steps completed; see the actor's log under /tmp/ray/session_latest/logs") from None
-
-
 class Rollouts:
     """Sends generation rounds to the rollout actors and takes them back whole, through the transport."""
 
@@ -51,6 +36,7 @@ class Rollouts:
         self.ahead = a.max_trajectory_age_steps if a.enabled else None  # None: sync, nothing sent ahead
         self.timeout = a.wait_timeout_s
         self.pending: dict[int, Pending] = {}  # step -> its round-0 batch, sent ahead (async)
+        self.open: dict[str, Pending] = {}  # every round sent and not yet collected, in send order (driver/recovery.py)
         self.fields = [c.name for c in trainer.schema.columns if c.writer == "rollout"]
 
     # -- sending ------------------------------------------------------------------------------------
@@ -61,7 +47,9 @@ class Rollouts:
         splits = np.array_split(np.arange(len(prompts)), len(t.rollout))
         jobs = [RolloutJob(pid, step, round_, int(s[0]) * G, (s + group_offset).tolist(), [prompts[i] for i in s],
                            validation=validation) for s in splits if s.size]
-        return Pending(pid, step, G, jobs, [a.generate.remote(j) for a, j in zip(t.rollout, jobs)])
+        p = self.open[pid] = Pending(pid, step, G, jobs, [a.generate.remote(j) for a, j in zip(t.rollout, jobs)],
+                                     t.version)
+        return p
 
     def send_round(self, step: int, round_: int) -> Pending:
         g = self.t.cfg.grpo
@@ -85,16 +73,24 @@ class Rollouts:
     @trace.traced("wait_for_rollouts")
     def collect(self, p: Pending, io=None) -> list[dict]:
         """Block until every row of the round is in the store (store.wait, in slices that check the actors
-        are alive), land it (data plane off) and return the receipts. A timeout names step and groups."""
+        are alive), land it (data plane off) and return the receipts. A timeout names step and groups; a
+        dead actor is replaced and its unfinished jobs run again (driver/recovery.py), within the budget."""
+        from ray.exceptions import RayActorError
+
         t0 = time.perf_counter()
         rows = [np.arange(j.row_start, j.row_start + len(j.prompts) * p.G) for j in p.jobs]
-        try:
-            with rollout_actors_alive(f"step {p.step}: waiting for partition {p.pid}"):
+        while True:
+            try:
                 receipts = self.t.transport.collect(p.pid, list(zip(rows, p.futures)), self.fields, self.timeout)
-        except StoreTimeoutError:
-            raise RolloutWaitError(self._missing(p)) from None
-        for i, r in enumerate(receipts):  # job i ran on rollout actor i (send)
+                break
+            except StoreTimeoutError:
+                raise RolloutWaitError(self._missing(p)) from None
+            except RayActorError as e:
+                self.t.recovery.survive(e, f"step {p.step}: waiting for partition {p.pid}")
+        self.open.pop(p.pid, None)
+        for i, r in enumerate(receipts):  # job i ran on rollout actor i (send), or on its replacement in slot i
             trace.absorb(r.pop("trace", None), f"rollout-{i}")
+        self.t.recovery.collected(receipts)
         if io is not None:
             for r in receipts:
                 io.add(r)
@@ -116,7 +112,7 @@ class Rollouts:
                 self.t.store.drop_partition(p.pid)
             except Exception:  # noqa: BLE001 - closing after a failure: the store or partition may be gone
                 pass
-        self.pending = {}
+        self.pending, self.open = {}, {}
 
 
 def fresh_groups(versions: np.ndarray, groups: np.ndarray, oldest: int) -> tuple[np.ndarray, int]:

@@ -11,7 +11,6 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,6 @@ import pyarrow as pa
 
 from dataplane_rl.algorithms.grpo import advantages, informative_groups
 from dataplane_rl.config import Config
-from dataplane_rl.errors import DataPlaneError
 from dataplane_rl import trace
 from dataplane_rl.rollout.multiturn import episode_metrics
 from dataplane_rl.rollout.worker import RolloutWorker
@@ -30,47 +28,14 @@ from dataplane_rl.driver import validation
 from dataplane_rl.columns.rowsets import RowSet, fetch, merge, rowset_size, save_parquet, select, shard_balanced, write
 from dataplane_rl.train.packing import balance_by_tokens, refuse_over_budget
 from dataplane_rl.run.reaper import deferred_sigint
+from dataplane_rl.driver.data_faults import DataFaults
+from dataplane_rl.driver.recovery import RolloutRecovery
 from dataplane_rl.driver.samples import source_rewards, train_data_rows
-from dataplane_rl.driver.rollouts import Rollouts, fresh_groups, rollout_actors_alive
+from dataplane_rl.driver.rollouts import Rollouts, fresh_groups
+from dataplane_rl.driver.step_io import DynamicSamplingError, Groups, StepIO
 from dataplane_rl.driver.transport import DriverTransport
 from dataplane_rl.train.worker import TrainWorker
 from dataplane_rl.driver.preflight import open_run_store, preflight, torch_threads
-
-
-class DynamicSamplingError(DataPlaneError):
-    """Dynamic sampling (or async GRPO's staleness bound) could not collect enough groups."""
-
-
-@dataclass
-class StepIO:
-    """Data-plane traffic of one step."""
-
-    bytes_written: int = 0
-    bytes_read: int = 0
-    put_s: float = 0.0
-    get_s: float = 0.0
-    driver_bytes_read: int = 0
-    timing: dict = field(default_factory=dict)
-
-    def add(self, receipt: dict) -> None:
-        self.bytes_written += int(receipt.get("bytes_written", 0))
-        self.bytes_read += int(receipt.get("bytes_read", 0))
-        self.put_s += float(receipt.get("put_s", 0.0))
-        self.get_s += float(receipt.get("get_s", 0.0))
-
-
-@dataclass
-class Groups:
-    """What collect_groups took for a step: whole groups, in order, and the per-sample scalars."""
-
-    rs: RowSet                 # the kept rows, by partition
-    scalars: pa.Table          # DRIVER_FIELDS of those rows, in row-set order
-    pids: list[str]            # every round partition of the step (dropped at its end)
-    rounds_rewards: list       # every generated reward, per round (train/reward)
-    rounds_sources: list       # every generated sample's data_source, all rounds in order (train/reward/<data_source>)
-    dropped_stale: int = 0     # rows older than the staleness bound
-    groups_generated: int = 0  # every group of every round
-    zero_advantage_groups: int = 0  # of those, the groups whose rewards are all equal
 
 
 class GRPOTrainer:
@@ -86,12 +51,15 @@ class GRPOTrainer:
         self.rollout: list = []
         self.workers: list = []
         self.rollouts = Rollouts(self)
+        self.recovery = RolloutRecovery(self)  # dead rollout actors replaced, the run's faults (driver/recovery.py)
+        self.data_faults = DataFaults(self, self.recovery.faults)  # failed groups left out (driver/data_faults.py)
         self.policy_ref = None  # the last refit's full state dict, in the object store
-        self.version = 0  # the policy's weight version: the last training step done (0: the initial weights)
-        self._refits: list = []  # async: rollout actors' load_weights calls not yet confirmed
+        self.version = self.in_step = 0  # the weights' version: the last training step done (0: the initial ones)
+        self._refits: list = []  # async: rollout actors' load_weights calls not yet confirmed, (slot, actor, future)
         self._last_step_end: float | None = None
         self._groups: list = []  # placement groups: rollout, train
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
+        self.train_pids: list[int] = []
         self._ray_started = False
         self.ray_lost = False  # Ray's processes were stopped under us: close() must not wait on them
         self._unprivate = None  # undoes private_ray.make_private once this run's Ray is shut down
@@ -141,15 +109,17 @@ class GRPOTrainer:
         rollout_gpus, train_gpus = placement.gpu_plan(cfg)
         self._groups = [placement.placement_group("rollout", N, rollout_gpus, cfg, ray_nodes),
                         placement.placement_group("train", D, train_gpus, cfg, ray_nodes)]
-        Rollout, Train = ray.remote(RolloutWorker), ray.remote(TrainWorker)
-        self.rollout = [Rollout.options(**placement.options(self._groups[0], i, rollout_gpus)).remote(
-            cfg_dict, self.model_folder, self.store_url, gen_threads) for i in range(N)]
+        self.recovery.spec = (cfg_dict, gen_threads, rollout_gpus)
+        self.rollout = [self.recovery.spawn(i) for i in range(N)]
+        Train = ray.remote(TrainWorker)
         self.workers = [Train.options(**placement.options(self._groups[1], r, train_gpus)).remote(
             cfg_dict, self.model_folder, self.store_url, r, D, train_threads) for r in range(D)]
         self.nodes = {"rollout": placement.node_ips(self.rollout), "train": placement.node_ips(self.workers)}
+        self.train_pids = placement.pids(self.workers)  # a dead rank's output is found by its PID (driver/train_faults.py)
         placement.pin_gloo_interfaces(self.workers)
         init_method = ray.get(self.workers[0].address.remote())  # rank 0's node IP
-        ray.get([w.init_dist.remote(init_method) for w in self.workers] + [a.ready.remote() for a in self.rollout])
+        self.recovery.pids = ray.get([w.init_dist.remote(init_method) for w in self.workers]
+                                     + [a.ready.remote() for a in self.rollout])[D:]
 
     @trace.traced("close")
     def close(self) -> None:
@@ -203,11 +173,15 @@ class GRPOTrainer:
         refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
         ray.get(refs[1:])
         self.policy_ref = refs[0]
-        loads = [a.load_weights.remote(self.policy_ref, self.version) for a in self.rollout]
+        self.recovery.keep_weights(self.version, self.policy_ref)
         if not wait:
-            self._refits += loads
+            self._refits += [(i, a, a.load_weights.remote(self.policy_ref, self.version)) for i, a in enumerate(self.rollout)]
             return 0.0
-        return max(ray.get(loads))
+        n = len(self.rollout)
+        seconds = max(self.recovery.on_all(f"step {self.version}: refit", "load_weights", [self.policy_ref] * n,
+                                           [self.version] * n))
+        self._refits = []  # every engine holds these weights now, a replacement's included
+        return seconds
 
     def rollout_round(self, pid: str, step: int, round_: int, prompts: list[str], G: int, io: StepIO | None = None,
                       group_offset: int = 0, validation: bool = False) -> list[dict]:
@@ -217,6 +191,7 @@ class GRPOTrainer:
     # -- one step, in phases ------------------------------------------------------------------------
     def step(self, step: int) -> tuple[dict, list[dict]]:
         io = StepIO()
+        self.in_step = step  # the step under way, for the faults a recovery records
         t_step = time.perf_counter()
         got = self.collect_groups(step, io)
         rewards = self.advantages_and_masks(got, io)
@@ -243,18 +218,20 @@ class GRPOTrainer:
         P = g.num_prompts_per_step
         oldest = step - 1 - (self.rollouts.ahead or 0)
         kept: list = []  # (pid, rows of one whole group)
-        scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS, read once
+        scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS on its written rows, read once
+        written: dict[str, np.ndarray] = {}  # per round partition: those rows (not a failed group's)
         rounds_rewards, rounds_sources, dropped = [], [], 0
-        generated = flat = 0
+        generated = flat = round_ = 0
         rounds = g.max_gen_batches if g.use_dynamic_sampling or self.rollouts.ahead else 1
-        for round_ in range(rounds):
+        while round_ < rounds:
             p = self.rollouts.first_round(step) if round_ == 0 else self.rollouts.send_round(step, round_)
             receipts = self.rollouts.collect(p, io)
             io.timing["generate"] = io.timing.get("generate", 0.0) + max(r["generate_s"] for r in receipts)
-            t0 = time.perf_counter()
-            sc = scalars[p.pid] = self.store.get(p.pid, self.schema.field_set("DRIVER_FIELDS"))
-            io.get_s += time.perf_counter() - t0
-            io.driver_bytes_read += sc.nbytes
+            sc, rows = self.data_faults.read_round(step, p, receipts, self.schema.field_set("DRIVER_FIELDS"), io)
+            scalars[p.pid], written[p.pid] = sc, rows
+            if len(rows) < p.G * sum(len(j.prompts) for j in p.jobs):  # failed groups: one more round may replace them
+                rounds = max(rounds, min(round_ + 2, g.max_gen_batches))
+            round_ += 1
             rewards = to_numpy(sc.column("total_reward")).astype(np.float64)
             groups = to_numpy(sc.column("group_id"))
             rounds_rewards.append(rewards)
@@ -268,7 +245,7 @@ class GRPOTrainer:
                 keep = np.intersect1d(keep, informative_groups(rewards, groups))
             for gid in keep:
                 if len(kept) < P:
-                    kept.append((p.pid, np.flatnonzero(groups == gid)))
+                    kept.append((p.pid, rows[groups == gid]))
             if len(kept) >= P:
                 break
         if len(kept) < P:
@@ -279,7 +256,7 @@ class GRPOTrainer:
                 f"rounds (grpo.max_gen_batches={g.max_gen_batches}); raise grpo.max_gen_batches, lower "
                 "grpo.num_prompts_per_step, or turn grpo.use_dynamic_sampling off")
         rs = merge([[k] for k in kept])  # the kept rows, whole groups in order, by partition
-        sc = pa.concat_tables([scalars[pid].take(pa.array(rows)) for pid, rows in rs])
+        sc = pa.concat_tables([scalars[pid].take(pa.array(np.searchsorted(written[pid], rows))) for pid, rows in rs])
         return Groups(rs, sc, list(scalars), rounds_rewards, rounds_sources, dropped, generated, flat)
 
     @trace.traced("advantages")
@@ -341,17 +318,13 @@ class GRPOTrainer:
     def refit_phase(self, io: StepIO) -> None:
         """Sync: the rollout actors load the new weights before the next step. Async: they load them after
         the batches in flight, and the steps those weights may generate are sent at once."""
-        import ray
-
         t0 = time.perf_counter()
         if self.rollouts.ahead is None:
             io.timing["refit_engine"] = self.refit()
         else:
-            with rollout_actors_alive(f"step {self.version}: refit"):
-                self.refit(wait=False)
-                done, self._refits = ray.wait(self._refits, num_returns=len(self._refits), timeout=0)
-                io.timing["refit_engine"] = max(ray.get(done), default=0.0)  # earlier refits: errors surface here
-                self.rollouts.send_ahead(self.version)
+            self.refit(wait=False)  # earlier refits' errors surface here; a dead actor is replaced
+            io.timing["refit_engine"] = self.recovery.settle_refits(f"step {self.version}: refit")
+            self.rollouts.send_ahead(self.version)
         io.timing["refit"] = time.perf_counter() - t0
 
     @trace.traced("train_data")
@@ -399,6 +372,7 @@ class GRPOTrainer:
         m["async/staleness_mean"] = float(staleness.mean())
         m["async/staleness_max"] = int(staleness.max())
         m["async/dropped_stale"] = got.dropped_stale
+        m.update(self.recovery.counters(), **self.data_faults.counters())
         m["data_plane/enabled"] = bool(self.store_url)
         m["data_plane/bytes_written"] = io.bytes_written
         m["data_plane/bytes_read"] = io.bytes_read

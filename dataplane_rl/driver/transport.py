@@ -63,7 +63,9 @@ class DriverTransport:
                     break
                 except StoreTimeoutError:
                     done, _ = ray.wait(futures, num_returns=len(futures), timeout=0)
-                    ray.get(done)  # raises the error of a job that failed
+                    # raises the error of a job that failed; a job's failed groups are never written
+                    failed = [r for _, receipt in ray.get(done) for r in receipt.get("failed_rows", ())]
+                    rows = np.setdiff1d(rows, failed) if failed else rows
                     if time.monotonic() >= deadline:
                         raise
         else:
@@ -72,9 +74,10 @@ class DriverTransport:
                 raise StoreTimeoutError(f"partition {pid}: {len(missing)} of {len(futures)} rollout jobs not done "
                                         f"after {timeout:g} s")
         results = ray.get(futures)
-        for (rows, _), (table, _) in zip(jobs, results):
+        for (rows, _), (table, receipt) in zip(jobs, results):
             if table is not None:
-                write(self.store, [(pid, rows)], table)
+                failed = receipt.get("failed_rows")  # a failed group's rows: never written (rollout/retries.py)
+                write(self.store, [(pid, np.setdiff1d(rows, failed) if failed else rows)], table)
         return [receipt for _, receipt in results]
 
 

@@ -41,9 +41,11 @@ def validate(trainer, step: int) -> dict:
         chunk = prompts[start:start + g.val_batch_size]
         pid = f"val-{step:06d}-{start // g.val_batch_size}"
         # group ids are the prompts' global indices: distinct sample seeds when val_temperature > 0
-        trainer.rollout_round(pid, step, 0, chunk, G=1, group_offset=start, validation=True)
+        receipts = trainer.rollout_round(pid, step, 0, chunk, G=1, group_offset=start, validation=True)
+        # a prompt whose reward failed on every try has no row (rollout/retries.py): scored on the others
+        failed = [r for receipt in receipts for r in receipt.get("failed_rows", ())]
         try:
-            table = trainer.store.get(pid, ["total_reward"])
+            table = trainer.store.get(pid, ["total_reward"], np.setdiff1d(np.arange(len(chunk)), failed) if failed else None)
             rewards.append(to_numpy(table.column("total_reward")).astype(np.float64))
         finally:
             trainer.store.drop_partition(pid)

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from dataplane_rl.errors import DataPlaneError
 from dataplane_rl.rollout.generation import Generation
+from dataplane_rl.rollout.retries import DataFailure, Retries
 from dataplane_rl.store import list_array_of_rows
 from dataplane_rl.tasks import row_columns
 
@@ -67,6 +68,7 @@ class Episode:
     observations: list[list[int]] = field(default_factory=list)   # each turn's appended observation tokens
     end: str | None = None
     reward: float = 0.0
+    failure: object = None  # a DataFailure of the environment: the episode ends, its group fails (rollout/retries.py)
 
     def __post_init__(self) -> None:
         self.mask = [0] * len(self.ids)
@@ -84,8 +86,9 @@ class Env:
     """The task's environment, called with the error handling a bad one needs: every failure names task, turn
     and row (and partition), in one line."""
 
-    def __init__(self, task, tokenizer, pid: str) -> None:
+    def __init__(self, task, tokenizer, pid: str, retries: Retries | None = None) -> None:
         self.task, self.tokenizer, self.pid = task, tokenizer, pid
+        self.retries = retries if retries is not None else Retries(0)
         self.unk = getattr(tokenizer, "unk_token_id", None)
         self.eos = tokenizer.eos_token_id
 
@@ -95,10 +98,8 @@ class Env:
                             "this rollout job was stored")
 
     def step(self, ep: Episode, k: int):
-        try:
-            res = self.task.step(ep.prompt, list(ep.actions))
-        except Exception as e:  # noqa: BLE001 - any failure of user code becomes the one-line error
-            raise self.fail(ep, k, f"the environment raised {type(e).__name__}: {e}") from None
+        # an exception is retried (the call is pure: the same actions each time), then DataFailure fails the group
+        res = self.retries.call("environment", self.task.step, ep.prompt, list(ep.actions))
         obs, done, reward = (getattr(res, a, None) for a in ("observation", "done", "reward"))
         if not isinstance(obs, str):
             raise self.fail(ep, k, f"the environment returned observation {obs!r} ({type(obs).__name__}); it must be "
@@ -147,7 +148,12 @@ def run_episodes(engine, env: Env, episodes: list[Episode], *, max_turns: int, m
             e.outputs.append(list(tokens))
             e.add(list(tokens), lps, k)
             e.actions.append(env.tokenizer.decode(tokens, skip_special_tokens=True))
-            obs, done, e.reward = env.step(e, k)
+            try:
+                obs, done, e.reward = env.step(e, k)
+            except DataFailure as f:  # its group fails: the job drops the group's rows
+                e.failure, e.end = f, "error"
+                e.observations.append([])
+                continue
             obs_ids = env.encode(e, k, obs)
             # cut by the length limit: more tokens than room, or exactly room < max_new_tokens without an eos
             cut = cut or (len(tokens) == room < max_new_tokens and not (tokens and tokens[-1] == env.eos))
@@ -212,11 +218,11 @@ def episode_columns(episodes: list[Episode], group_ids: list[int], prompt_len: l
 
 
 def multi_turn_table(worker, job, prompt_ids: list[list[int]], seeds: list[int], G: int, temperature: float,
-                     top_k: int, top_p: float) -> pa.Table:
+                     top_k: int, top_p: float, retries: Retries | None = None) -> pa.Table:
     """A rollout job of a multi-turn task on `worker` (a RolloutWorker): G episodes per prompt, as columns."""
     cfg = worker.cfg
     check_config(cfg, worker.task)
-    env = Env(worker.task, worker.tokenizer, job.pid)
+    env = Env(worker.task, worker.tokenizer, job.pid, retries)
     episodes = [Episode(prompt, job.row_start + p_i * G + s, seeds[p_i * G + s], list(prompt_ids[p_i]))
                 for p_i, prompt in enumerate(job.prompts) for s in range(G)]
     run_episodes(worker.engine, env, episodes, max_turns=cfg.multi_turn.max_turns,
@@ -225,8 +231,16 @@ def multi_turn_table(worker, job, prompt_ids: list[list[int]], seeds: list[int],
     plen = [len(p) for p in prompt_ids for _ in range(G)]
     if getattr(worker.task, "user_reward", None) is not None:  # task.reward_function scores the ended episode
         for e, p in zip(episodes, plen):
-            e.reward = worker.task.reward(e.prompt, response_text(worker.tokenizer, e, p))
+            if e.failure is None:  # retried like the environment's calls; a reward that keeps failing fails the group
+                try:
+                    e.reward = env.retries.call("reward", worker.task.reward, e.prompt,
+                                                response_text(worker.tokenizer, e, p))
+                except DataFailure as f:
+                    e.failure = f
     groups = [gid for gid in job.group_ids for _ in range(G)]
+    for e, gid in zip(episodes, groups):
+        if e.failure is not None:
+            env.retries.fail(gid, e.failure)
     table = episode_columns(episodes, groups, plen, worker.tokenizer, worker.version, env)
     for name, col in row_columns(worker.task, job.prompts, G).items():
         table = table.append_column(name, col)

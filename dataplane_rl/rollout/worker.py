@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from dataplane_rl import trace
 from dataplane_rl.rollout.generation import Generation
+from dataplane_rl.rollout.retries import DataFailure, Retries
 from dataplane_rl.store import list_array
 from dataplane_rl.tasks import row_columns
 from dataplane_rl.tasks.multiturn import is_multi_turn
@@ -27,6 +28,7 @@ class RolloutJob:
     group_ids: list[int]       # one per prompt (the prompt's index in the round)
     prompts: list[str]
     validation: bool = False   # held-out prompts: 1 sample each at generation.val_temperature
+    retry: bool = False        # sent again after an actor died: write only the cells not yet committed
 
 
 @dataclass
@@ -36,11 +38,13 @@ class Pending:
     pid: str
     step: int
     G: int
-    jobs: list[RolloutJob]
+    jobs: list[RolloutJob]     # job i runs on rollout actor i
     futures: list
+    version: int = 0           # the weights the jobs were sent after (driver/recovery.py sends them again with these)
 
 
-def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, version: int) -> pa.Table:
+def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, version: int,
+                    retries: Retries | None = None) -> pa.Table:
     """The rollout writer's columns for a job, in row order (prompt-major, then sample). Token columns are
     built flat (one values array and the row lengths per column, no numpy array per row): a put of per-row
     arrays cost ~25 µs per column per put more (research/anchors-turn4-store.md §0)."""
@@ -56,7 +60,14 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, 
             glp += g.logprobs
             plens.append(len(p))
             lengths.append(len(p) + len(g.tokens))
-            rewards.append(task.reward(prompt, response))
+            if retries is None:
+                rewards.append(task.reward(prompt, response))
+            else:
+                try:
+                    rewards.append(retries.call("reward", task.reward, prompt, response))
+                except DataFailure as f:
+                    retries.fail(gid, f)
+                    rewards.append(0.0)  # never stored: the caller drops the failed group's rows
             groups.append(gid)
             trunc.append(g.truncated)
             ptext.append(prompt)
@@ -183,17 +194,22 @@ class RolloutWorker:
         seeds = [sample_seed(seed, job.step, -1 if job.validation else job.round, gid, s)
                  for gid in job.group_ids for s in range(G)]
         rooms = response_rooms(prompt_ids, gen.max_new_tokens, self.cfg.policy.max_total_sequence_length)
+        retries = Retries(self.cfg.fault_tolerance.max_data_retries)
         if is_multi_turn(self.task):
             from dataplane_rl.rollout.multiturn import multi_turn_table
 
-            table = multi_turn_table(self, job, prompt_ids, seeds, G, temperature, top_k, top_p)
+            table = multi_turn_table(self, job, prompt_ids, seeds, G, temperature, top_k, top_p, retries)
         else:
             gens = self.engine.generate(flat, seeds, max(rooms), temperature, top_k, top_p)
             gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
-            table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G, self.version)
-        receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": self.version}
+            table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G, self.version, retries)
+        table, rows, failures = retries.drop_failed(table, np.arange(job.row_start, job.row_start + table.num_rows))
+        receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": self.version, **failures}
         trace.complete("generate", t0, step=job.step, round=job.round, rows=table.num_rows, validation=job.validation)
-        table = self.io.emit([(job.pid, np.arange(job.row_start, job.row_start + table.num_rows))], table)
+        if job.retry:
+            table, receipt["rows_regenerated"] = self.io.emit_missing(job.pid, rows, table)
+        else:
+            table = self.io.emit([(job.pid, rows)], table)
         receipt.update(self.io.take(), trace=trace.take())
         return table, receipt
 

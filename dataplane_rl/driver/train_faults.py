@@ -1,0 +1,69 @@
+"""A dead train rank (DESIGN §14): one line naming the rank, its node and what resumes the run; its last output kept.
+
+The run does not rebuild its train group in place (docs/faults.md says what is left out): a rank that dies stops
+the run with TrainRankError, whose line names the rank, its PID and node, and either the checkpoint that
+`dataplane-rl train --resume RUN_DIR` continues from or the key that would have saved the steps done. The
+rank's last lines of output (Ray's worker log files on this node) are copied to RUN_DIR/faults/.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+from dataplane_rl.errors import DataPlaneError
+
+TAIL_LINES = 60
+
+
+class TrainRankError(DataPlaneError, RuntimeError):
+    """A train rank died; the run stops with the steps it completed (and its checkpoints)."""
+
+
+def dead_rank(trainer, e: BaseException) -> int | None:
+    """The rank whose actor the RayActorError `e` is about, or None (not a train rank's)."""
+    aid = getattr(e, "actor_id", None)
+    for rank, w in enumerate(trainer.workers):
+        if aid and w._actor_id.hex() == aid:
+            return rank
+    return None
+
+
+def last_output(pid: int | None, lines: int = TAIL_LINES) -> str:
+    """The last lines of the worker process `pid`'s stdout and stderr files in this node's Ray session logs."""
+    import ray
+
+    node = getattr(getattr(ray, "_private").worker, "_global_node", None)
+    if pid is None or node is None:
+        return ""
+    out = []
+    for path in sorted(glob.glob(os.path.join(node.get_logs_dir_path(), f"worker-*-{pid}.*"))):
+        if path.endswith((".out", ".err")):
+            with open(path, errors="replace") as f:
+                tail = f.readlines()[-lines:]
+            out.append(f"==> {path} (last {len(tail)} lines) <==\n{''.join(tail)}")
+    return "\n".join(out)
+
+
+def train_rank_error(trainer, e: BaseException, step: int, run_dir: Path, last_checkpoint: int | None):
+    """TrainRankError for a RayActorError from a train worker (its output saved), or None for another actor's."""
+    rank = dead_rank(trainer, e)
+    if rank is None:
+        return None
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    pid = trainer.train_pids[rank] if rank < len(trainer.train_pids) else None
+    node = trainer.nodes.get("train", [None] * (rank + 1))[rank]
+    path = Path(run_dir) / "faults" / f"train-rank-{rank}.log"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(last_output(pid) or f"no output of pid {pid} found in this node's Ray logs\n")
+    if not trainer.cfg.checkpointing.enabled:
+        then = ("checkpointing.enabled=true would have saved the steps done (every checkpointing.save_period steps), "
+                "for `dataplane-rl train --resume RUN_DIR` to continue from")
+    elif last_checkpoint:
+        then = f"`dataplane-rl train --resume {run_dir}` continues from its checkpoint of step {last_checkpoint}"
+    else:
+        then = f"no checkpoint was saved yet (checkpointing.save_period={trainer.cfg.checkpointing.save_period})"
+    return TrainRankError(f"step {step}: train rank {rank} (pid {pid} on {node}) died ({first}); the run stops here; "
+                          f"its last output is in {path}; {then}")

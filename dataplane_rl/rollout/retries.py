@@ -1,0 +1,60 @@
+"""Data failures in a rollout job (DESIGN §14): a reward or environment call retried, then its whole group failed.
+
+A task's reward function or environment is user code; an exception from it is retried up to
+`fault_tolerance.max_data_retries` times (the calls are pure: the same prompt and response, or actions, each
+time). One that still fails fails its whole group: the job writes none of the group's rows (never an empty or
+zero-reward row) and its receipt names the group, the reason and the exception; the driver leaves the group out
+(driver/data_faults.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+REASONS = ("reward", "environment")
+
+
+class DataFailure(Exception):
+    """A reward or environment call that failed on every try; its group fails."""
+
+    def __init__(self, reason: str, error: str) -> None:
+        super().__init__(f"{reason}: {error}")
+        self.reason, self.error = reason, error
+
+
+def describe(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class Retries:
+    """One job's data failures: calls retried (by reason) and the groups that failed."""
+
+    def __init__(self, retries: int) -> None:
+        self.retries = retries
+        self.counts = dict.fromkeys(REASONS, 0)
+        self.failed: dict[int, tuple[str, str]] = {}  # group id -> (reason, exception)
+
+    def call(self, reason: str, fn, *args):
+        """fn(*args), tried 1 + retries times; DataFailure when every try raised."""
+        for attempt in range(self.retries + 1):
+            try:
+                return fn(*args)
+            except Exception as e:  # noqa: BLE001 - any exception of user code is a data failure, named below
+                if attempt == self.retries:
+                    raise DataFailure(reason, describe(e)) from None
+                self.counts[reason] += 1
+
+    def fail(self, group: int, f: DataFailure) -> None:
+        self.failed.setdefault(int(group), (f.reason, f.error))
+
+    def drop_failed(self, table: pa.Table, rows: np.ndarray) -> tuple[pa.Table, np.ndarray, dict]:
+        """The table and rows without the failed groups' rows, and what the receipt says of them."""
+        out = {"data_retries": self.counts} if any(self.counts.values()) else {}
+        if not self.failed:
+            return table, rows, out
+        keep = ~np.isin(table.column("group_id").to_numpy(), list(self.failed))  # [B]
+        out["failed_groups"] = [[g, reason, error] for g, (reason, error) in self.failed.items()]
+        out["failed_rows"] = rows[~keep].tolist()
+        return table.filter(pa.array(keep)), rows[keep], out
