@@ -161,3 +161,24 @@ def test_watchdog_kills_the_group_of_a_sigkilled_session_leader_only(own_session
             proc.kill()
         if child is not None and child.is_running():
             child.kill()
+
+
+def test_the_run_reaps_what_it_started_and_leaves_what_was_there_before():
+    """owns_descendants (the train command's process is the run) reaps the descendants it started, and leaves
+    alone those that were already there: a program calling the CLI's main() in-process keeps its own children
+    (its Ray: reaping that took pytest's session Ray down, and Ray's core worker then ended pytest with exit 1)."""
+    import subprocess
+    import sys
+
+    from dataplane_rl.run.reaper import owns_descendants
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    before = subprocess.Popen(sleep)
+    try:
+        with owns_descendants():
+            during = subprocess.Popen(sleep)
+        assert during.wait(timeout=30) is not None  # reaped on the way out (terminated, then waited for)
+        assert before.poll() is None, "a process the run did not start was reaped"
+    finally:
+        before.kill()
+        before.wait(timeout=30)

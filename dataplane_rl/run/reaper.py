@@ -34,13 +34,28 @@ def _become_subreaper() -> bool:
         return False
 
 
-def reap_descendants(grace_s: float = 5.0) -> list[int]:
-    """Terminate every live descendant of this process (kill those that do not exit in `grace_s`) and
-    reap them; returns their PIDs."""
+def _descendants() -> list:
     import psutil
 
-    me = psutil.Process()
-    procs = me.children(recursive=True)
+    return psutil.Process().children(recursive=True)
+
+
+def _key(p) -> tuple[int, float] | None:
+    """A process by (PID, start time): a PID reused by a newer process is another process."""
+    import psutil
+
+    try:
+        return p.pid, p.create_time()
+    except psutil.Error:
+        return None
+
+
+def reap_descendants(grace_s: float = 5.0, keep: frozenset = frozenset()) -> list[int]:
+    """Terminate every live descendant of this process but those in `keep` ((PID, start time) pairs) (kill
+    those that do not exit in `grace_s`) and reap them; returns their PIDs."""
+    import psutil
+
+    procs = [p for p in _descendants() if _key(p) not in keep]
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.terminate()
@@ -79,14 +94,18 @@ def start_watchdog() -> bool:
 @contextlib.contextmanager
 def owns_descendants() -> Iterator[None]:
     """For a process that is the run (the CLI): on the way out, however it leaves, reap what it started.
-    A Ctrl-C during the reaping itself is held back until it is done."""
+    Processes that were already its descendants on the way in are not the run's and stay (a program that
+    calls the CLI's main() in-process, with a Ray or a Mooncake store of its own: reaping them would take its
+    Ray down, and with it, at Ray's core worker's exit, the program). A Ctrl-C during the reaping itself is
+    held back until it is done."""
+    before = frozenset(k for k in map(_key, _descendants()) if k is not None)
     _become_subreaper()
     start_watchdog()
     try:
         yield
     finally:
         with deferred_sigint():
-            reap_descendants()
+            reap_descendants(keep=before)
 
 
 @contextlib.contextmanager
