@@ -16,7 +16,7 @@ from dataplane_rl.algorithms.loss import METRIC_NAMES, ClippedPGLoss, LossConfig
 from dataplane_rl.config import load_config
 from dataplane_rl.errors import ConfigError, MissingColumnError
 from dataplane_rl.train.counts import local_counts, reduce_metrics
-from test_loss import TinyPolicy, close, loop_loss, make_batch, one, run_sharded
+from test_loss import TinyPolicy, assert_same_step, close, loop_loss, make_batch, one, run_sharded
 
 L = math.log
 IS = dict(use_importance_sampling_correction=True, reference_policy_kl_penalty=0.0)
@@ -209,13 +209,7 @@ def test_microbatch_and_rank_invariance(reference, name, n_ranks, n_micro):
     assert 1 < ref["mean_seq_mult_prob_error"] < ref["max_seq_mult_prob_error"]
     assert (ref["num_masked_seqs"] > 0) == (threshold is not None)
     assert (ref["is_masked_seqs"] > 0) == (cfg.truncated_importance_sampling_type == "seq-mask-tis")
-    loss, metrics, grads = run_sharded(policy, batch, cfg, n_ranks, n_micro, threshold)
-    close(loss, ref_loss)
-    assert metrics.keys() == ref.keys()
-    for k in ref:
-        close(metrics[k], ref[k])
-    for g, r in zip(grads, ref_grads):
-        close(g, r)
+    assert_same_step(run_sharded(policy, batch, cfg, n_ranks, n_micro, threshold), (ref_loss, ref, ref_grads))
 
 
 def test_max_metric_is_max_reduced_not_summed():
