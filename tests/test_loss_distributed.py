@@ -66,10 +66,23 @@ def worker(rank: int, rendezvous: str, out: str, case: str) -> None:
         dist.destroy_process_group()
 
 
+def spawn_ranks(tmp_path, out: str, case: str) -> None:
+    """The two ranks, once more if one was aborted by SIGABRT: gloo itself aborts a rank now and then on this
+    2-core machine with the suite's other half beside it (1 in 3 CI runs; not understood yet, see the round's
+    notes). A second abort fails the test, and the numbers are checked in full after whichever run finished."""
+    for attempt in range(2):
+        try:
+            mp.spawn(worker, args=(str(tmp_path / f"rendezvous-{attempt}"), out, case), nprocs=WORLD, join=True)
+            return
+        except mp.ProcessExitedException as e:
+            if attempt or "SIGABRT" not in str(e):
+                raise
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_gloo_ranks_match_full_batch(tmp_path, case):
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), out, case), nprocs=WORLD, join=True)
+    spawn_ranks(tmp_path, out, case)
     got = torch.load(out, weights_only=False)
 
     make, threshold, teacher = CASES[case]
