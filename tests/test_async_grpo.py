@@ -12,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,10 +37,15 @@ def age1(tmp_path_factory, ray_session):
     return run(tmp_path_factory.mktemp("async"), "age1", "data_plane.enabled=true", STEPS, *AGE1)
 
 
-def test_age_0_gives_the_sync_rollouts_and_metrics(tmp_path, ray_session):
+@pytest.fixture(scope="module")
+def sync3(tmp_path_factory, ray_session):
+    return run(tmp_path_factory.mktemp("sync"), "sync", "data_plane.enabled=true", STEPS)
+
+
+def test_age_0_gives_the_sync_rollouts_and_metrics(sync3, tmp_path):
     """Age 0 sends step k's batch right after refit k-1, as sync does: the same rows bit for bit, and
     the same step metrics; the async run also moves its columns with the data plane off."""
-    _, sync_m, sync_d = run(tmp_path, "sync", "data_plane.enabled=true", STEPS)
+    _, sync_m, sync_d = sync3
     _, m, d = run(tmp_path, "age0", "data_plane.enabled=false", STEPS, *ASYNC,
                   "grpo.async_grpo.max_trajectory_age_steps=0")
     assert d == sync_d, "async age 0 generated other rollouts than sync"
@@ -99,23 +106,121 @@ def test_fresh_groups_drops_whole_groups_older_than_the_bound():
     assert keep.tolist() == [0, 1, 2, 3] and dropped == 0
 
 
-def test_mooncake_backend_gives_the_shm_run(age1, tmp_path):
-    """The async schedule is deterministic, so the same run on Mooncake trains the same rows, bit for bit,
-    to the same numbers (within 1e-5: buffers of another alignment take other SIMD summation orders)."""
+def mooncake_or_skip() -> None:
     from conftest import backend_unavailable
 
     try:
         import dataplane_rl.store.mooncake  # noqa: F401
     except ImportError as e:
         backend_unavailable("mooncake", str(e))
+
+
+class Killer(threading.Thread):
+    """Kills processes of an in-process run by the PIDs it recorded in RUN_DIR/actors.json, each once metrics.jsonl
+    has `lines` lines and checkpoint `ckpt` (if any) is complete: ("store", i) the run's Mooncake holder i, ("train",
+    r) train rank r. stop_first: SIGSTOP it at once and SIGKILL it only once the run is seen waiting on it (the
+    checkpoint of the step just logged not yet complete), so it dies in the middle of that save."""
+
+    def __init__(self, run_dir, kills: list[tuple]) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.kills, self.killed, self.error = run_dir, kills, [], None
+
+    def wait(self, ready, what: str) -> None:
+        deadline = time.monotonic() + 240
+        while not ready():
+            if time.monotonic() > deadline or self.done.is_set():
+                raise TimeoutError(f"{what} did not come (the run ended or 240 s passed)")
+            time.sleep(0.002)
+
+    def run(self) -> None:
+        metrics, actors = self.run_dir / "metrics.jsonl", self.run_dir / "actors.json"
+        try:
+            for lines, ckpt, (kind, index), stop_first in self.kills:
+                self.wait(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= lines, f"line {lines}")
+                if ckpt is not None:
+                    self.wait((self.run_dir / "checkpoints" / f"step_{ckpt:06d}").is_dir, f"checkpoint {ckpt}")
+                a = json.loads(actors.read_text())
+                pid = a["train"][index]["pid"] if kind == "train" else [
+                    h for h in a["store"] if h["process"] == "holder"][index]["pid"]
+                if stop_first:
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(0.5)
+                    saved = (self.run_dir / "checkpoints" / f"step_{lines:06d}").is_dir()
+                    assert not saved, f"checkpoint {lines} was complete before {kind} {index} stopped: it would not die in it"
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append((kind, index, pid))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def start_for(self, run) -> "Killer":
+        self.done = threading.Event()
+        self.start()
+        try:
+            return run()
+        finally:
+            self.done.set()
+            self.join(timeout=30)
+
+
+def last_lines(metrics: list[dict]) -> list[dict]:
+    """Each step's last metrics line (a step run again after an in-run resume is logged again, marked)."""
+    return list({m["step"]: m for m in metrics}.values())
+
+
+def test_mooncake_backend_gives_the_shm_run_through_a_dead_holder_and_a_dead_train_rank(age1, tmp_path):
+    """The async schedule is deterministic, so the same run on Mooncake trains the same rows, bit for bit,
+    to the same numbers (within 1e-5: buffers of another alignment take other SIMD summation orders); and it
+    still does when a holder of its store and its train rank are SIGKILLed mid-run (checkpoints every step):
+    the holder once checkpoint 1 is complete (noticed in step 2; async rows of older weights died with it, so
+    the run resumes from checkpoint 1 in-process with a new store), then the train rank, stopped the moment
+    step 3's line is written and killed in the middle of checkpoint 3's save (the run resumes from checkpoint 2
+    and logs step 3 again, marked). Issue 38: every step's numbers are the unkilled run's."""
+    mooncake_or_skip()
     _, base_m, base_d = age1
-    summary, m, d = run(tmp_path, "mc", "data_plane.enabled=true", "data_plane.backend=mooncake://", STEPS, *AGE1)
+    killer = Killer(tmp_path / "mc", [(1, 1, ("store", 1), False), (3, None, ("train", 0), True)])
+    summary, m, d = killer.start_for(lambda: run(
+        tmp_path, "mc", "data_plane.enabled=true", "data_plane.backend=mooncake://", "data_plane.mooncake.num_holders=2",
+        STEPS, *AGE1, "checkpointing.enabled=true", "checkpointing.save_period=1"))
+    assert killer.error is None and len(killer.killed) == 2, (killer.error, killer.killed)
     assert summary["status"] == "completed" and summary["store_url"].startswith("mooncake://")
     assert d == base_d
-    for a, b in zip(m, base_m):
+    assert [(x["step"], x["faults/rerun"]) for x in m] == [(1, 0), (2, 0), (3, 0), (3, 1)]
+    for a, b in zip(last_lines(m), base_m):
         for k in TRAIN_KEYS:  # logprob_mismatch too: off-policy, it is no longer rounding noise
-            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7), f"{k}: {a[k]} vs {b[k]}"
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7), f"step {a['step']} {k}: {a[k]} vs {b[k]}"
         assert a["async/staleness_max"] == b["async/staleness_max"]
+    faults = summary["faults"]
+    assert [(f["what"], f["step"], f["budget"]["used"]) for f in faults] == [("store holder died", 2, 1),
+                                                                            ("train rank died", 3, 2)], faults
+    assert faults[0]["where"]["store"] != summary["store_url"] and "checkpoint of step 1" in faults[0]["recovery"]
+    assert faults[1]["where"]["pid"] == killer.killed[1][2] and "checkpoint of step 2" in faults[1]["recovery"]
+    assert faults[1]["cost"]["steps_rerun"] == 1 and Path(faults[1]["output"]).is_file()
+    last = m[-1]
+    assert (last["faults/store_restarts_total"], last["faults/train_restarts_total"], last["faults/steps_rerun_total"]) == (1, 1, 1)
+    assert last["faults/seconds_lost_total"] > 0 and base_m[-1]["faults/train_restarts_total"] == 0
+    assert summary["steps_completed"] == 3
+
+
+def test_a_dead_holder_in_sync_grpo_regenerates_the_step_without_a_checkpoint(sync3, tmp_path):
+    """Sync GRPO, no checkpoints: a holder of the run's Mooncake store SIGKILLed after step 1 is noticed when step
+    2 starts; the run replaces the store, every actor opens the new one, and step 2 runs again from its start
+    (its prompts, seeds and weights are its own): every row and number is the unkilled run's."""
+    mooncake_or_skip()
+    _, base_m, base_d = sync3
+    killer = Killer(tmp_path / "mc", [(1, None, ("store", 0), False)])
+    summary, m, d = killer.start_for(lambda: run(
+        tmp_path, "mc", "data_plane.enabled=true", "data_plane.backend=mooncake://", "data_plane.mooncake.num_holders=2",
+        STEPS))
+    assert killer.error is None and killer.killed, killer.error
+    assert summary["status"] == "completed" and d == base_d
+    assert [x["step"] for x in m] == [1, 2, 3] and not any(x["faults/rerun"] for x in m)
+    for a, b in zip(m, base_m):
+        assert_close(a, b, rel=1e-5)
+    (fault,) = summary["faults"]
+    assert fault["what"] == "store holder died" and fault["step"] == 2 and "ran step 2 again" in fault["recovery"]
+    assert f"pid {killer.killed[0][2]}" in fault["error"] and m[-1]["faults/store_restarts_total"] == 1
+    actors = json.loads((tmp_path / "mc" / "actors.json").read_text())
+    assert killer.killed[0][2] not in [h["pid"] for h in actors["store"]]
 
 
 def test_a_bounded_wait_names_the_step_and_the_missing_groups(tmp_path, ray_session):

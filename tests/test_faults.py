@@ -233,4 +233,74 @@ def test_a_dead_train_rank_is_named_with_its_node_and_the_key_that_would_have_sa
     killer.join(timeout=60)
     assert killed and f"pid {killed[0]} " in json.loads((run_dir / "summary.json").read_text())["error"]
     log = (run_dir / "faults" / "train-rank-0.log").read_text()
-    assert log.startswith("==> ") and f"-{killed[0]}.err" in log, log[:500]
+    assert log.startswith(f"train rank 0, pid {killed[0]}\n==> ") and f"-{killed[0]}.err" in log, log[:500]
+
+
+def test_calls_to_several_ranks_fail_at_the_first_that_fails_not_in_list_order(ray_session):
+    """ray_calls.get_all: the second call's error is raised while the first is still running (ray.get(list) would wait
+    for the first: a train rank waiting in a collective for a dead one, until gloo's 10-minute timeout)."""
+    import ray
+
+    from dataplane_rl.ray_calls import get_all
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def run(self, fail: bool, seconds: float):
+            import time
+
+            if fail:
+                raise ValueError("rank failed")
+            time.sleep(seconds)
+            return seconds
+
+    slow, failing = Rank.remote(), Rank.remote()
+    try:
+        calls = [slow.run.remote(False, 120), failing.run.remote(True, 0)]
+        with pytest.raises(ray.exceptions.RayTaskError, match="rank failed"):
+            get_all(calls)
+        assert ray.wait(calls[:1], timeout=0)[0] == [], "get_all waited for the slow call before raising"
+    finally:
+        for a in (slow, failing):
+            ray.kill(a)
+
+
+def test_a_restart_past_its_budget_or_without_a_checkpoint_ends_the_run_with_its_error(tmp_path):
+    """driver/restart.py's refusals (the decision alone; the recoveries themselves are tested with real kills in
+    test_async_grpo.py): a dead holder whose rows cannot be made again in the step needs a checkpoint, and
+    fault_tolerance.max_restarts=N stops the N+1-th restart with the error the first would have stopped with."""
+    from types import SimpleNamespace
+
+    from dataplane_rl.driver.restart import Fault, RunRestarts
+    from dataplane_rl.errors import StoreUnavailableError
+
+    def trainer(ahead, trained):
+        return SimpleNamespace(rollouts=SimpleNamespace(ahead=ahead), trained=trained)
+
+    holder = Fault("store holder died", {"store": "mooncake://127.0.0.1:1"}, "Mooncake holder 1 (pid 7) exited", None,
+                   "Mooncake holder 1 (pid 7) exited with code -9")
+    r = RunRestarts(load_config(None, ["checkpointing.enabled=false"]), tmp_path, None)
+    assert r.refusal(trainer(None, False), holder, 2, None) is None  # sync, before the optimizer steps: regenerated
+    for t in (trainer(1, False), trainer(None, True)):  # async rows, or the weights already stepped
+        err = r.refusal(t, holder, 2, None)
+        assert isinstance(err, StoreUnavailableError) and "step 2: Mooncake holder 1 (pid 7)" in str(err)
+        assert "checkpointing.enabled=true would have let the run resume" in str(err)
+    r = RunRestarts(load_config(None, ["checkpointing.enabled=true", "fault_tolerance.max_restarts=1"]), tmp_path, None)
+    assert r.refusal(trainer(1, False), holder, 3, 2) is None  # resumes from checkpoint 2
+    assert "no checkpoint was saved yet" in str(r.refusal(trainer(1, False), holder, 1, None))
+    r.store_restarts = 1
+    err = r.refusal(trainer(None, False), holder, 4, 2)
+    assert "fault_tolerance.max_restarts=1: the run restarted 1 time(s) already" in str(err)
+
+
+def test_a_step_logged_again_replaces_its_earlier_line_in_the_summary(tmp_path):
+    """The last line of a step counts: a step run again after an in-run resume (and the steps after it) replace the
+    lines before them in summary.json's steps and final metrics."""
+    from dataplane_rl.run.folder import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.begin("{}\n")
+    for step, reward in [(1, 0.1), (2, 0.2), (3, 0.3), (2, 0.25), (3, 0.35), (4, 0.4)]:
+        run.log_step({"step": step, "train/reward": reward, "train/loss": 0.0}, [])
+    assert [(m["step"], m["train/reward"]) for m in run.metrics] == [(1, 0.1), (2, 0.25), (3, 0.35), (4, 0.4)]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 6  # every line is kept
+    run.close()

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from dataplane_rl import trace
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.checkpoint.files import CheckpointError, damage, dcp_load, read_dcp_metadata, read_json, write_manifest
+from dataplane_rl.ray_calls import get_all
 from dataplane_rl.rng import RNGState
 
 _NAME = re.compile(r"^step_(\d{6,})$")
@@ -119,7 +120,7 @@ class CheckpointManager:
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".{final.name}.tmp"
         tmp.mkdir(mode=0o700)
-        ray.get([w.save_checkpoint.remote(str(tmp / "train")) for w in trainer.workers])
+        get_all([w.save_checkpoint.remote(str(tmp / "train")) for w in trainer.workers])  # a dead rank: at once
         driver = {"step": step, "rng": RNGState().state_dict(),
                   "rollout_rng": trainer.recovery.on_all(f"step {step}: checkpoint", "rng_state"),
                   "ahead": save_ahead(trainer, tmp)}
@@ -142,7 +143,7 @@ class CheckpointManager:
         from dataplane_rl.checkpoint.ahead import restore_ahead
 
         driver = driver if driver is not None else self.check(path)
-        ray.get([w.load_checkpoint.remote(str(path / "train")) for w in trainer.workers])
+        get_all([w.load_checkpoint.remote(str(path / "train")) for w in trainer.workers])
         RNGState().load_state_dict(driver["rng"])
         ray.get([a.set_rng_state.remote(s) for a, s in zip(trainer.rollout, driver["rollout_rng"])])
         restore_ahead(trainer, path, driver.get("ahead", []))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import signal
 import sys
+import time
 
 from dataplane_rl import trace
 from dataplane_rl.config import Config, dump_config
@@ -25,6 +26,7 @@ from dataplane_rl.driver.step_io import DynamicSamplingError
 from dataplane_rl.driver.trainer import GRPOTrainer
 from dataplane_rl.driver.preflight import open_run_store, preflight
 from dataplane_rl.driver.train_faults import train_rank_error
+from dataplane_rl.driver.restart import RunRestarts
 
 __all__ = ["DynamicSamplingError", "GRPOTrainer", "NonFiniteError", "RolloutActorError", "RolloutWaitError", "StepProgress", "check_finite",
            "open_run_store", "preflight", "train"]
@@ -52,6 +54,11 @@ class StepProgress:
             print(f"grpo step {self.done}/{self.total}: reward {metrics['train/reward']:.3f} loss "
                   f"{metrics['train/loss']:.4f} step_s {metrics['timing/step']:.1f}",
                   file=self.file or sys.stderr, flush=True)
+
+    def rewind(self, done: int) -> None:
+        """Back to `done` steps (an in-run resume from the checkpoint of step `done`: driver/restart.py)."""
+        self.done = self.bar.n = done
+        self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()
@@ -127,18 +134,24 @@ def train(cfg: Config, resume: bool = False) -> dict:
                       file=sys.stderr, flush=True)
             else:
                 run.begin(config_yaml)
-            run.record_store(trainer.store_url)
-            if cfg.logger.save_rollouts:
-                trainer.rollouts_dir = run.path / "rollouts"
-                trainer.rollouts_dir.mkdir(exist_ok=True)
             if cfg.logger.trace_max_events:  # the run's timeline, appended once a step (docs/trace.md)
                 timeline = trace.TraceFile(run.path / "trace.json", cfg.logger.trace_max_events, resume=start is not None)
-            trainer.recovery.record(run.path)  # actors.json: each rollout actor's node and PID
+
+            def attach(t) -> None:
+                """Wire a trainer to the run folder (again after an in-run resume: driver/restart.py)."""
+                run.record_store(t.store_url)
+                if cfg.logger.save_rollouts:
+                    t.rollouts_dir = run.path / "rollouts"
+                    t.rollouts_dir.mkdir(exist_ok=True)
+                t.recovery.record(run.path)  # actors.json: each rollout actor's node and PID
+                # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
+                # checkpoint (checkpoint/ahead.py), so this sends none of them again
+                t.rollouts.send_ahead(t.version)
+
+            attach(trainer)
+            restarts = RunRestarts(cfg, run.path, ckpt)
             print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
                                               if trainer.store_url else ""), file=sys.stderr, flush=True)
-            # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
-            # checkpoint (checkpoint/ahead.py), so this sends none of them again
-            trainer.rollouts.send_ahead(trainer.version)
             # after the start: a run refused before it touches nothing in the folder
             loggers = MetricLoggers(cfg.logger, run.path, cfg.model_dump(mode="json", by_alias=True))
             if cfg.grpo.val_at_start and first == 1:
@@ -149,30 +162,48 @@ def train(cfg: Config, resume: bool = False) -> dict:
             bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1, every=cfg.logger.log_every_n_steps)
             done = first - 1  # the last step finished
             saved_step = first - 1 if start is not None else None  # the latest checkpoint's step
-            for step in range(first, last + 1):
+            step = first
+            while step <= last:
+                step_started = time.perf_counter()
                 try:
                     with trace.span("step", step=step):
                         metrics, samples = trainer.step(step)
-                except ray.exceptions.RayActorError as e:  # a rollout actor's death is recovered inside the step
-                    dead = train_rank_error(trainer, e, step, run.path, saved_step)
-                    if dead is None:
-                        raise
-                    raise dead from None
-                check_finite(metrics)
-                if validation.due(cfg.grpo, step):
-                    metrics.update(validation.validate(trainer, step))
-                run.log_step(metrics, samples)
-                loggers.log(metrics, step)
-                bar.step_done(metrics)
-                if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
-                                                  or stop.requested):
-                    ckpt.save(trainer, step, config_yaml)
-                    saved_step = step
+                    check_finite(metrics)
+                    if validation.due(cfg.grpo, step):
+                        metrics.update(validation.validate(trainer, step))
+                    restarts.mark(metrics)
+                    run.log_step(metrics, samples)
+                    loggers.log(metrics, step)
+                    bar.step_done(metrics)
+                    if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
+                                                      or stop.requested):
+                        ckpt.save(trainer, step, config_yaml)
+                        saved_step, restarts.saved_at = step, time.perf_counter()
+                except Exception as e:  # noqa: BLE001 - a dead train rank or store holder is survived; others raise
+                    if isinstance(e, RayLost) or ray_lost(stop, trainer):
+                        raise  # Ray went with a signal to the whole group: nothing to ask it any more
+                    fault = restarts.classify(trainer, e)
+                    if fault is None:
+                        dead = train_rank_error(trainer, e, step, run.path, saved_step)  # a rank's death, told
+                        if dead is None:
+                            raise
+                        raise dead from None
+                    refused = restarts.refusal(trainer, fault, step, saved_step)
+                    if refused is not None:
+                        raise refused from None
+                    if fault.what == "store holder died" and restarts.can_regenerate(trainer):
+                        restarts.swap_store(trainer, fault, step, step_started)
+                        run.record_store(trainer.store_url)
+                    else:
+                        trainer, step = restarts.resume(trainer, fault, step, attach)
+                        bar.rewind(step - 1)
+                    continue
                 if timeline is not None:  # after the checkpoint: a kill leaves its span in the file
                     timeline.write(trace.take())
                 done = step
                 if stop.requested and step < last:
                     break
+                step += 1
             if stop.requested and done < last:
                 status, error = "interrupted", signal.Signals(stop.signum).name
             else:

@@ -52,7 +52,8 @@ class RolloutRecovery:
             cfg_dict, self.t.model_folder, self.t.store_url, threads)
 
     def record(self, run_dir: Path) -> None:
-        """Keep RUN_DIR/actors.json (each rollout actor's and train rank's PID and node) up to date from now on."""
+        """Keep RUN_DIR/actors.json (each rollout actor's and train rank's PID and node, and the processes of the
+        run's own Mooncake store) up to date from now on."""
         self.actors_file = Path(run_dir) / "actors.json"
         self._write()
 
@@ -64,7 +65,11 @@ class RolloutRecovery:
         tmp = self.actors_file.with_suffix(".json.tmp")
         train = [{"rank": r, "pid": pid, "node": ip} for r, (pid, ip) in enumerate(zip(self.t.train_pids,
                                                                                    self.t.nodes.get("train", [])))]
-        tmp.write_text(json.dumps({"rollout": rows, "train": train}, indent=2) + "\n")
+        cluster = getattr(self.t.store, "cluster", None)  # the run's own Mooncake store: its master and holders
+        store = [] if cluster is None or cluster.master is None else (
+            [{"process": "master", "pid": cluster.master.pid, "node": cluster.host}]
+            + [{"process": "holder", "index": h.index, "pid": h.pid, "node": cluster.host} for h in cluster.holders])
+        tmp.write_text(json.dumps({"rollout": rows, "train": train, "store": store}, indent=2) + "\n")
         tmp.replace(self.actors_file)
 
     def counters(self) -> dict:

@@ -1,9 +1,10 @@
 """A dead train rank (DESIGN §14): one line naming the rank, its node and what resumes the run; its last output kept.
 
-The run does not rebuild its train group in place (docs/faults.md says what is left out): a rank that dies stops
-the run with TrainRankError, whose line names the rank, its PID and node, and either the checkpoint that
-`dataplane-rl train --resume RUN_DIR` continues from or the key that would have saved the steps done. The
-rank's last lines of output (Ray's worker log files on this node) are copied to RUN_DIR/faults/.
+With checkpointing on, the run rebuilds its train group and resumes from its last checkpoint in-process
+(driver/restart.py). Without, or with fault_tolerance.max_restarts spent, a rank that dies stops the run with
+TrainRankError, whose line names the rank, its PID and node, and either the checkpoint that `dataplane-rl train
+--resume RUN_DIR` continues from or the key that would have saved the steps done. Either way the rank's last
+lines of output (Ray's worker log files on this node) are copied to RUN_DIR/faults/.
 """
 
 from __future__ import annotations
@@ -46,18 +47,31 @@ def last_output(pid: int | None, lines: int = TAIL_LINES) -> str:
     return "\n".join(out)
 
 
-def train_rank_error(trainer, e: BaseException, step: int, run_dir: Path, last_checkpoint: int | None):
-    """TrainRankError for a RayActorError from a train worker (its output saved), or None for another actor's."""
-    rank = dead_rank(trainer, e)
+def save_output(trainer, rank: int, run_dir: Path) -> Path:
+    """Copy train rank `rank`'s last output to RUN_DIR/faults/train-rank-N.log (a second death: .2.log, ...)."""
+    pid = trainer.train_pids[rank] if rank < len(trainer.train_pids) else None
+    folder = Path(run_dir) / "faults"
+    folder.mkdir(exist_ok=True)
+    path, n = folder / f"train-rank-{rank}.log", 1
+    while path.exists() and pid is not None and f"pid {pid}" not in path.read_text(errors="replace")[:2000]:
+        n += 1
+        path = folder / f"train-rank-{rank}.{n}.log"
+    path.write_text(f"train rank {rank}, pid {pid}\n" + (last_output(pid) or "no output of it found in this node's Ray logs\n"))
+    return path
+
+
+def train_rank_error(trainer, e: BaseException, step: int, run_dir: Path, last_checkpoint: int | None,
+                     rank: int | None = None):
+    """TrainRankError for a RayActorError from a train worker (its output saved), or None for another actor's.
+    rank: the dead rank when the error came from another (a survivor's, driver/restart.py found the dead one)."""
+    rank = dead_rank(trainer, e) if rank is None else rank
     if rank is None:
         return None
     text = str(e).strip()
     first = text.splitlines()[0] if text else type(e).__name__
     pid = trainer.train_pids[rank] if rank < len(trainer.train_pids) else None
     node = trainer.nodes.get("train", [None] * (rank + 1))[rank]
-    path = Path(run_dir) / "faults" / f"train-rank-{rank}.log"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(last_output(pid) or f"no output of pid {pid} found in this node's Ray logs\n")
+    path = save_output(trainer, rank, run_dir)
     if not trainer.cfg.checkpointing.enabled:
         then = ("checkpointing.enabled=true would have saved the steps done (every checkpointing.save_period steps), "
                 "for `dataplane-rl train --resume RUN_DIR` to continue from")

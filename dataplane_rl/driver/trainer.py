@@ -19,6 +19,7 @@ import pyarrow as pa
 from dataplane_rl.algorithms.grpo import advantages, informative_groups
 from dataplane_rl.config import Config
 from dataplane_rl import trace
+from dataplane_rl.ray_calls import get_all
 from dataplane_rl.rollout.multiturn import episode_metrics
 from dataplane_rl.rollout.worker import RolloutWorker
 from dataplane_rl.schema import load_schema
@@ -55,6 +56,7 @@ class GRPOTrainer:
         self.data_faults = DataFaults(self, self.recovery.faults)  # failed groups left out (driver/data_faults.py)
         self.policy_ref = None  # the last refit's full state dict, in the object store
         self.version = self.in_step = 0  # the weights' version: the last training step done (0: the initial ones)
+        self.trained = False  # the step under way has stepped the optimizer
         self._refits: list = []  # async: rollout actors' load_weights calls not yet confirmed, (slot, actor, future)
         self._last_step_end: float | None = None
         self._groups: list = []  # placement groups: rollout, train
@@ -122,14 +124,16 @@ class GRPOTrainer:
                                      + [a.ready.remote() for a in self.rollout])[D:]
 
     @trace.traced("close")
-    def close(self) -> None:
-        """Stop actors, the store and Ray, each even if an earlier one fails; a Ctrl-C meanwhile waits."""
+    def close(self, keep_ray: bool = False) -> None:
+        """Stop actors, the store and Ray, each even if an earlier one fails; a Ctrl-C meanwhile waits.
+        keep_ray: an in-run resume (driver/restart.py): every actor is killed without asking it to close (a
+        train rank may wait in a collective for a dead one), and Ray stays up for the trainer that follows."""
         import ray
 
         with deferred_sigint():
             try:
                 # a rollout actor with batches sent ahead would generate them all before close(): just kill it
-                polite = self.workers + ([] if self.rollouts.pending else self.rollout)
+                polite = [] if keep_ray else self.workers + ([] if self.rollouts.pending else self.rollout)
                 # with Ray gone, every call below would wait 30-60 s for a GCS that is not coming back
                 for actor, role in [] if self.ray_lost else zip(self.rollout + self.workers,
                                                                      trace.actor_roles(len(self.rollout), len(self.workers))):
@@ -150,19 +154,25 @@ class GRPOTrainer:
                         self.store.close()
                         self.store = None
                 finally:
-                    if self._ray_started and self.ray_lost:
-                        # ray.shutdown (and Ray's own atexit call of it) would block ~20-60 s in the core
-                        # worker's goodbye to a dead raylet; the CLI's reaper stops what is left of Ray
-                        import atexit
+                    if not keep_ray:  # else the next trainer takes over _ray_started and _unprivate (driver/restart.py)
+                        self._stop_ray()
 
-                        atexit.unregister(ray.shutdown)
-                        self._ray_started = False
-                    elif self._ray_started:
-                        ray.shutdown()
-                        self._ray_started = False
-                    if self._unprivate is not None:
-                        self._unprivate()
-                        self._unprivate = None
+    def _stop_ray(self) -> None:
+        import ray
+
+        if self._ray_started and self.ray_lost:
+            # ray.shutdown (and Ray's own atexit call of it) would block ~20-60 s in the core
+            # worker's goodbye to a dead raylet; the CLI's reaper stops what is left of Ray
+            import atexit
+
+            atexit.unregister(ray.shutdown)
+            self._ray_started = False
+        elif self._ray_started:
+            ray.shutdown()
+            self._ray_started = False
+        if self._unprivate is not None:
+            self._unprivate()
+            self._unprivate = None
 
     def refit(self, wait: bool = True) -> float:
         """Hand the policy's weights (version `self.version`) to the rollout actors, gathered once (rank 0's
@@ -171,7 +181,7 @@ class GRPOTrainer:
         import ray
 
         refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
-        ray.get(refs[1:])
+        get_all(refs[1:])  # a dead rank is seen at once, not after the others' collective times out
         self.policy_ref = refs[0]
         self.recovery.keep_weights(self.version, self.policy_ref)
         if not wait:
@@ -192,12 +202,14 @@ class GRPOTrainer:
     def step(self, step: int) -> tuple[dict, list[dict]]:
         io = StepIO()
         self.in_step = step  # the step under way, for the faults a recovery records
+        self.trained = False  # until the optimizer steps: a lost store can still be regenerated (driver/restart.py)
         t_step = time.perf_counter()
         got = self.collect_groups(step, io)
         rewards = self.advantages_and_masks(got, io)
         per_rank_steps = self.shard(got)
         self.logprobs(per_rank_steps, io)
         train = self.train(per_rank_steps, io)
+        self.trained = True
         self.version = step
         self.refit_phase(io)
         samples = self.train_data(got.rs, io)

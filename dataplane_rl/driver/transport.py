@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.errors import StoreTimeoutError
+from dataplane_rl.ray_calls import get_all
 from dataplane_rl.columns.rowsets import fetch, write
 
 # store.wait slices: between two, the driver checks that the rollout jobs it waits for have not failed
@@ -35,10 +36,10 @@ class DriverTransport:
         import ray
 
         if self.url:
-            return ray.get([getattr(w, method).remote(j) for w, j in zip(workers, jobs)])
+            return get_all([getattr(w, method).remote(j) for w, j in zip(workers, jobs)])
         tables = [[fetch(self.store, rs, fields) for rs in j] if _is_steps(j) else fetch(self.store, j, fields)
                   for j in jobs]
-        outs = ray.get([getattr(w, method).remote(j, t) for w, j, t in zip(workers, jobs, tables)])
+        outs = get_all([getattr(w, method).remote(j, t) for w, j, t in zip(workers, jobs, tables)])
         for j, out in zip(jobs, outs):
             if isinstance(out, pa.Table):
                 write(self.store, j, out)

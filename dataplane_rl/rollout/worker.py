@@ -213,6 +213,13 @@ class RolloutWorker:
         receipt.update(self.io.take(), trace=trace.take())
         return table, receipt
 
+    def reopen_store(self, url: str | None) -> None:
+        """Open the run's store again at `url` (the driver replaced a store that lost a holder: driver/restart.py).
+        The old client is dropped without close(): its master may be gone, and the client's close would wait on it."""
+        from dataplane_rl.columns.actor_io import ActorIO
+
+        self.io = ActorIO(url)
+
     def close(self) -> list[dict]:
         """Close the store client; returns the trace events not yet taken."""
         self.io.close()

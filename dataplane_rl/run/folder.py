@@ -106,6 +106,14 @@ class _Steps:
         self.last: dict | None = None
 
     def add(self, m: dict) -> None:
+        """A step's line; a step logged again (run again after an in-run resume: driver/restart.py) replaces its
+        earlier line and those of the steps after it: the last line of a step is the one that counts."""
+        steps = self.cols["step"]
+        keep = len(steps)
+        while keep and steps[keep - 1] >= m["step"]:
+            keep -= 1
+        for col in self.cols.values():
+            del col[keep:]
         for k, col in self.cols.items():
             v = m.get(k)
             col.append(float(v) if isinstance(v, (int, float)) else math.nan)

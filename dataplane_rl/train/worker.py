@@ -146,8 +146,8 @@ class TrainWorker:
         from dataplane_rl.model.logprobs import microbatch_logprobs
 
         seed_fields = self.schema.field_set("LOGPROB_SEED_FIELDS")
-        table = self.io.fetch(rs, seed_fields, table)
-        batch = build_train_batch(table, self.schema, self.device)
+        batch = self._read_together(lambda: build_train_batch(self.io.fetch(rs, seed_fields, table), self.schema,
+                                                               self.device))
         lengths = batch["input_lengths"].cpu().numpy()
         models = {"prev_logprobs": self.model}
         if self.ref is not None:
@@ -189,6 +189,31 @@ class TrainWorker:
                                  self.schema.column(name).token_type)  # [L_i, k] per row
                 for name, rows in (("teacher_topk_logprobs", vals), ("teacher_topk_ids", ids))}
 
+    def _read_together(self, read):
+        """`read()` (this rank's rows from the store), then one all-reduce telling every rank whether all of them
+        read theirs, before any collective of the pass: a rank whose read failed (a lost Mooncake holder) raises
+        its error, and the others raise too instead of waiting in a collective for it until gloo's timeout."""
+        from dataplane_rl.errors import DataPlaneError, StoreUnavailableError
+
+        out, err = None, None
+        try:
+            out = read()
+        except DataPlaneError as e:
+            err = e
+        if dist.is_initialized() and self.world > 1:
+            ok = int(_all_reduce(torch.tensor([0 if err else 1], dtype=torch.int64), dist.ReduceOp.MIN))
+            if err is None and not ok:
+                raise StoreUnavailableError(f"train rank {self.rank}: another rank could not read its rows of this "
+                                            "step (its error is the one the driver reports)")
+        if err is not None:
+            raise err
+        return out
+
+    def reopen_store(self, url: str | None) -> None:
+        """Open the run's store again at `url` (the driver replaced a store that lost a holder: driver/restart.py).
+        The old client is dropped without close(): its master may be gone, and the client's close would wait on it."""
+        self.io = ActorIO(url)
+
     def _even_passes(self, mine: int) -> int:
         """How many empty passes this rank adds so every rank runs as many forwards (and backwards) as the
         busiest: FSDP2's all-gathers and reduce-scatters are collectives, a rank short of passes would hang."""
@@ -214,8 +239,11 @@ class TrainWorker:
 
         p = self.cfg.policy
         self.model.train()
-        batches = [build_train_batch(self.io.fetch(rs, self.train_fields, tables[i] if tables is not None else None),
-                                     self.schema, self.device) for i, rs in enumerate(steps)]
+        def read() -> list[dict]:
+            return [build_train_batch(self.io.fetch(rs, self.train_fields, tables[i] if tables is not None else None),
+                                      self.schema, self.device) for i, rs in enumerate(steps)]
+
+        batches = self._read_together(read)
         history = []
         plans = [plan_microbatches(b, p, "train") for b in batches]
         extras = [self._even_passes(len(mbs)) for mbs in plans]
