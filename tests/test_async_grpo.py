@@ -6,6 +6,7 @@ step k starts from version k-1 and, with age a, may train rows of versions >= k-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -116,14 +117,18 @@ def mooncake_or_skip() -> None:
 
 
 class Killer(threading.Thread):
-    """Kills processes of an in-process run by the PIDs it recorded in RUN_DIR/actors.json, each once metrics.jsonl
-    has `lines` lines and checkpoint `ckpt` (if any) is complete: ("store", i) the run's Mooncake holder i, ("train",
-    r) train rank r. stop_first: SIGSTOP it at once and SIGKILL it only once the run is seen waiting on it (the
-    checkpoint of the step just logged not yet complete), so it dies in the middle of that save."""
+    """Signals processes of an in-process run by the PIDs it recorded in RUN_DIR/actors.json, following `script`:
+    ("actors",) waits for actors.json, ("line", n) for metrics.jsonl's n-th line, ("checkpoint", n) for checkpoint n
+    to be complete; ("stop" | "kill" | "cont", kind, i) sends SIGSTOP, SIGKILL or SIGCONT to rollout actor i,
+    train rank i or the store's holder i (kind "rollout", "train", "store"); ("sleep", s) waits s seconds. Every
+    wait is bounded and ends when the run does."""
 
-    def __init__(self, run_dir, kills: list[tuple]) -> None:
+    SIGNALS = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL, "cont": signal.SIGCONT}
+
+    def __init__(self, run_dir, script: list[tuple]) -> None:
         super().__init__(daemon=True)
-        self.run_dir, self.kills, self.killed, self.error = run_dir, kills, [], None
+        self.run_dir, self.script, self.killed, self.error = run_dir, script, [], None
+        self.done = threading.Event()
 
     def wait(self, ready, what: str) -> None:
         deadline = time.monotonic() + 240
@@ -132,28 +137,39 @@ class Killer(threading.Thread):
                 raise TimeoutError(f"{what} did not come (the run ended or 240 s passed)")
             time.sleep(0.002)
 
+    def pid(self, kind: str, index: int) -> int:
+        a = json.loads((self.run_dir / "actors.json").read_text())
+        if kind == "store":
+            return [h for h in a["store"] if h["process"] == "holder"][index]["pid"]
+        return a[kind][index]["pid"]
+
     def run(self) -> None:
-        metrics, actors = self.run_dir / "metrics.jsonl", self.run_dir / "actors.json"
+        metrics = self.run_dir / "metrics.jsonl"
+        stopped: set[int] = set()
         try:
-            for lines, ckpt, (kind, index), stop_first in self.kills:
-                self.wait(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= lines, f"line {lines}")
-                if ckpt is not None:
-                    self.wait((self.run_dir / "checkpoints" / f"step_{ckpt:06d}").is_dir, f"checkpoint {ckpt}")
-                a = json.loads(actors.read_text())
-                pid = a["train"][index]["pid"] if kind == "train" else [
-                    h for h in a["store"] if h["process"] == "holder"][index]["pid"]
-                if stop_first:
-                    os.kill(pid, signal.SIGSTOP)
-                    time.sleep(0.5)
-                    saved = (self.run_dir / "checkpoints" / f"step_{lines:06d}").is_dir()
-                    assert not saved, f"checkpoint {lines} was complete before {kind} {index} stopped: it would not die in it"
-                os.kill(pid, signal.SIGKILL)
-                self.killed.append((kind, index, pid))
+            for what, *args in self.script:
+                if what == "actors":
+                    self.wait((self.run_dir / "actors.json").is_file, "actors.json")
+                elif what == "line":
+                    self.wait(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= args[0], f"line {args[0]}")
+                elif what == "checkpoint":
+                    self.wait((self.run_dir / "checkpoints" / f"step_{args[0]:06d}").is_dir, f"checkpoint {args[0]}")
+                elif what == "sleep":
+                    time.sleep(args[0])
+                else:
+                    pid = self.pid(*args)
+                    os.kill(pid, self.SIGNALS[what])
+                    if what == "kill":
+                        self.killed.append((*args, pid))
+                    stopped = (stopped | {pid}) if what == "stop" else (stopped - {pid})
         except BaseException as e:  # noqa: BLE001 - reported by the test
             self.error = e
+        finally:
+            for pid in stopped:  # never leave a process of the run stopped (the run would wait for it)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
-    def start_for(self, run) -> "Killer":
-        self.done = threading.Event()
+    def start_for(self, run):
         self.start()
         try:
             return run()
@@ -177,7 +193,9 @@ def test_mooncake_backend_gives_the_shm_run_through_a_dead_holder_and_a_dead_tra
     and logs step 3 again, marked). Issue 38: every step's numbers are the unkilled run's."""
     mooncake_or_skip()
     _, base_m, base_d = age1
-    killer = Killer(tmp_path / "mc", [(1, 1, ("store", 1), False), (3, None, ("train", 0), True)])
+    # the train rank is stopped the moment step 3's line is written, so it dies in the middle of checkpoint 3's save
+    killer = Killer(tmp_path / "mc", [("checkpoint", 1), ("kill", "store", 1), ("line", 3), ("stop", "train", 0),
+                                      ("sleep", 0.5), ("kill", "train", 0)])
     summary, m, d = killer.start_for(lambda: run(
         tmp_path, "mc", "data_plane.enabled=true", "data_plane.backend=mooncake://", "data_plane.mooncake.num_holders=2",
         STEPS, *AGE1, "checkpointing.enabled=true", "checkpointing.save_period=1"))
@@ -202,12 +220,15 @@ def test_mooncake_backend_gives_the_shm_run_through_a_dead_holder_and_a_dead_tra
 
 
 def test_a_dead_holder_in_sync_grpo_regenerates_the_step_without_a_checkpoint(sync3, tmp_path):
-    """Sync GRPO, no checkpoints: a holder of the run's Mooncake store SIGKILLed after step 1 is noticed when step
-    2 starts; the run replaces the store, every actor opens the new one, and step 2 runs again from its start
-    (its prompts, seeds and weights are its own): every row and number is the unkilled run's."""
+    """Sync GRPO, no checkpoints: a holder of the run's Mooncake store SIGKILLed while step 1 waits for its rows (the
+    rollout actor held with SIGSTOP meanwhile); the run replaces the store, every actor opens the new one, and step 1
+    runs again from its start (its prompts, seeds and weights are its own): every row and number is the unkilled
+    run's."""
     mooncake_or_skip()
     _, base_m, base_d = sync3
-    killer = Killer(tmp_path / "mc", [(1, None, ("store", 0), False)])
+    # the rollout actor is stopped before step 1's job can run: the holder dies while the step waits for its rows
+    killer = Killer(tmp_path / "mc", [("actors",), ("stop", "rollout", 0), ("kill", "store", 0), ("sleep", 0.5),
+                                      ("cont", "rollout", 0)])
     summary, m, d = killer.start_for(lambda: run(
         tmp_path, "mc", "data_plane.enabled=true", "data_plane.backend=mooncake://", "data_plane.mooncake.num_holders=2",
         STEPS))
@@ -217,7 +238,7 @@ def test_a_dead_holder_in_sync_grpo_regenerates_the_step_without_a_checkpoint(sy
     for a, b in zip(m, base_m):
         assert_close(a, b, rel=1e-5)
     (fault,) = summary["faults"]
-    assert fault["what"] == "store holder died" and fault["step"] == 2 and "ran step 2 again" in fault["recovery"]
+    assert fault["what"] == "store holder died" and fault["step"] == 1 and "ran step 1 again" in fault["recovery"]
     assert f"pid {killer.killed[0][2]}" in fault["error"] and m[-1]["faults/store_restarts_total"] == 1
     actors = json.loads((tmp_path / "mc" / "actors.json").read_text())
     assert killer.killed[0][2] not in [h["pid"] for h in actors["store"]]

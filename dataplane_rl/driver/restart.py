@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from dataplane_rl.driver.train_faults import dead_rank, save_output, train_rank_error
 from dataplane_rl.errors import StoreUnavailableError
 
+DEATH_SHOWS_S = 5.0  # a store error's holder: how long its exit may take to show (SIGKILLed under load: ms)
 PROBE_S = 3.0  # how long a train rank may take to answer "are you alive" (a busy one is alive: only death answers fast)
 
 
@@ -61,6 +62,30 @@ def probe_dead_rank(trainer) -> int | None:
     return None
 
 
+def store_error(e: BaseException | None) -> bool:
+    """Whether `e`, or an error it carries (a Ray task's cause, a __cause__), is the store's."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, StoreUnavailableError):
+            return True
+        e, seen = getattr(e, "cause", None) or e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def dead_store(trainer, e: BaseException) -> list[str]:
+    """The dead processes of the run's own Mooncake store (empty: none, or a store the run joined). A read or write
+    can fail on a holder's closed connection a moment before the holder's exit shows: after a store error the
+    processes are polled for up to DEATH_SHOWS_S more."""
+    cluster = getattr(trainer.store, "cluster", None)
+    if cluster is None:
+        return []
+    dead, deadline = cluster.dead(), time.monotonic() + DEATH_SHOWS_S
+    while not dead and store_error(e) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        dead = cluster.dead()
+    return dead
+
+
 class RunRestarts:
     """The run's record of in-run restarts: classify a step's failure, swap the store or resume; the counters."""
 
@@ -91,8 +116,7 @@ class RunRestarts:
         """A dead process this module recovers from, or None (the error is not one: it ends the run as before)."""
         import ray
 
-        cluster = getattr(trainer.store, "cluster", None)
-        dead = cluster.dead() if cluster is not None else []
+        dead = dead_store(trainer, e)
         if dead:
             return Fault("store holder died", {"store": trainer.store_url}, first_line(dead[0]).split("; last lines")[0], e,
                          "\n".join(dead))
