@@ -304,3 +304,59 @@ def test_a_step_logged_again_replaces_its_earlier_line_in_the_summary(tmp_path):
     assert [(m["step"], m["train/reward"]) for m in run.metrics] == [(1, 0.1), (2, 0.25), (3, 0.35), (4, 0.4)]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 6  # every line is kept
     run.close()
+
+
+def _reading_rank(rank: int, rendezvous: str, out: str) -> None:
+    """One of two gloo ranks reading with TrainWorker._read_together: rank 1's read fails first, then both read."""
+    import json
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from dataplane_rl.bench.train import synthetic_table
+    from dataplane_rl.errors import StoreUnavailableError
+    from dataplane_rl.schema import load_schema
+    from dataplane_rl.train.batch import build_train_batch
+    from dataplane_rl.train.worker import TrainWorker
+    from test_loss_distributed import leave
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    try:
+        me = SimpleNamespace(cfg=load_config(None, ["policy.train_micro_batch_size=2"]), world=2, rank=rank)
+        schema = load_schema("grpo")
+        rows = 2 if rank == 0 else 6  # rank 1 has 3 microbatches of 2, rank 0 one: rank 0 adds 2 empty passes
+
+        def read(fail: bool):
+            if fail:
+                raise StoreUnavailableError("partition step-000001: a Mooncake holder is unreachable")
+            return [build_train_batch(synthetic_table(np.full(rows, 12), vocab=50, seed=rank), schema, "cpu")]
+
+        seen = []
+        for fail in (rank == 1, False):
+            try:
+                batches, plans, extras = TrainWorker._read_together(me, lambda: read(fail), "train", 1)
+                seen.append({"microbatches": [len(p) for p in plans], "extras": extras})
+            except StoreUnavailableError as e:
+                seen.append({"error": str(e)})
+        with open(f"{out}-{rank}.json", "w") as f:
+            json.dump(seen, f)
+    finally:
+        dist.destroy_process_group()
+    leave()  # not through the interpreter's exit, whose C++ destructors abort a gloo rank now and then
+
+
+def test_train_ranks_agree_on_their_reads_before_any_collective(tmp_path):
+    """A rank whose read of the step's rows fails (a lost holder) tells the others in the all-reduce that evens their
+    passes, the one they make anyway: both ranks raise at once, none waits in a collective for the other until
+    gloo's timeout, and the next read on both goes on (the pass counts are still evened)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "rank")
+    mp.spawn(_reading_rank, args=(str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
+    zero, one = (json.loads(open(f"{out}-{r}.json").read()) for r in (0, 1))
+    assert zero[0] == {"error": "train rank 0: another rank could not read its rows of this step (its error is the one "
+                                "the driver reports)"}
+    assert one[0] == {"error": "partition step-000001: a Mooncake holder is unreachable"}
+    assert zero[1] == {"microbatches": [1], "extras": [2]} and one[1] == {"microbatches": [3], "extras": [0]}

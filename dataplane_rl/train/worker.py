@@ -146,8 +146,8 @@ class TrainWorker:
         from dataplane_rl.model.logprobs import microbatch_logprobs
 
         seed_fields = self.schema.field_set("LOGPROB_SEED_FIELDS")
-        batch = self._read_together(lambda: build_train_batch(self.io.fetch(rs, seed_fields, table), self.schema,
-                                                               self.device))
+        (batch,), (mbs,), (extra,) = self._read_together(
+            lambda: [build_train_batch(self.io.fetch(rs, seed_fields, table), self.schema, self.device)], "logprob", 1)
         lengths = batch["input_lengths"].cpu().numpy()
         models = {"prev_logprobs": self.model}
         if self.ref is not None:
@@ -155,8 +155,6 @@ class TrainWorker:
         out = {}
         temp = self.cfg.generation.temperature
         self.model.eval()
-        mbs = plan_microbatches(batch, self.cfg.policy, "logprob")
-        extra = self._even_passes(len(mbs))
         for name, model in models.items():
             rows: list = [None] * len(lengths)
             for mb in mbs:
@@ -189,37 +187,37 @@ class TrainWorker:
                                  self.schema.column(name).token_type)  # [L_i, k] per row
                 for name, rows in (("teacher_topk_logprobs", vals), ("teacher_topk_ids", ids))}
 
-    def _read_together(self, read):
-        """`read()` (this rank's rows from the store), then one all-reduce telling every rank whether all of them
-        read theirs, before any collective of the pass: a rank whose read failed (a lost Mooncake holder) raises
-        its error, and the others raise too instead of waiting in a collective for it until gloo's timeout."""
+    def _read_together(self, read, kind: str, n: int) -> tuple[list[dict], list[list], list[int]]:
+        """`read()` (this rank's n batches from the store), their microbatches and, per batch, the empty passes
+        that even this rank's passes with the busiest rank's (FSDP2's all-gathers and reduce-scatters are
+        collectives: a rank short of passes would hang). The pass counts' all-reduce also carries whether every
+        rank read its rows, before any collective of the pass: when one rank's read fails (a lost Mooncake
+        holder), every rank raises instead of waiting for it in a collective until gloo's timeout. One
+        all-reduce, the one the pass counts needed anyway."""
         from dataplane_rl.errors import DataPlaneError, StoreUnavailableError
 
-        out, err = None, None
+        batches, plans, err = [], [], None
         try:
-            out = read()
+            batches = read()
+            plans = [plan_microbatches(b, self.cfg.policy, kind) for b in batches]
         except DataPlaneError as e:
             err = e
+        mine = [len(mbs) for mbs in plans] if err is None else [0] * n
+        extras = [0] * n
         if dist.is_initialized() and self.world > 1:
-            ok = int(_all_reduce(torch.tensor([0 if err else 1], dtype=torch.int64), dist.ReduceOp.MIN))
-            if err is None and not ok:
+            most = _all_reduce(torch.tensor([int(err is not None), *mine], dtype=torch.int64), dist.ReduceOp.MAX)
+            if err is None and most[0]:
                 raise StoreUnavailableError(f"train rank {self.rank}: another rank could not read its rows of this "
                                             "step (its error is the one the driver reports)")
+            extras = [int(m) - k for m, k in zip(most[1:].tolist(), mine)]
         if err is not None:
             raise err
-        return out
+        return batches, plans, extras
 
     def reopen_store(self, url: str | None) -> None:
         """Open the run's store again at `url` (the driver replaced a store that lost a holder: driver/restart.py).
         The old client is dropped without close(): its master may be gone, and the client's close would wait on it."""
         self.io = ActorIO(url)
-
-    def _even_passes(self, mine: int) -> int:
-        """How many empty passes this rank adds so every rank runs as many forwards (and backwards) as the
-        busiest: FSDP2's all-gathers and reduce-scatters are collectives, a rank short of passes would hang."""
-        if not (dist.is_initialized() and self.world > 1):
-            return 0
-        return int(_all_reduce(torch.tensor([mine], dtype=torch.int64), dist.ReduceOp.MAX)) - mine
 
     def _empty_pass(self, model, backward: bool) -> None:
         """A one-token forward (and backward) that contributes nothing: zero gradient, no metrics."""
@@ -239,14 +237,13 @@ class TrainWorker:
 
         p = self.cfg.policy
         self.model.train()
+
         def read() -> list[dict]:
             return [build_train_batch(self.io.fetch(rs, self.train_fields, tables[i] if tables is not None else None),
                                       self.schema, self.device) for i, rs in enumerate(steps)]
 
-        batches = self._read_together(read)
+        batches, plans, extras = self._read_together(read, "train", len(steps))
         history = []
-        plans = [plan_microbatches(b, p, "train") for b in batches]
-        extras = [self._even_passes(len(mbs)) for mbs in plans]
         used = torch.zeros(2, dtype=torch.float64)  # [valid token slots, all token slots] of the train passes
         # [sum |gen - prev|, count, sum exp|gen - prev|] over valid tokens
         mismatch = torch.zeros(3, dtype=torch.float64)
