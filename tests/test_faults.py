@@ -280,6 +280,7 @@ def test_a_restart_past_its_budget_or_without_a_checkpoint_ends_the_run_with_its
                    "Mooncake holder 1 (pid 7) exited with code -9")
     r = RunRestarts(load_config(None, ["checkpointing.enabled=false"]), tmp_path, None)
     assert r.refusal(trainer(None, False), holder, 2, None) is None  # sync, before the optimizer steps: regenerated
+    assert r.refusal(trainer(None, True), holder, 2, None, step_trained=True) is None  # the step returned: goes on
     for t in (trainer(1, False), trainer(None, True)):  # async rows, or the weights already stepped
         err = r.refusal(t, holder, 2, None)
         assert isinstance(err, StoreUnavailableError) and "step 2: Mooncake holder 1 (pid 7)" in str(err)

@@ -163,18 +163,24 @@ def train(cfg: Config, resume: bool = False) -> dict:
             done = first - 1  # the last step finished
             saved_step = first - 1 if start is not None else None  # the latest checkpoint's step
             step = first
+            trained = None  # the step under way once trainer.step returned: [metrics, samples, logged]
             while step <= last:
                 step_started = time.perf_counter()
                 try:
-                    with trace.span("step", step=step):
-                        metrics, samples = trainer.step(step)
-                    check_finite(metrics)
-                    if validation.due(cfg.grpo, step):
-                        metrics.update(validation.validate(trainer, step))
-                    restarts.mark(metrics)
-                    run.log_step(metrics, samples)
-                    loggers.log(metrics, step)
-                    bar.step_done(metrics)
+                    if trained is None:
+                        with trace.span("step", step=step):
+                            metrics, samples = trainer.step(step)
+                        check_finite(metrics)
+                        trained = [metrics, samples, False]
+                    metrics, samples, logged = trained
+                    if not logged:
+                        if validation.due(cfg.grpo, step):
+                            metrics.update(validation.validate(trainer, step))
+                        restarts.mark(metrics)
+                        run.log_step(metrics, samples)
+                        loggers.log(metrics, step)
+                        bar.step_done(metrics)
+                        trained[2] = True
                     if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
                                                       or stop.requested):
                         ckpt.save(trainer, step, config_yaml)
@@ -188,16 +194,19 @@ def train(cfg: Config, resume: bool = False) -> dict:
                         if dead is None:
                             raise
                         raise dead from None
-                    refused = restarts.refusal(trainer, fault, step, saved_step)
+                    refused = restarts.refusal(trainer, fault, step, saved_step, trained is not None)
                     if refused is not None:
                         raise refused from None
-                    if fault.what == "store holder died" and restarts.can_regenerate(trainer):
-                        restarts.swap_store(trainer, fault, step, step_started)
+                    if fault.what == "store holder died" and restarts.can_regenerate(trainer, trained is not None):
+                        # a step whose training is done goes on from where it was (validation, logging, saving)
+                        restarts.swap_store(trainer, fault, step, step_started, trained is not None)
                         run.record_store(trainer.store_url)
                     else:
                         trainer, step = restarts.resume(trainer, fault, step, attach)
+                        trained = None
                         bar.rewind(step - 1)
                     continue
+                trained = None
                 if timeline is not None:  # after the checkpoint: a kill leaves its span in the file
                     timeline.write(trace.take())
                 done = step

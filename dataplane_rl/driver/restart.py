@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from dataplane_rl.driver.store_faults import dead_store
 from dataplane_rl.driver.train_faults import dead_rank, save_output, train_rank_error
 from dataplane_rl.errors import StoreUnavailableError
 
-DEATH_SHOWS_S = 5.0  # a store error's holder: how long its exit may take to show (SIGKILLed under load: ms)
 PROBE_S = 3.0  # how long a train rank may take to answer "are you alive" (a busy one is alive: only death answers fast)
 
 
@@ -62,30 +62,6 @@ def probe_dead_rank(trainer) -> int | None:
     return None
 
 
-def store_error(e: BaseException | None) -> bool:
-    """Whether `e`, or an error it carries (a Ray task's cause, a __cause__), is the store's."""
-    seen = 0
-    while e is not None and seen < 8:
-        if isinstance(e, StoreUnavailableError):
-            return True
-        e, seen = getattr(e, "cause", None) or e.__cause__ or e.__context__, seen + 1
-    return False
-
-
-def dead_store(trainer, e: BaseException) -> list[str]:
-    """The dead processes of the run's own Mooncake store (empty: none, or a store the run joined). A read or write
-    can fail on a holder's closed connection a moment before the holder's exit shows: after a store error the
-    processes are polled for up to DEATH_SHOWS_S more."""
-    cluster = getattr(trainer.store, "cluster", None)
-    if cluster is None:
-        return []
-    dead, deadline = cluster.dead(), time.monotonic() + DEATH_SHOWS_S
-    while not dead and store_error(e) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        dead = cluster.dead()
-    return dead
-
-
 class RunRestarts:
     """The run's record of in-run restarts: classify a step's failure, swap the store or resume; the counters."""
 
@@ -116,7 +92,7 @@ class RunRestarts:
         """A dead process this module recovers from, or None (the error is not one: it ends the run as before)."""
         import ray
 
-        dead = dead_store(trainer, e)
+        dead = dead_store(trainer.store, e)
         if dead:
             return Fault("store holder died", {"store": trainer.store_url}, first_line(dead[0]).split("; last lines")[0], e,
                          "\n".join(dead))
@@ -133,11 +109,13 @@ class RunRestarts:
                      e, output=str(save_output(trainer, rank, self.run_dir)))
 
     # -- what to do ---------------------------------------------------------------------------------
-    def can_regenerate(self, trainer) -> bool:
-        """A lost store's rows can be made again in the step: sync GRPO, before the step's optimizer steps."""
-        return trainer.rollouts.ahead is None and not trainer.trained
+    def can_regenerate(self, trainer, step_trained: bool = False) -> bool:
+        """A lost store costs at most the step under way: sync GRPO, before the step's optimizer steps (its rows are
+        made again) or after the step returned (it read what it needed before them: trainer.step)."""
+        return trainer.rollouts.ahead is None and (not trainer.trained or step_trained)
 
-    def refusal(self, trainer, fault: Fault, step: int, saved_step: int | None) -> BaseException | None:
+    def refusal(self, trainer, fault: Fault, step: int, saved_step: int | None,
+                step_trained: bool = False) -> BaseException | None:
         """The error the run stops with, or None when it can recover."""
         budget = f"fault_tolerance.max_restarts={self.budget}"
         spent = self.used >= self.budget
@@ -148,7 +126,7 @@ class RunRestarts:
             if spent and self.cfg.checkpointing.enabled and saved_step is not None:
                 err.args = (f"{err.args[0]}; {budget}: the run restarted {self.used} time(s) already",)
             return err
-        if not spent and (self.can_regenerate(trainer) or (self.cfg.checkpointing.enabled and saved_step is not None)):
+        if not spent and (self.can_regenerate(trainer, step_trained) or (self.cfg.checkpointing.enabled and saved_step is not None)):
             return None
         if spent:
             why = f"{budget}: the run restarted {self.used} time(s) already"
@@ -175,8 +153,9 @@ class RunRestarts:
               + (f"; its last output is in {fault.output}" if fault.output else "")
               + f"; fault_tolerance.max_restarts: {self.used} of {self.budget} used", file=sys.stderr, flush=True)
 
-    def swap_store(self, trainer, fault: Fault, step: int, step_started: float) -> None:
-        """Replace the run's store, have every actor open the new one, and leave the step to run again."""
+    def swap_store(self, trainer, fault: Fault, step: int, step_started: float, step_trained: bool = False) -> None:
+        """Replace the run's store and have every actor open the new one; the step then runs again from its start,
+        or, `step_trained`, goes on from where it was."""
         import ray
 
         from dataplane_rl.driver.preflight import open_run_store
@@ -200,10 +179,11 @@ class RunRestarts:
         trainer.recovery._write()  # actors.json: the new store's processes
         self.store_restarts += 1
         now = time.perf_counter()
-        self.record(trainer, fault, step, f"replaced the store with {trainer.store_url} and ran step {step} again from "
-                    "its start (same prompts, seeds and weights)",
+        then = ("went on with the step, trained before the loss" if step_trained else
+                f"ran step {step} again from its start (same prompts, seeds and weights)")
+        self.record(trainer, fault, step, f"replaced the store with {trainer.store_url} and {then}",
                     {"steps_rerun": 0, "seconds_to_recover": round(now - t0, 3),
-                     "seconds_lost": round(now - step_started, 3)})
+                     "seconds_lost": round(now - (t0 if step_trained else step_started), 3)})
 
     def resume(self, old, fault: Fault, step: int, attach):
         """A new trainer (new actors, process group and store, on the same Ray) restored from the last

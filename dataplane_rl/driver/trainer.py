@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from dataplane_rl.algorithms.grpo import advantages, informative_groups
 from dataplane_rl.config import Config
+from dataplane_rl.errors import StoreUnavailableError
 from dataplane_rl import trace
 from dataplane_rl.ray_calls import get_all
 from dataplane_rl.rollout.multiturn import episode_metrics
@@ -34,6 +35,7 @@ from dataplane_rl.driver.recovery import RolloutRecovery
 from dataplane_rl.driver.samples import source_rewards, train_data_rows
 from dataplane_rl.driver.rollouts import Rollouts, fresh_groups
 from dataplane_rl.driver.step_io import DynamicSamplingError, Groups, StepIO
+from dataplane_rl.driver.store_faults import dead_store
 from dataplane_rl.driver.transport import DriverTransport
 from dataplane_rl.train.worker import TrainWorker
 from dataplane_rl.driver.preflight import open_run_store, preflight, torch_threads
@@ -206,15 +208,17 @@ class GRPOTrainer:
         t_step = time.perf_counter()
         got = self.collect_groups(step, io)
         rewards = self.advantages_and_masks(got, io)
+        # the run folder's rows are read before the optimizer steps: after them the step reads nothing from the
+        # store, so a store lost then costs nothing of the step (driver/restart.py)
+        samples = self.train_data(got.rs, io)
         per_rank_steps = self.shard(got)
         self.logprobs(per_rank_steps, io)
+        if self.rollouts_dir is not None:
+            save_parquet(self.store, got.rs, self.rollouts_dir / f"step_{step:06d}.parquet")
         train = self.train(per_rank_steps, io)
         self.trained = True
         self.version = step
         self.refit_phase(io)
-        samples = self.train_data(got.rs, io)
-        if self.rollouts_dir is not None:
-            save_parquet(self.store, got.rs, self.rollouts_dir / f"step_{step:06d}.parquet")
         if not self.cfg.data_plane.keep_partitions:
             self._drop(got.pids)
         io.timing["step"] = time.perf_counter() - t_step
@@ -349,8 +353,15 @@ class GRPOTrainer:
         return train_data_rows(rs, data)
 
     def _drop(self, pids: list[str]) -> None:
+        """Drop the step's partitions; with the run's Mooncake store lost, they went with it (the next store
+        operation replaces the store: driver/restart.py)."""
         for pid in pids:
-            self.store.drop_partition(pid)
+            try:
+                self.store.drop_partition(pid)
+            except StoreUnavailableError as e:
+                if not dead_store(self.store, e):
+                    raise
+                return
 
     def log(self, step: int, train: dict, got: Groups, kept_rewards: np.ndarray, io: StepIO) -> dict:
         """The step's metrics."""
