@@ -55,9 +55,9 @@ class RolloutRecovery:
         """Keep RUN_DIR/actors.json (each rollout actor's and train rank's PID and node, and the processes of the
         run's own Mooncake store) up to date from now on."""
         self.actors_file = Path(run_dir) / "actors.json"
-        self._write()
+        self.write()
 
-    def _write(self) -> None:
+    def write(self) -> None:
         if self.actors_file is None:
             return
         nodes = self.t.nodes.get("rollout", [])
@@ -162,7 +162,7 @@ class RolloutRecovery:
         print(f"{what}: rollout actor {slot} (pid {old_pid} on {node}) died ({error}); replaced by pid {pid}, "
               f"{jobs} unfinished job(s) ({rows} rows) dispatched again; fault_tolerance.max_generation_failures: "
               f"{self.restarts} of {self.budget} used", file=sys.stderr, flush=True)
-        self._write()
+        self.write()
 
     def redispatch(self, slot: int, actor) -> tuple[int, int]:
         """Send the slot's unfinished jobs of every open round to `actor`, in send order, each after the

@@ -4,8 +4,9 @@
   die with it. The store is replaced by a new one (a new master and holders) and every actor opens it. In sync
   GRPO, before the step's optimizer steps, the step then runs again from its start: its prompts and every
   sample's seed are its own and the weights are still those that generated it, so the regenerated rows, and
-  the log-probs recomputed from them, are the lost ones. Otherwise (the weights already stepped, or async
-  rows generated ahead with weights that are gone) the run resumes from its last checkpoint, in-process.
+  the log-probs recomputed from them, are the lost ones; after them the step reads nothing more from the store
+  (driver/trainer.py's step), so it goes on. In async GRPO (rows generated ahead with weights that are gone)
+  the run resumes from its last checkpoint, in-process.
 - **A train rank** dies (checkpointing on): every actor is killed (the survivors may wait in a collective for the
   dead rank), new ones are made with a new process group, and the run resumes from its last checkpoint in-process,
   which restores the train state, the rollout actors' RNG and async GRPO's rounds generated ahead (checkpoint/).
@@ -21,7 +22,7 @@ import collections
 import contextlib
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from dataplane_rl.driver.store_faults import dead_store
@@ -39,7 +40,6 @@ class Fault:
     exc: BaseException
     detail: str = ""  # the store's description of the dead process
     output: str | None = None  # where the dead rank's last output went
-    cost: dict = field(default_factory=dict)
 
 
 def first_line(text: str) -> str:
@@ -176,7 +176,7 @@ class RunRestarts:
         trainer.transport = DriverTransport(trainer.store, True)
         trainer.store_url = trainer.transport.url
         get_all([a.reopen_store.remote(trainer.store_url) for a in trainer.rollout + trainer.workers], timeout=120)
-        trainer.recovery._write()  # actors.json: the new store's processes
+        trainer.recovery.write()  # actors.json: the new store's processes
         self.store_restarts += 1
         now = time.perf_counter()
         then = ("went on with the step, trained before the loss" if step_trained else

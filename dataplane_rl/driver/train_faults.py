@@ -52,11 +52,12 @@ def save_output(trainer, rank: int, run_dir: Path) -> Path:
     pid = trainer.train_pids[rank] if rank < len(trainer.train_pids) else None
     folder = Path(run_dir) / "faults"
     folder.mkdir(exist_ok=True)
+    head = f"train rank {rank}, pid {pid}\n"
     path, n = folder / f"train-rank-{rank}.log", 1
-    while path.exists() and pid is not None and f"pid {pid}" not in path.read_text(errors="replace")[:2000]:
+    while path.exists() and not path.read_text(errors="replace").startswith(head):  # another death's file
         n += 1
         path = folder / f"train-rank-{rank}.{n}.log"
-    path.write_text(f"train rank {rank}, pid {pid}\n" + (last_output(pid) or "no output of it found in this node's Ray logs\n"))
+    path.write_text(head + (last_output(pid) or "no output of it found in this node's Ray logs\n"))
     return path
 
 
