@@ -7,9 +7,10 @@ def get_all(futures: list, timeout: float | None = None) -> list:
     """`ray.get(futures)`, except that the first call to finish with an error raises it at once.
 
     Why not `ray.get(list)`: it waits for the futures in list order, so when train rank 1 dies while rank 0
-    waits for it in a collective, it waits for rank 0 first, for as long as gloo's timeout (10 minutes) before
-    the death is seen. Here every finished call is checked as it finishes (driver/restart.py then kills the
-    ranks left waiting). `timeout` bounds the whole wait (GetTimeoutError past it)."""
+    waits for it in a collective, it waits for rank 0 first. A rank killed on a live node closes its
+    connections and gloo fails rank 0 at once; a node that vanishes closes nothing, and rank 0 waits out
+    gloo's timeout (10 minutes) before the death would be seen. Here every call is checked as it finishes
+    (driver/restart.py then kills the ranks left waiting). `timeout` bounds the whole wait (GetTimeoutError)."""
     import time
 
     import ray
