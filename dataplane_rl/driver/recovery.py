@@ -20,7 +20,8 @@ from pathlib import Path
 from dataplane_rl.driver.rollouts import RolloutActorError
 
 
-def first_line(e: BaseException) -> str:
+def first_line(e: BaseException | str) -> str:
+    """An error's (or a text's) first line; an error without text: its type's name."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from dataplane_rl.driver.store_faults import dead_store
-from dataplane_rl.driver.train_faults import dead_rank, save_output, train_rank_error
+from dataplane_rl.driver.recovery import first_line
+from dataplane_rl.driver.train_faults import dead_rank, rank_where, save_output, train_rank_error
 from dataplane_rl.errors import StoreUnavailableError
 
 PROBE_S = 3.0  # how long a train rank may take to answer "are you alive" (a busy one is alive: only death answers fast)
@@ -40,11 +41,6 @@ class Fault:
     exc: BaseException
     detail: str = ""  # the store's description of the dead process
     output: str | None = None  # where the dead rank's last output went
-
-
-def first_line(text: str) -> str:
-    text = text.strip()
-    return text.splitlines()[0] if text else ""
 
 
 def probe_dead_rank(trainer) -> int | None:
@@ -103,10 +99,9 @@ class RunRestarts:
             rank = probe_dead_rank(trainer)
         if rank is None:
             return None
-        pid = trainer.train_pids[rank] if rank < len(trainer.train_pids) else None
-        node = trainer.nodes.get("train", [None] * (rank + 1))[rank]
-        return Fault("train rank died", {"rank": rank, "pid": pid, "node": node}, first_line(str(e)) or type(e).__name__,
-                     e, output=str(save_output(trainer, rank, self.run_dir)))
+        pid, node = rank_where(trainer, rank)
+        return Fault("train rank died", {"rank": rank, "pid": pid, "node": node}, first_line(e), e,
+                     output=str(save_output(trainer, rank, self.run_dir)))
 
     # -- what to do ---------------------------------------------------------------------------------
     def can_regenerate(self, trainer, step_trained: bool = False) -> bool:
@@ -194,7 +189,7 @@ class RunRestarts:
         try:
             old.close(keep_ray=True)
         except Exception as e:  # noqa: BLE001 - the old actors are killed whatever their store said
-            print(f"step {step}: closing the failed train group: {type(e).__name__}: {first_line(str(e))}",
+            print(f"step {step}: closing the failed train group: {type(e).__name__}: {first_line(e)}",
                   file=sys.stderr, flush=True)
         new = GRPOTrainer(self.cfg)
         new._ray_started, new._unprivate = old._ray_started, old._unprivate  # Ray is the run's still

@@ -13,6 +13,7 @@ import glob
 import os
 from pathlib import Path
 
+from dataplane_rl.driver.recovery import first_line
 from dataplane_rl.errors import DataPlaneError
 
 TAIL_LINES = 60
@@ -47,9 +48,16 @@ def last_output(pid: int | None, lines: int = TAIL_LINES) -> str:
     return "\n".join(out)
 
 
+def rank_where(trainer, rank: int) -> tuple[int | None, str | None]:
+    """Train rank `rank`'s PID and node IP, as the run recorded them at start (None: not recorded)."""
+    pid = trainer.train_pids[rank] if rank < len(trainer.train_pids) else None
+    nodes = trainer.nodes.get("train", [])
+    return pid, nodes[rank] if rank < len(nodes) else None
+
+
 def save_output(trainer, rank: int, run_dir: Path) -> Path:
     """Copy train rank `rank`'s last output to RUN_DIR/faults/train-rank-N.log (a second death: .2.log, ...)."""
-    pid = trainer.train_pids[rank] if rank < len(trainer.train_pids) else None
+    pid, _ = rank_where(trainer, rank)
     folder = Path(run_dir) / "faults"
     folder.mkdir(exist_ok=True)
     head = f"train rank {rank}, pid {pid}\n"
@@ -68,10 +76,8 @@ def train_rank_error(trainer, e: BaseException, step: int, run_dir: Path, last_c
     rank = dead_rank(trainer, e) if rank is None else rank
     if rank is None:
         return None
-    text = str(e).strip()
-    first = text.splitlines()[0] if text else type(e).__name__
-    pid = trainer.train_pids[rank] if rank < len(trainer.train_pids) else None
-    node = trainer.nodes.get("train", [None] * (rank + 1))[rank]
+    first = first_line(e)
+    pid, node = rank_where(trainer, rank)
     path = save_output(trainer, rank, run_dir)
     if not trainer.cfg.checkpointing.enabled:
         then = ("checkpointing.enabled=true would have saved the steps done (every checkpointing.save_period steps), "
