@@ -322,7 +322,7 @@ def _reading_rank(rank: int, rendezvous: str, out: str) -> None:
     from dataplane_rl.schema import load_schema
     from dataplane_rl.train.batch import build_train_batch
     from dataplane_rl.train.worker import TrainWorker
-    from test_loss_distributed import leave
+    from ranks import leave
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
     try:

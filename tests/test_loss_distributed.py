@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from contextlib import nullcontext
 
 import pytest
@@ -18,6 +16,7 @@ from dataplane_rl.config.distillation import DistillationConfig
 from dataplane_rl.train.counts import all_reduce_counts, local_counts, reduce_metrics
 # pytest puts tests/ on sys.path (rootdir-relative "prepend" import mode), and spawn hands that path
 # to the children, so both processes find the shared helpers here.
+from ranks import leave
 from test_loss import TinyPolicy, add_teacher, close, loss_of, make_batch, rows, run_sharded
 
 WORLD = 2
@@ -67,15 +66,6 @@ def worker(rank: int, rendezvous: str, out: str, case: str) -> None:
     finally:
         dist.destroy_process_group()
     leave()
-
-
-def leave() -> None:
-    """End a rank whose work is done and written without the interpreter's exit: C++ static destructors there
-    (torch's, with gloo) abort a rank now and then with "terminate called without an active exception" and no
-    Python frame left (faulthandler), 1-2 in 40 spawns on this machine, after everything was saved."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def spawn_ranks(tmp_path, out: str, case: str) -> None:

@@ -228,6 +228,7 @@ def _worker_cfg(world: int) -> dict:
 
 def _rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
     from dataplane_rl.train.worker import TrainWorker
+    from ranks import leave
 
     table = synthetic_table(UNEVEN, 50, seed=5, prompt=4)
     rows = [np.arange(5), np.arange(5, 6)][rank] if world == 2 else np.arange(6)
@@ -238,6 +239,7 @@ def _rank(rank: int, world: int, port: int, folder: str, out: str) -> None:
     if rank == 0:
         torch.save({"metrics": metrics, "state": state}, out)
     w.close()
+    leave()  # not through the interpreter's exit, whose C++ destructors abort a gloo rank now and then
 
 
 def _free_port() -> int:
