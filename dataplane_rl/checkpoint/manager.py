@@ -135,9 +135,10 @@ class CheckpointManager:
 
     @trace.traced("checkpoint_load")
     def load(self, trainer, path: Path, driver: dict | None = None) -> int:
-        """Restore every process from `path` (verified by find); returns its step. The caller refits the
-        rollout actors. Rollout actors beyond the saving run's number keep their seeded RNG: generation
-        is seeded per sample, so no number depends on it."""
+        """Restore every process from `path` (verified by find) and refit the rollout actors with its weights;
+        returns its step. `--resume` and an in-run resume (driver/restart.py) both come here. Rollout actors
+        beyond the saving run's number keep their seeded RNG: generation is seeded per sample, so no number
+        depends on it."""
         import ray
 
         from dataplane_rl.checkpoint.ahead import restore_ahead
@@ -146,8 +147,10 @@ class CheckpointManager:
         get_all([w.load_checkpoint.remote(str(path / "train")) for w in trainer.workers])
         RNGState().load_state_dict(driver["rng"])
         ray.get([a.set_rng_state.remote(s) for a, s in zip(trainer.rollout, driver["rollout_rng"])])
-        restore_ahead(trainer, path, driver.get("ahead", []))
-        return int(driver["step"])
+        restore_ahead(trainer, path, driver.get("ahead", []))  # async: the rounds generated ahead
+        trainer.version = int(driver["step"])
+        trainer.refit()
+        return trainer.version
 
     def prune(self) -> None:
         if self.keep_top_k is None:

@@ -125,9 +125,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             first = 1
             if start is not None:
                 run.resume_from(config_yaml, step_of(start))
-                first = ckpt.load(trainer, start, saved) + 1  # async: with the rounds generated ahead
-                trainer.version = first - 1
-                trainer.refit()
+                first = ckpt.load(trainer, start, saved) + 1
                 left = cfg.grpo.max_num_steps - first + 1
                 print(f"resumed {run.path} from its checkpoint of step {first - 1}; "
                       + (f"steps {first}-{cfg.grpo.max_num_steps} to go" if left else "no steps left to run"),

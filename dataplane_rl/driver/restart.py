@@ -199,8 +199,6 @@ class RunRestarts:
             new.start()
             path = self.ckpt.find()
             first = self.ckpt.load(new, path, self.ckpt.check(path)) + 1
-            new.version = first - 1
-            new.refit()
             attach(new)
         except BaseException:
             new.close()
