@@ -187,6 +187,8 @@ class ColumnStore(Reads, ABC):
             desc = ", ".join(f"'{k}' has {n}" for k, n in bad.items())
             raise AlignmentError(f"{where} {desc} values for {len(rows)} rows; every column in one put must "
                                  "cover exactly the given rows")
+        if not len(rows):  # checked and nothing to write: no block on any backend (Mooncake refuses an empty object)
+            return 0
         lengths = None
         if schema.length_column not in arrays:
             tokens = [n for n in arrays if by_name[n].kind == "token"]

@@ -23,10 +23,15 @@ def row_ids(pid: str, n: int, rows: Any, *, unique: bool) -> np.ndarray:
             raise AlignmentError(f"partition {pid}: rows slice {rows} is not a slice of integers ({e})") from None
     if isinstance(rows, range):
         # checked on the ends, before any row list is made: range(10**18) must not allocate
-        if rows and (min(rows[0], rows[-1]) < 0 or max(rows[0], rows[-1]) >= n):
+        if not rows:  # an empty range's start, stop and step may be any size (past int64, or a length numpy refuses)
+            return np.empty(0, np.int64)
+        if min(rows[0], rows[-1]) < 0 or max(rows[0], rows[-1]) >= n:
             raise AlignmentError(f"partition {pid}: rows {rows.start}-{rows.stop - 1} (step {rows.step}) out of "
                                  f"range; the partition has {n} rows (0-{n - 1})")
-        return np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)  # unique and in range
+        if len(rows) == 1:  # its step may be past int64
+            return np.array([rows[0]], np.int64)
+        # from its ends, which are in range (so is |step| < n): unique and in range
+        return np.arange(rows[0], rows[-1] + (1 if rows.step > 0 else -1), rows.step, dtype=np.int64)
     try:
         arr = as_numpy(rows)
     except (TypeError, ValueError, OverflowError) as e:
