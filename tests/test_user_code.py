@@ -37,8 +37,13 @@ def worker(*overrides: str) -> RolloutWorker:
 
 
 def generate(w: RolloutWorker, P: int = 4, step: int = 1) -> list[dict]:
-    table, _ = w.generate(RolloutJob("step-000001", step, 0, 0, list(range(P)), w.task.prompts(0, step, 0, P)))
+    table, _ = w.generate(RolloutJob("step-000001", step, 0, 0, list(range(P)), draw(w, step, P)))
     return table.to_pylist()
+
+
+def draw(w: RolloutWorker, step: int, P: int) -> list:
+    """The prompt keys the driver's task draws for `step` (an actor's own task draws none)."""
+    return load_task(w.cfg.task, w.tokenizer).prompts(0, step, 0, P)
 
 
 def user_fn():
@@ -168,7 +173,7 @@ def test_a_bad_reward_fails_its_groups_naming_the_rows_source(tmp_path):
     (tmp_path / "nan.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                      "    return float('nan') if data_source == 'sub' else 1.0\n")
     w = worker("task.name=dataset", f"task.path={TRAIN}", f"task.reward_function={tmp_path / 'nan.py'}")
-    prompts = w.task.prompts(0, 1, 0, 8)
+    prompts = draw(w, 1, 8)
     table, receipt = w.generate(RolloutJob("step-000001", 1, 0, 0, list(range(8)), prompts))
     subs = {g for g, p in enumerate(prompts) if w.task.row(p).data_source == "sub"}
     assert subs and len(subs) < 8  # the fixed draw holds both sources

@@ -126,7 +126,8 @@ class RolloutWorker:
         self.cfg = Config.model_validate(cfg)
         self.tokenizer = load_tokenizer(model_folder)
         self.engine = make_engine(self.cfg, model_folder, self.tokenizer)
-        self.task = load_task(self.cfg.task, self.tokenizer)  # task.module imported here, in this actor
+        # task.module imported here, in this actor; a dataset mapped, not scanned: the driver draws the rows
+        self.task = load_task(self.cfg.task, self.tokenizer, draws=False)
         self.prompt_limit = prompt_limit(self.cfg, model_folder)
         from dataplane_rl.columns.actor_io import ActorIO
 

@@ -309,13 +309,14 @@ def load_modules(task_cfg) -> None:
         import_user_module(task_cfg.module)
 
 
-def load_task(task_cfg, tokenizer=None) -> Task:
+def load_task(task_cfg, tokenizer=None, draws: bool = True) -> Task:
     """The task of a run's `task.*` config: task.module imported first, dataset prompts rendered with `tokenizer`
-    (needed for chat messages), the reward replaced by task.reward_function when it is set."""
+    (needed for chat messages), the reward replaced by task.reward_function when it is set. draws=False: for a
+    rollout actor, which renders and scores the rows it is sent and draws none (a dataset is not scanned)."""
     load_modules(task_cfg)
     c = task_cfg
     if c.name == "dataset":
-        task = DatasetTask(c.path, c.val_path, c.input_key, c.output_key, c.shuffle, tokenizer)
+        task = DatasetTask(c.path, c.val_path, c.input_key, c.output_key, c.shuffle, tokenizer, draws)
     else:
         task = get_task(c.name, c.path, tokenizer, c.val_path)
     if c.reward_function:

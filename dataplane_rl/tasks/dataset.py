@@ -99,17 +99,23 @@ class DatasetTask:
     name = "dataset"
 
     def __init__(self, path: str, val_path: str | None = None, input_key: str = "prompt",
-                 output_key: str = "reward_model.ground_truth", shuffle: bool = True, tokenizer=None) -> None:
+                 output_key: str = "reward_model.ground_truth", shuffle: bool = True, tokenizer=None,
+                 draws: bool = True) -> None:
+        """draws=False: a rollout actor's task, which only reads the rows it is sent: the prompt column is not
+        scanned (the driver checked it) and no pools are made, so the actor touches no page of other rows."""
         self.path, self.val_path, self.shuffle, self.tokenizer = path, val_path, shuffle, tokenizer
         self.input_key, self.output_key = input_key, output_key
         self.source = Path(path).stem
-        self.files = [_File(p, input_key, output_key) for p in (path, val_path) if p]
+        self.files = [_File(p, input_key, output_key, draws) for p in (path, val_path) if p]
         chat = any(pa.types.is_list(f.prompt.type) or pa.types.is_large_list(f.prompt.type) for f in self.files)
         if chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"task path '{path}': the prompts are chat messages but policy.model's tokenizer has no "
                               "chat template; use a model whose tokenizer_config.json has a chat_template, or give "
                               "prompts as text")
         N = self.files[0].rows
+        if not draws:
+            self.train_rows = self.val_rows = np.zeros(0, np.int64)
+            return
         if val_path:
             self.train_rows, self.val_rows = np.arange(N), np.arange(N, N + self.files[1].rows)
         else:
@@ -185,7 +191,7 @@ _NO_TEMPLATE = _NoTemplate()
 class _File:
     """One dataset file, memory-mapped, its prompt column checked once, its rows read one at a time."""
 
-    def __init__(self, path: str, input_key: str, output_key: str) -> None:
+    def __init__(self, path: str, input_key: str, output_key: str, check: bool = True) -> None:
         self.path, self.table = path, open_dataset(path)
         self.rows = self.table.num_rows
         self.mixed = json_columns(self.table)
@@ -196,6 +202,8 @@ class _File:
                 raise ConfigError(f"task path '{path}' has no '{key}' ({which}); its columns: "
                                   f"{', '.join(self.table.column_names)}; set {which} to the column that holds it")
         self.prompt = _column(self.table, input_key)
+        if not check:
+            return
         if input_key.split(".")[0] not in self.mixed:
             check_prompts(self.prompt, f"task path '{path}'", input_key)
         else:  # a JSONL column of mixed types, kept as JSON text: each prompt checked as it will be rendered
