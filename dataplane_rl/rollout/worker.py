@@ -47,7 +47,7 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, 
                     retries: Retries | None = None) -> pa.Table:
     """The rollout writer's columns for a job, in row order (prompt-major, then sample). Token columns are
     built flat (one values array and the row lengths per column, no numpy array per row): a put of per-row
-    arrays cost ~25 µs per column per put more (research/anchors-turn4-store.md §0)."""
+    arrays cost ~25 µs per column per put more (docs/benchmarks.md, "Store throughput")."""
     ids, glp, lengths, plens, rewards, groups, trunc, ptext, rtext = [], [], [], [], [], [], [], [], []
     for p_i, (gid, prompt) in enumerate(zip(job.group_ids, job.prompts)):
         p = prompt_ids[p_i]
