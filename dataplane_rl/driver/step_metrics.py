@@ -1,4 +1,4 @@
-"""One GRPO step's metrics (docs/metrics.md): the train ranks' reduced numbers, the rewards of every generated
+"""One GRPO step's metrics (docs/run-folder.md): the train ranks' reduced numbers, the rewards of every generated
 sample, generation lengths, staleness, faults, data-plane traffic, timings and throughput."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GRPO driver (DESIGN §2): actors, the step store, and one training step as named phases.
+"""The GRPO driver (docs/architecture.md §4): actors, the step store, and one training step as named phases.
 
 Sync and async GRPO run the same phases; they differ only in where `collect_groups` finds a step's rollout
 partition (generated on demand, or sent ahead: driver/rollouts.py) and in whether `refit` waits for the

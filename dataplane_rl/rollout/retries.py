@@ -1,4 +1,4 @@
-"""Data failures in a rollout job (DESIGN §14): a reward or environment call retried, then its whole group failed.
+"""Data failures in a rollout job (docs/architecture.md §7): a reward or environment call retried, then its whole group failed.
 
 A task's reward function or environment is user code; an exception from it is retried up to
 `fault_tolerance.max_data_retries` times (the calls are pure: the same prompt and response, or actions, each

@@ -48,7 +48,7 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, texts: list[str], tokeniz
                     retries: Retries) -> pa.Table:
     """The rollout writer's columns for a job, in row order (prompt-major, then sample). Token columns are
     built flat (one values array and the row lengths per column, no numpy array per row): a put of per-row
-    arrays cost ~25 µs per column per put more (docs/benchmarks.md)."""
+    arrays cost ~25 µs per column per put more (docs/benchmarks.md, "Store throughput")."""
     ids, glp, lengths, plens = [], [], [], []
     responses = [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
     for p_i in range(len(job.prompts)):
