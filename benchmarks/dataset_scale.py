@@ -2,10 +2,11 @@
 
     python benchmarks/dataset_scale.py --rows 2000 300000 --copies 30 --repeats 3
     python benchmarks/dataset_scale.py --rows 2000 1800000 --copies 100 --repeats 1
+    python benchmarks/dataset_scale.py --rows 2000 100000 --copies 1 --val-copies 1 --tree ../before   # unique prompts
 
 For each row count it writes a train and a validation file in verl's layout (data_source, prompt as chat
 messages, reward_model.ground_truth, extra_info with its own index) where every prompt is repeated --copies
-times and the validation file shares its first prompts with the train file (verl's DAPO-Math-17k: 17k prompts x
+times and the validation file (30 of them x --val-copies) shares its prompts with the train file (verl's DAPO-Math-17k: 17k prompts x
 100; aime-2024: 30 x 32). It then runs `dataplane-rl train` on them (--steps steps of the embedded tiny config,
 examples/reward.py as the reward), sampling every process under it (driver, Ray, actors) every 50 ms, and
 prints per row count the median peak of their summed RSS and the median wall time, and their excess over the
@@ -87,6 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[2000, 300_000])
     ap.add_argument("--copies", type=int, default=30)
+    ap.add_argument("--val-copies", type=int, default=32, help="copies of each of the 30 validation prompts")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose code runs (default: this one)")
@@ -99,9 +101,11 @@ def main() -> None:
             train, val = tmp / f"train-{n}.parquet", tmp / f"val-{n}.parquet"
             t0 = time.perf_counter()
             rng = np.random.default_rng(n)
-            a, b = rng.integers(0, 1000, n // args.copies), rng.integers(0, 1000, n // args.copies)
+            v = rng.permutation(10**6)[:n // args.copies]  # distinct sums: a prompt is repeated only --copies times
+            a, b = v // 1000, v % 1000
             pq.write_table(verl_table(a, b, args.copies, "train", 0), train, row_group_size=min(n, 1 << 20))
-            pq.write_table(verl_table(a[:30], b[:30], 32, "val", 1), val)  # aime-2024's shape, prompts shared with train
+            # aime-2024's shape (30 x 32), its prompts shared with the train file
+            pq.write_table(verl_table(a[:30], b[:30], args.val_copies, "val", 1), val)
             print(f"{n} rows: files written in {time.perf_counter() - t0:.1f} s ({train.stat().st_size / 2**20:.1f} MB "
                   "Parquet)", file=sys.stderr, flush=True)
             cache = tmp / f"cache-{n}"
