@@ -300,3 +300,21 @@ def test_a_file_of_the_size_people_use_is_mapped_not_loaded(tmp_path):
     assert len(set(keys)) == 64 and all(t.row(k).ground_truth == str(k) for k in keys)
     assert t.files[0].table.column("prompt").chunks[0].buffers()[-1].is_cpu  # mapped Arrow buffers, not Python rows
     assert math.isclose(len(t.train_rows) / n, 0.8)
+
+
+def test_the_mapped_copy_is_made_once_per_version_of_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("DATAPLANE_RL_CACHE", str(tmp_path / "cache"))
+    from dataplane_rl.tasks.dataset_file import open_dataset
+
+    f = verl_file(tmp_path / "d.parquet", ["what is 1+1?", "what is 2+2?"], ["2", "4"])
+    first = open_dataset(f)
+    copies = list((tmp_path / "cache" / "datasets").iterdir())
+    assert len(copies) == 1 and oct(copies[0].stat().st_mode & 0o777) == "0o600"
+    assert oct((tmp_path / "cache" / "datasets").stat().st_mode & 0o777) == "0o700"
+    mtime = copies[0].stat().st_mtime_ns
+    assert open_dataset(f).equals(first) and copies[0].stat().st_mtime_ns == mtime, "the copy is reused"
+    verl_file(tmp_path / "d.parquet", ["what is 3+3?"] * 3, ["6"] * 3)  # a new version: a new copy, the old one gone
+    assert open_dataset(f).num_rows == 3 and len(list((tmp_path / "cache" / "datasets").iterdir())) == 1
+    (copy,) = (tmp_path / "cache" / "datasets").iterdir()
+    copy.write_bytes(b"not arrow")  # a damaged copy is derived data: made again
+    assert open_dataset(f).num_rows == 3 and copy.stat().st_size > 9

@@ -3,8 +3,8 @@
 verl's datasets are large (DAPO-Math-17k in its layout is 1.79M rows) and every process of a run needs some of their
 rows. Held as Python objects per process, a 100,000-row file cost 228 MB and 12 s of start-up; memory-mapped Arrow
 costs the pages a process touches. The copy is made once per file version (path, size, mtime), written through a
-temporary file and renamed, so processes that race make it harmlessly; pyarrow streams Parquet row groups into
-it, so its making holds one batch at a time. Only the columns a run reads are copied.
+temporary file and renamed, so processes that race make it harmlessly, and a new version replaces the path's old
+copy. pyarrow streams Parquet into it a batch at a time, so making it holds one batch, not the file.
 """
 
 from __future__ import annotations
@@ -64,15 +64,21 @@ def open_dataset(path: str) -> pa.Table:
     was never copied."""
     files = source_files(path)
     stamp = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    key = hashlib.blake2b(json.dumps([FORMAT, stamp]).encode(), digest_size=10).hexdigest()
-    target = cache_dir() / f"{Path(path).stem}-{key}.arrow"
+    where = hashlib.blake2b(str(Path(path).absolute()).encode(), digest_size=6).hexdigest()
+    version = hashlib.blake2b(json.dumps([FORMAT, stamp]).encode(), digest_size=8).hexdigest()
+    target = cache_dir() / f"{Path(path).stem}-{where}-{version}.arrow"
     if not target.is_file():
         _write_copy(path, files, target)
+        # older versions of this path's copy go (a process that still maps one keeps its pages until it unmaps)
+        for old in target.parent.glob(f"{Path(path).stem}-{where}-*.arrow"):
+            if old != target:
+                old.unlink(missing_ok=True)
     try:
         return pa.ipc.open_file(pa.memory_map(str(target))).read_all()
-    except (pa.ArrowInvalid, OSError) as e:  # a damaged copy: made again from the files next time
+    except (pa.ArrowInvalid, OSError):  # a damaged copy (a crash, a full disk): it is derived data, made again
         target.unlink(missing_ok=True)
-        raise ConfigError(f"dataset copy {target} of task path '{path}' is damaged ({e}); it was removed: run again") from None
+        _write_copy(path, files, target)
+        return pa.ipc.open_file(pa.memory_map(str(target))).read_all()
 
 
 def json_columns(table: pa.Table) -> set[str]:
