@@ -2,7 +2,7 @@
 
     python benchmarks/dataset_scale.py --rows 2000 300000 --copies 30 --repeats 3
     python benchmarks/dataset_scale.py --rows 2000 1800000 --copies 100 --repeats 1
-    python benchmarks/dataset_scale.py --rows 2000 100000 --copies 1 --val-copies 1 --tree ../before   # unique prompts
+    python benchmarks/dataset_scale.py --rows 2000 100000 --copies 1 --val-copies 1 --val-disjoint --tree ../before
 
 For each row count it writes a train and a validation file in verl's layout (data_source, prompt as chat
 messages, reward_model.ground_truth, extra_info with its own index) where every prompt is repeated --copies
@@ -84,15 +84,46 @@ def run(tree: Path, train: Path, val: Path, steps: int, cache: Path, out: Path) 
     return {"peak_rss_mb": peak / 2**20, "wall_s": wall}
 
 
+STARTUP = """
+import json, resource, sys, time
+from dataplane_rl.config import load_config
+from dataplane_rl.model.load import build_tiny, load_tokenizer
+from dataplane_rl.tasks import load_task
+tok = load_tokenizer(build_tiny(0))
+cfg = load_config(None, ["task.name=dataset", f"task.path={sys.argv[1]}", f"task.val_path={sys.argv[2]}"])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+task = load_task(cfg.task, tok)
+prompts = task.prompts(0, 1, 0, 16)
+t = time.perf_counter() - t0
+print(json.dumps({"s": t, "mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}))
+"""
+
+
+def startup(tree: Path, train: Path, val: Path, cache: Path) -> dict:
+    """One process loading the task as the driver does (and, before issue 44, every actor did): seconds and the
+    growth of its peak RSS."""
+    env = dict(os.environ, PYTHONPATH=str(tree), DATAPLANE_RL_CACHE=str(cache))
+    p = subprocess.run([sys.executable, "-c", STARTUP, str(train), str(val)], env=env, cwd=tree, capture_output=True,
+                       text=True, timeout=1800)
+    if p.returncode != 0:
+        raise SystemExit(f"loading {train} failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[2000, 300_000])
     ap.add_argument("--copies", type=int, default=30)
     ap.add_argument("--val-copies", type=int, default=32, help="copies of each of the 30 validation prompts")
+    ap.add_argument("--val-disjoint", action="store_true",
+                    help="validation prompts not in the train file (code before issue 44 refused shared ones)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose code runs (default: this one)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--startup", action="store_true",
+                    help="time only the task's loading in one process (the part that grows with the rows), not whole runs")
     args = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,14 +132,22 @@ def main() -> None:
             train, val = tmp / f"train-{n}.parquet", tmp / f"val-{n}.parquet"
             t0 = time.perf_counter()
             rng = np.random.default_rng(n)
-            v = rng.permutation(10**6)[:n // args.copies]  # distinct sums: a prompt is repeated only --copies times
-            a, b = v // 1000, v % 1000
-            pq.write_table(verl_table(a, b, args.copies, "train", 0), train, row_group_size=min(n, 1 << 20))
-            # aime-2024's shape (30 x 32), its prompts shared with the train file
-            pq.write_table(verl_table(a[:30], b[:30], args.val_copies, "val", 1), val)
+            v = rng.permutation(10**7)[:n // args.copies + 30]  # distinct sums: a prompt is repeated only --copies times
+            a, b = v // 10000, v % 10000
+            pq.write_table(verl_table(a[:-30], b[:-30], args.copies, "train", 0), train, row_group_size=min(n, 1 << 20))
+            # aime-2024's shape (30 x 32), its prompts shared with the train file (or not: --val-disjoint)
+            val_a, val_b = (a[-30:], b[-30:]) if args.val_disjoint else (a[:30], b[:30])
+            pq.write_table(verl_table(val_a, val_b, args.val_copies, "val", 1), val)
             print(f"{n} rows: files written in {time.perf_counter() - t0:.1f} s ({train.stat().st_size / 2**20:.1f} MB "
                   "Parquet)", file=sys.stderr, flush=True)
             cache = tmp / f"cache-{n}"
+            if args.startup:
+                loads = [startup(args.tree, train, val, cache) for _ in range(args.repeats + 1)]
+                shown = ", ".join(f"{x['s']:.2f} s +{x['mb']:.0f} MB" for x in loads)
+                print(f"  task loading: {shown} (the first makes the copy)", file=sys.stderr, flush=True)
+                results[n] = {"first": loads[0], "s": statistics.median(x["s"] for x in loads[1:] or loads),
+                              "mb": statistics.median(x["mb"] for x in loads[1:] or loads)}
+                continue
             runs = [run(args.tree, train, val, args.steps, cache, tmp / f"run-{n}-{i}") for i in range(args.repeats + 1)]
             for i, r in enumerate(runs):
                 print(f"  run {i}{' (first: makes the Arrow copy)' if i == 0 else ''}: peak {r['peak_rss_mb']:.0f} MB, "
@@ -116,6 +155,12 @@ def main() -> None:
             rest = runs[1:] or runs
             results[n] = {"first": runs[0], "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rest),
                           "wall_s": statistics.median(r["wall_s"] for r in rest)}
+    if args.startup:
+        print("| train rows | copies a prompt | task loading (s) | its peak RSS growth (MB) | first (makes the copy): s, MB |")
+        print("| --- | --- | --- | --- | --- |")
+        for n, r in results.items():
+            print(f"| {n:,} | {args.copies} | {r['s']:.2f} | {r['mb']:.0f} | {r['first']['s']:.2f}, {r['first']['mb']:.0f} |")
+        return
     base = results[min(results)]
     print("| train rows (validation: 30 of its prompts x 32) | copies a prompt | peak RSS, all processes (MB) | over the smallest | wall (s) | over the smallest | "
           "first run (makes the copy): peak MB, wall s |")
