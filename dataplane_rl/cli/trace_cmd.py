@@ -38,5 +38,9 @@ def run(args) -> int:
         for r in rows:
             print(f"{r['process']:<14} {r['phase']:<20} {r['count']:>6} {r['seconds']:>10.3f} {r['max_s']:>9.3f}")
     if args.png:
-        save_timeline_png(path, args.png, steps)
+        from dataplane_rl.store.targets import check_target, writing
+
+        out = check_target(args.png, "trace --png")
+        with writing(args.png, "trace --png"):
+            save_timeline_png(path, out, steps)
     return 0
