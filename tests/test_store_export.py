@@ -129,6 +129,8 @@ def test_export_never_writes_into_a_store_and_a_bad_target_is_one_line(tmp_path)
     owned = tmp_path / "theirs.parquet"
     owned.write_bytes(b"not ours")
     os.chown(owned, 65534, 65534)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
     cases = {  # target -> what its one line says
         folder / "step-000002" / "log": "inside the column store folder",
         segment: "inside the column store folder",
@@ -137,6 +139,7 @@ def test_export_never_writes_into_a_store_and_a_bad_target_is_one_line(tmp_path)
         tmp_path: "is a folder; name a file",
         tmp_path / "missing" / "x.parquet": "does not exist; create it first",
         "/proc/x.parquet": "could not be written",
+        fifo: "not a regular file",  # the rename would replace it (as root, a device in /dev)
         owned: "belongs to another user",
     }
     for target, says in cases.items():

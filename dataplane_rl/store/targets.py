@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -44,6 +45,9 @@ def check_target(out: str | os.PathLike, what: str, *, folder: bool = False) -> 
         st = os.stat(path)
         if os.path.isdir(path) and not folder:
             raise ConfigError(f"{what} {given} is a folder; name a file, e.g. {given / 'out.parquet'}")
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            # the rename would replace a device or a pipe (as root, /dev/full became a Parquet file)
+            raise ConfigError(f"{what} {given} is not a regular file (a device, pipe or socket); name a new file")
         if st.st_uid != os.geteuid():
             raise ConfigError(f"{what} {given} belongs to another user (uid {st.st_uid}); choose a path of your own")
     if not os.access(parent, os.W_OK | os.X_OK):
