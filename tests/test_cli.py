@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -117,3 +118,50 @@ def test_closed_pipe_exits_quietly():
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert proc.returncode == 141  # 128 + SIGPIPE, what `cat` reports in the same place
+
+
+def test_whatever_crossed_ray_is_one_error_line(monkeypatch, capsys):
+    """An environment's bad step reached the user as `error: RayTaskError(EpisodeError): ESC[36mray::...` and a
+    remote traceback; a cancelled task (a reward raising KeyboardInterrupt) as ~60 lines. Each of Ray's errors,
+    as Ray builds them, is one `error:` line: the error raised inside the actor, no wrapper text, no colour
+    codes, and the run's error.log named when the run wrote one."""
+    import ray.exceptions as rx
+
+    from dataplane_rl.cli import main as cli, trace_cmd
+    from dataplane_rl.errors import ConfigError
+    from dataplane_rl.rollout.multiturn import EpisodeError
+
+    def remote(cause):
+        return rx.RayTaskError("RolloutWorker.generate", "Traceback (most recent call last):\n  File \"w.py\", "
+                               "line 3, in step\n" + f"{type(cause).__name__}: {cause}", cause,
+                               proctitle="ray::RolloutWorker.generate()", pid=12, ip="127.0.0.1").as_instanceof_cause()
+
+    bad_step = EpisodeError("task 'guess' env.step turn 2: returned 'x', not a StepResult; fix the environment")
+    nested = rx.RayTaskError("outer", "tb", remote(ConfigError("the inner reason\nmore")), proctitle="ray::outer()")
+    cases = [  # (raised, its line, exit code)
+        (remote(bad_step), f"error: EpisodeError: {bad_step}", 2),
+        (nested, "error: ConfigError: the inner reason", 2),  # a task whose task failed: the innermost error
+        (rx.TaskCancelledError(), "error: TaskCancelledError: Raised when this task is cancelled.", 1),
+        (remote(ValueError("raw user error")), "error: ValueError: raw user error", 1),
+    ]
+    logged = remote(bad_step)
+    logged.error_log = "/runs/r/error.log"  # what RunDir.record_error sets on the error it logged
+    cases.append((logged, f"error: EpisodeError: {bad_step} (traceback: /runs/r/error.log)", 2))
+    capsys.readouterr()
+    for raised, line, code in cases:
+
+        def fail(args, raised=raised):
+            raise raised
+
+        monkeypatch.setattr(trace_cmd, "run", fail)
+        assert cli.main(["trace", "x"]) == code
+        err = capsys.readouterr().err
+        assert err == line + "\n", (raised, err)
+    assert "\x1b[36mray::RolloutWorker.generate()" in str(remote(bad_step))  # what the line no longer carries
+
+    def bug(args):
+        raise RuntimeError("a bug of ours outside any run")
+
+    monkeypatch.setattr(trace_cmd, "run", bug)
+    with pytest.raises(RuntimeError):  # its traceback is the useful output
+        cli.main(["trace", "x"])

@@ -23,13 +23,12 @@ import fcntl
 import json
 import math
 import os
-import re
 import shutil
 import time
 import traceback
 from pathlib import Path
 
-from dataplane_rl.errors import ConfigError
+from dataplane_rl.errors import ConfigError, one_line, strip_ansi
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 _STALE = ("metrics.jsonl", "summary.json", "reward.png", "store.json", "trace.json")
@@ -39,10 +38,6 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-# colour codes Ray puts into a remote traceback's text
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def fresh_run_dir(root: str | Path = "runs") -> Path:
@@ -245,17 +240,16 @@ class RunDir:
     def record_error(self, e: BaseException) -> str:
         """The summary's error: one line, no colour codes, no remote traceback; the whole traceback (a
         Ray task's remote one included) goes to error.log in the run folder, which the line names."""
-        cause = getattr(e, "cause", None)  # a RayTaskError: the error raised inside the actor
-        shown = cause if isinstance(cause, BaseException) else e
-        lines = [x.strip() for x in _ANSI.sub("", str(shown)).splitlines() if x.strip()]
-        line = f"{type(shown).__name__}: {lines[0] if lines else ''}"
+        line = one_line(e)
         if not self.started:  # a run refused before it started leaves the folder's files as they were
             return line
         log = self.path / "error.log"
         try:
-            _atomic_write(log, _ANSI.sub("", "".join(traceback.format_exception(e))))
+            _atomic_write(log, strip_ansi("".join(traceback.format_exception(e))))
         except OSError:  # a folder that cannot take it still gets the summary
             return line
+        with contextlib.suppress(AttributeError, TypeError):
+            e.error_log = str(log)  # the command's `error:` line names it too (cli/main.py)
         return f"{line} (traceback: {log})"
 
     def finish(self, status: str, error: str | None = None, extra: dict | None = None) -> dict:
