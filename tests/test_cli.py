@@ -145,7 +145,7 @@ def test_whatever_crossed_ray_is_one_error_line(monkeypatch, capsys):
         (remote(ValueError("raw user error")), "error: ValueError: raw user error", 1),
     ]
     logged = remote(bad_step)
-    logged.error_log = "/runs/r/error.log"  # what RunDir.record_error sets on the error it logged
+    logged.run_error = f"EpisodeError: {bad_step} (traceback: /runs/r/error.log)"  # RunDir.record_error's line
     cases.append((logged, f"error: EpisodeError: {bad_step} (traceback: /runs/r/error.log)", 2))
     capsys.readouterr()
     for raised, line, code in cases:

@@ -52,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         # ours, anything that crossed Ray (a RayTaskError, an actor's death, a cancelled task), or anything a run
         # wrote to its error.log: one line, no wrapper text, colour codes or remote traceback
-        log = getattr(e, "error_log", None)
-        if not (isinstance(e, DataPlaneError) or crossed_ray(e) or log):
+        line = getattr(e, "run_error", None)  # RunDir.record_error's: what summary.json says, error.log named
+        if not (line or isinstance(e, DataPlaneError) or crossed_ray(e)):
             raise  # a bug of ours outside a run: its traceback is what is useful
-        print(f"error: {one_line(e)}" + (f" (traceback: {log})" if log else ""), file=sys.stderr)
+        print(f"error: {line or one_line(e)}", file=sys.stderr)
         return 2 if isinstance(unwrap(e), DataPlaneError) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from dataplane_rl.config import Config
 from dataplane_rl.model.load import load_tokenizer, resolve_model
 from dataplane_rl.store import MemoryStore, open_store
@@ -26,6 +28,7 @@ def open_run_store(cfg: Config):
 def preflight(cfg: Config):
     """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
     an actor's traceback: task.module, the task and its file, the model folder, the engine. Returns (task, model folder)."""
+    check_imports_return(cfg)  # before this process imports them: an import may end the process it runs in
     load_modules(cfg.task)  # first: a task.module that fails to import is the one error, not an unknown task.name
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     tokenizer = load_tokenizer(folder)
@@ -33,6 +36,7 @@ def preflight(cfg: Config):
     if is_multi_turn(task):
         check_multi_turn(cfg, task)
     check_device(cfg)
+    check_checkpoint_dir(cfg)
     private_ray.check_dashboard(cfg)
     check_prompt_lengths(cfg, task, tokenizer)
     check_distillation(cfg, tokenizer)
@@ -41,6 +45,81 @@ def preflight(cfg: Config):
 
         require_vllm()
     return task, str(folder)
+
+
+# run in a child: import the user's module, then say so; an exception is left to the import in the driver,
+# which names its file and line (tasks/user_code.py)
+_IMPORT_CHILD = """
+import sys
+from dataplane_rl.tasks.user_code import import_user_module
+try:
+    import_user_module(sys.argv[1], sys.argv[2])
+except BaseException as e:
+    print("dataplane-rl-import: raised", type(e).__name__, flush=True)
+    sys.exit(0)
+print("dataplane-rl-import: returned", flush=True)
+"""
+
+
+def check_imports_return(cfg: Config) -> None:
+    """task.module and task.reward_function's module, each imported first in a child process: one that calls
+    os._exit (or otherwise ends its process) at import made `train` exit 0 with no output and no run folder,
+    a success that did nothing. A ConfigError naming the key if the child's import did not return."""
+    import subprocess
+    import sys
+
+    from dataplane_rl.errors import ConfigError
+
+    specs = [("task.module", cfg.task.module)]
+    if cfg.task.reward_function:
+        specs.append(("task.reward_function", cfg.task.reward_function.rpartition(":")[0]))
+    for key, spec in specs:
+        if not spec:
+            continue
+        try:
+            p = subprocess.run([sys.executable, "-c", _IMPORT_CHILD, spec, key], capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL, timeout=IMPORT_CHECK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"{key}={spec}: importing it did not finish within {IMPORT_CHECK_TIMEOUT_S} s; an "
+                              "import must not block (move slow work into the functions it defines)") from None
+        said = next((line.split()[1:] for line in p.stdout.splitlines() if line.startswith("dataplane-rl-import:")), [])
+        if said[:1] == ["returned"] or said[:1] == ["raised"] and said[1:] not in (["SystemExit"], ["KeyboardInterrupt"]):
+            continue  # imported, or raised an error the import in this process names with its file and line
+        how = f"raised {said[1]}" if said else (f"ended its process (exit code {p.returncode}: os._exit or a "
+                                                 "signal?)" if p.returncode >= 0 else f"was killed by signal {-p.returncode}")
+        raise ConfigError(f"{key}={spec}: importing it {how} instead of returning; a module must not end the "
+                          "process that imports it (the driver, each rollout actor and train worker)")
+
+
+IMPORT_CHECK_TIMEOUT_S = 120
+
+
+def check_checkpoint_dir(cfg: Config) -> None:
+    """checkpointing.checkpoint_dir (default RUN_DIR/checkpoints) can hold files, checked as logger.run_dir is:
+    `/proc/x` once failed only at the first save, after a step had trained. A file is made there and
+    removed, and so is any folder made for it."""
+    if not cfg.checkpointing.enabled:
+        return
+    import os
+    import tempfile
+
+    from dataplane_rl.checkpoint.manager import CheckpointManager
+    from dataplane_rl.errors import ConfigError
+
+    root = CheckpointManager.for_config(cfg).root
+    made = [p for p in (root, *root.parents) if not os.path.lexists(p)]
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".dataplane-rl-probe-"):
+            pass
+    except OSError as e:
+        key = "checkpointing.checkpoint_dir" if cfg.checkpointing.checkpoint_dir else "checkpointing (RUN_DIR/checkpoints)"
+        raise ConfigError(f"{key}={root}: cannot write there ({e.strerror or e}); choose a writable folder "
+                          "with checkpointing.checkpoint_dir") from None
+    finally:
+        for folder in made:  # deepest first: a refused run leaves nothing; the first save makes them again
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def check_device(cfg: Config) -> None:
