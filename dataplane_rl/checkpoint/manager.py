@@ -132,9 +132,13 @@ class CheckpointManager:
             if final.exists():  # a resumed run saving a step again
                 shutil.rmtree(final)
             os.replace(tmp, final)  # the checkpoint appears whole or not at all
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left (its room is needed now)
-            full = disk_full(e)
+        except BaseException as e:
+            # torch's writer says "unexpected pos 704 vs 598", not ENOSPC: the room left tells, before the
+            # half-written checkpoint is removed (nothing of it is left; its room is needed now)
+            full = disk_full(e) if isinstance(e, Exception) else None
+            if full is None and isinstance(e, Exception) and free_bytes(self.root) < FULL_BELOW_BYTES:
+                full = os.strerror(errno.ENOSPC)
+            shutil.rmtree(tmp, ignore_errors=True)
             if full is None:
                 raise
             raise CheckpointError(f"the checkpoint of step {step} could not be written to {self.root}: {full} "
@@ -185,10 +189,20 @@ def disk_full(e: BaseException) -> str | None:
     return None
 
 
+FULL_BELOW_BYTES = 1 << 20  # a failed save with less room than this left was a full disk
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes this user may still write to `path`'s filesystem (a huge number if unknown: never 'full')."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 1 << 62
+    return st.f_bavail * st.f_frsize
+
+
 def free_text(path: Path) -> str:
     from dataplane_rl.units import human_bytes
 
-    try:
-        return f"{human_bytes(shutil.disk_usage(path).free)} free"
-    except OSError:
-        return "free space unknown"
+    return f"{human_bytes(free)} free after removing the partial checkpoint" if (free := free_bytes(path)) < 1 << 62 \
+        else "free space unknown"
