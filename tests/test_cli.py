@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def run(*args, check=False):
+def run(*args, check=False, timeout=120):
     p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", *args], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=timeout)
     if check:
         assert p.returncode == 0, p.stderr
     return p
@@ -165,3 +165,44 @@ def test_whatever_crossed_ray_is_one_error_line(monkeypatch, capsys):
     monkeypatch.setattr(trace_cmd, "run", bug)
     with pytest.raises(RuntimeError):  # its traceback is the useful output
         cli.main(["trace", "x"])
+
+
+BAD_ENV = '''
+import sys
+sys.path.insert(0, {examples!r})
+from env import Countdown
+from dataplane_rl.tasks import register_task
+from dataplane_rl.tasks.multiturn import EnvStep
+
+
+class BadStep(Countdown):
+    name = "bad_step"
+
+    def step(self, prompt, actions):
+        return EnvStep(42, False, 0.0)  # an observation that is not text
+
+
+register_task("bad_step", lambda path=None: BadStep())
+'''
+
+
+def test_an_environments_bad_step_is_one_line_from_a_real_run(tmp_path):
+    """The probe as a user met it: an environment's bad step inside a rollout actor reached the terminal as
+    `error: RayTaskError(EpisodeError): ESC[36mray::...` and ~15 remote lines. Now one line, the summary's,
+    naming error.log, which holds the remote traceback."""
+    from pathlib import Path
+
+    from test_train_e2e import SMALL
+
+    module = tmp_path / "bad_env.py"
+    module.write_text(BAD_ENV.format(examples=str(Path(__file__).parent.parent / "examples")))
+    run_dir = tmp_path / "run"
+    p = run("train", *SMALL, "task.name=bad_step", f"task.module={module}", "policy.max_total_sequence_length=48",
+            "generation.max_new_tokens=2", "multi_turn.max_turns=3", f"logger.run_dir={run_dir}", timeout=600)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: EpisodeError: task 'bad_step' turn 1 row "), p.stderr[-3000:]
+    assert "observation 42 (int)" in lines[0] and lines[0].endswith(f"(traceback: {run_dir / 'error.log'})")
+    assert "\x1b" not in p.stderr and "RayTaskError" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["error"] == lines[0].removeprefix("error: ")
+    assert "RayTaskError(EpisodeError)" in (run_dir / "error.log").read_text()  # the whole story is kept there
