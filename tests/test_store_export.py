@@ -154,3 +154,24 @@ def test_export_never_writes_into_a_store_and_a_bad_target_is_one_line(tmp_path)
     p = run("export", url, "step-000001", str(tmp_path / "x.parquet"), "--fields", "")
     assert p.returncode == 2 and "--fields '' names no column" in p.stderr and not (tmp_path / "x.parquet").exists()
     store.close()
+
+
+def test_export_and_trace_png_never_write_into_a_store(tmp_path):
+    """Every command that writes a file asks store/targets.py first: `export RUN OUT` and `trace RUN --png OUT`
+    with OUT in a store folder are one line, and the store's folder is left as it was."""
+    import subprocess
+    import sys
+
+    store = open_store(f"shm://{tmp_path}/s")
+    store.create_partition("step-000001", "grpo", 2)
+    store.close()
+    before = sorted(p.name for p in (tmp_path / "s").rglob("*"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trace.json").write_text('{"traceEvents": []}')
+    for args in (["export", str(tmp_path / "run"), str(tmp_path / "s" / "step-000001" / "model")],
+                 ["trace", str(tmp_path / "run"), "--png", str(tmp_path / "s" / "t.png")]):
+        p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", *args], capture_output=True, text=True,
+                           timeout=120)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and "inside the column store folder" in lines[0], p.stderr
+    assert sorted(p.name for p in (tmp_path / "s").rglob("*")) == before
