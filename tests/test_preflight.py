@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -103,10 +104,14 @@ def test_distillation_needs_a_teacher():
         load_config(None, ["distillation.enabled=true"])
 
 
-def test_checkpoint_dir_is_checked_before_ray(tmp_path, no_ray):
-    """checkpointing.checkpoint_dir=/proc/x once failed only at the first save, after a step had trained."""
-    with pytest.raises(ConfigError, match=r"checkpointing.checkpoint_dir=/proc/x: cannot write there"):
-        train(tmp_path, "checkpointing.enabled=true", "checkpointing.checkpoint_dir=/proc/x")
+def test_every_folder_the_run_writes_is_checked_before_ray(tmp_path, no_ray):
+    """checkpointing.checkpoint_dir=/proc/x once failed only at the first save, after a step had trained; a bad
+    policy.model_cache_dir or shm:// folder with a bare FileNotFoundError naming no key."""
+    for override, key in (("checkpointing.checkpoint_dir=/proc/x", "checkpointing.checkpoint_dir"),
+                          ("policy.model_cache_dir=/proc/x", "policy.model_cache_dir"),
+                          ("data_plane.backend=shm:///proc/x/store", "data_plane.backend=shm:///proc/x/store")):
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)}: cannot write to /proc/x \("):
+            train(tmp_path, "checkpointing.enabled=true", "data_plane.enabled=true", override)
     made = tmp_path / "new" / "ckpt"  # checked by making it; a refused run leaves it as it was
     with pytest.raises(ConfigError, match="task.path"):  # a later check refuses: nothing of the probe is left
         train(tmp_path, "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={made}", "task.name=math_jsonl",

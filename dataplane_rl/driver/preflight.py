@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 from dataplane_rl.config import Config
-from dataplane_rl.model.load import load_tokenizer, resolve_model
+from dataplane_rl.model.load import cache_root, load_tokenizer, resolve_model
 from dataplane_rl.store import MemoryStore, open_store
 from dataplane_rl.run import private_ray
 from dataplane_rl.rollout.multiturn import check_config as check_multi_turn
@@ -30,13 +31,13 @@ def preflight(cfg: Config):
     an actor's traceback: task.module, the task and its file, the model folder, the engine. Returns (task, model folder)."""
     check_imports_return(cfg)  # before this process imports them: an import may end the process it runs in
     load_modules(cfg.task)  # first: a task.module that fails to import is the one error, not an unknown task.name
+    check_folders(cfg)
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     tokenizer = load_tokenizer(folder)
     task = load_task(cfg.task, tokenizer)
     if is_multi_turn(task):
         check_multi_turn(cfg, task)
     check_device(cfg)
-    check_checkpoint_dir(cfg)
     private_ray.check_dashboard(cfg)
     check_prompt_lengths(cfg, task, tokenizer)
     check_distillation(cfg, tokenizer)
@@ -94,32 +95,49 @@ def check_imports_return(cfg: Config) -> None:
 IMPORT_CHECK_TIMEOUT_S = 120
 
 
-def check_checkpoint_dir(cfg: Config) -> None:
-    """checkpointing.checkpoint_dir (default RUN_DIR/checkpoints) can hold files, checked as logger.run_dir is:
-    `/proc/x` once failed only at the first save, after a step had trained. A file is made there and
-    removed, and so is any folder made for it."""
-    if not cfg.checkpointing.enabled:
-        return
+def check_folders(cfg: Config) -> None:
+    """Every folder the run writes, checked as logger.run_dir is (run/folder.py), before anything starts:
+    checkpointing.checkpoint_dir=/proc/x once failed only at the first save, after a step had trained, and
+    a bad policy.model_cache_dir or shm:// folder with a bare FileNotFoundError."""
+    import os
+
+    from dataplane_rl.checkpoint.manager import CheckpointManager
+    from dataplane_rl.store import owners
+
+    if cfg.checkpointing.enabled:
+        key = "checkpointing.checkpoint_dir" if cfg.checkpointing.checkpoint_dir else "checkpointing (RUN_DIR/checkpoints)"
+        check_writable(key, CheckpointManager.for_config(cfg).root)
+    cache = cache_root(cfg.policy.model_cache_dir)
+    if cfg.policy.model == "tiny" and not (cache / f"tiny-qwen2-seed{cfg.grpo.seed}").is_dir():  # built there now
+        check_writable("policy.model_cache_dir", cache)
+    url = cfg.data_plane.backend if cfg.data_plane.enabled else ""
+    if url.startswith("shm://"):
+        path = url[len("shm://"):].partition("?")[0]
+        # a named store's folder is made by the store; its parent must take it
+        folder = Path(path).absolute().parent if path and not os.path.isdir(path) else Path(path or owners.auto_root())
+        check_writable(f"data_plane.backend={url}", folder)
+
+
+def check_writable(key: str, folder: Path) -> None:
+    """A ConfigError naming `key` unless a file can be made in `folder` (made, with any parent, if missing). The
+    file is removed, and so is every folder made for it: a refused run leaves nothing."""
     import os
     import tempfile
 
-    from dataplane_rl.checkpoint.manager import CheckpointManager
     from dataplane_rl.errors import ConfigError
 
-    root = CheckpointManager.for_config(cfg).root
-    made = [p for p in (root, *root.parents) if not os.path.lexists(p)]
+    folder = Path(folder)
+    made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".dataplane-rl-probe-"):
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".dataplane-rl-probe-"):
             pass
     except OSError as e:
-        key = "checkpointing.checkpoint_dir" if cfg.checkpointing.checkpoint_dir else "checkpointing (RUN_DIR/checkpoints)"
-        raise ConfigError(f"{key}={root}: cannot write there ({e.strerror or e}); choose a writable folder "
-                          "with checkpointing.checkpoint_dir") from None
+        raise ConfigError(f"{key}: cannot write to {folder} ({e.strerror or e}); choose a writable folder") from None
     finally:
-        for folder in made:  # deepest first: a refused run leaves nothing; the first save makes them again
+        for p in made:  # deepest first; the run makes them again when it writes there
             with contextlib.suppress(OSError):
-                folder.rmdir()
+                p.rmdir()
 
 
 def check_device(cfg: Config) -> None:
