@@ -251,8 +251,8 @@ class RunDir:
                 line = f"{line} (traceback: {log})"
             except OSError as why:  # a folder that cannot take it still gets the summary
                 line = f"{line} (no traceback: {log} could not be written: {why.strerror or why})"
-        with contextlib.suppress(AttributeError, TypeError):
-            e.run_error = line  # the command's `error:` line is the summary's (cli/main.py)
+            with contextlib.suppress(AttributeError, TypeError):
+                e.run_error = line  # the command's `error:` line is the summary's (cli/main.py)
         return line
 
     def finish(self, status: str, error: str | None = None, extra: dict | None = None) -> dict:
