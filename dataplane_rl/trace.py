@@ -1,4 +1,4 @@
-"""The run's timeline (DESIGN §16): spans of every process as Chrome trace events, and RUN_DIR/trace.json.
+"""The run's timeline (docs/trace.md): spans of every process as Chrome trace events, and RUN_DIR/trace.json.
 
 Each process has one `Tracer` (this module's `TRACER`, off until `configure`). `span(name)` (or the
 decorator `traced(name)`) records a complete event (`ph: "X"`) in a bounded in-memory buffer; actors hand

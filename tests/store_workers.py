@@ -55,6 +55,8 @@ def _sample(name: str, rows: np.ndarray, seed: int):
         return (rows % 3 + 1 + seed).astype(np.int32)
     if name == "observation_tokens":
         return (rows % 4 + seed).astype(np.int32)
+    if name == "dataset_row":
+        return (rows // 4 * 7 + seed - 1).astype(np.int64)  # -1 on a task without rows
     if GRPO_SCHEMA.by_name[name].dtype != "string":
         raise KeyError(f"store_workers._sample has no generator for the grpo column '{name}'; add one")
     return [f"{name} {r} seed {seed} ✓" for r in rows]  # prompt_text, response_text

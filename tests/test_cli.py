@@ -70,6 +70,9 @@ def _rollout_table(n=3, bad=False):
         "end_reason": pa.array(["done", "length", "done"]),
         "data_source": pa.array(["repeat"] * 3),
         "extra_info": pa.array(["{}"] * 3),
+        "dataset_row": pa.array([-1] * 3, pa.int64()),
+        "ground_truth": pa.array(["null"] * 3),
+        "reward_extra_info": pa.array(["{}"] * 3),
     }
     if bad:
         del cols["group_id"]

@@ -1,4 +1,4 @@
-"""The top-k distillation KL: hand-derived values, a plain-loop twin, microbatch / rank invariance (DESIGN §15)."""
+"""The top-k distillation KL: hand-derived values, a plain-loop twin, microbatch / rank invariance (docs/distillation.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,14 @@
 """The package's layout (docs/development.md): rooms in layers, no import upward or in a circle, no file over ~400
-lines, one-line docstrings. Every import counts, also one inside a function: a lazy import is still a dependency."""
+lines, one-line docstrings. Every import counts, also one inside a function: a lazy import is still a dependency.
+And every citation in the code and docs can be followed from a clone: no document outside the repository, no
+file path, page anchor or docs/architecture.md section that does not exist."""
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -132,3 +137,112 @@ def test_module_is_small_and_says_what_it_is(name):
     assert lines <= MAX_LINES, f"{path.relative_to(PKG.parent)} has {lines} lines; split it by idea (docs/development.md)"
     doc = ast.get_docstring(ast.parse(path.read_text()))
     assert doc and doc.strip(), f"{path.relative_to(PKG.parent)} has no module docstring"
+
+
+# ---- citations: the code and docs cite only what a clone of the repository holds ----------------------------
+ROOT = PKG.parent
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+# where contributors read: text files of these folders, and the top-level pages
+READ = ["dataplane_rl", "tests", "docs", "scripts", "benchmarks", "examples", "configs", "schema", ".ci"]
+TEXT = {".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".c", ""}
+# a path cited from a folder of the repository (or a room of the package: `store/base.py`) must exist; other
+# paths in the text (RUN_DIR/trace.json, runs/latest/..., a library's own files) are not citations of ours
+CITABLE = set(READ) | {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"}
+# a document outside the repository: the old design's section numbers, the workspace's shared folders
+OUTSIDE = re.compile(r"DESIGN\s*§|(?<![\w.])\.\./shared\b|\bshared[/]research\b")
+# a relative file path: never part of a URL or of a longer path (what precedes it is no word, '/', '.', ':')
+PATH = re.compile(r"(?<![\w./:@~$-])((?:\.\./)*(?:[\w.-]+/)+[\w.-]*\w\.(?:md|py|yaml|yml|sh|toml|json|c|parquet|png))"
+                  r"(?![\w/])(?:#([\w-]+))?")
+SECTION_CITED = re.compile(r"architecture\.md\)?,? §\s?(\d+(?:\.\d+)*)")
+SECTION_HEADING = re.compile(r"^#{2,4} (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
+
+
+def read_files() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    for top in READ:
+        files += [p for p in sorted((ROOT / top).rglob("*")) if p.is_file() and p.suffix in TEXT
+                  and "__pycache__" not in p.parts and not p.name.startswith(".")]
+    return [p for p in files if p.exists()]
+
+
+def cited_text(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of what a file says to its reader. A test's string literals are its data (a page it writes to
+    a temporary folder may link a file that does not exist, on purpose), so of a test only the comments and
+    docstrings count; of any other file, all of it."""
+    text = path.read_text(errors="replace")
+    if path.suffix != ".py" or "tests" not in path.relative_to(ROOT).parts[:1]:
+        return list(enumerate(text.splitlines(), 1))
+    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
+           if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                out += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
+    return out
+
+
+def architecture_sections() -> set[str]:
+    return set(SECTION_HEADING.findall(ARCHITECTURE.read_text())) if ARCHITECTURE.exists() else set()
+
+
+def bad_citations(path: Path, lines: list[tuple[int, str]], sections: set[str]) -> list[str]:
+    """Every citation in `lines` of `path` that a clone of the repository cannot follow."""
+    from test_readme import anchors
+
+    where, bad = path.relative_to(ROOT), []
+    for n, line in lines:
+        bad += [f"{where}:{n}: cites a document outside the repository ({m[0]!r}); cite docs/architecture.md or a "
+                "page of docs/ instead" for m in OUTSIDE.finditer(line)]
+        for m in PATH.finditer(line):
+            cited, anchor = m[1], m[2]
+            first = cited.split("/")[0]
+            if first != ".." and first not in CITABLE and not cited.endswith(".md"):
+                continue  # not a path of ours (RUN_DIR/trace.json); a page (.md) of any folder must exist, though
+            found = next((p for p in (ROOT / cited, path.parent / cited, PKG / cited)
+                          if p.exists() and p.resolve().is_relative_to(ROOT.resolve())), None)  # ../ may leave it
+            if found is None:
+                bad.append(f"{where}:{n}: cites {cited}, which is not in the repository")
+            elif anchor and found.suffix == ".md" and anchor not in anchors(found.read_text()):
+                bad.append(f"{where}:{n}: cites {cited}#{anchor}, but {cited} has no such heading")
+        bad += [f"{where}:{n}: cites docs/architecture.md §{s}, which has no section {s}"
+                for s in SECTION_CITED.findall(line) if s not in sections]
+    return bad
+
+
+def test_citations_stay_inside_the_repository():
+    """No reference to a document a clone lacks: the old design's section numbers or the workspace's shared
+    folders; every cited file path (docs/X.md, dataplane_rl/..., tests/..., store/base.py) and page anchor exists;
+    every docs/architecture.md section cited is a numbered heading there."""
+    sections = architecture_sections()
+    bad = [b for p in read_files() if p.resolve() != Path(__file__).resolve()
+           for b in bad_citations(p, cited_text(p), sections)]
+    assert not bad, "citations a clone of the repository cannot follow:\n" + "\n".join(bad)
+
+
+def test_citation_check_finds_what_it_should():
+    """The checker itself: each kind of bad citation is found; URLs, run outputs and existing files pass."""
+    here = ROOT / "dataplane_rl" / "driver" / "x.py"
+    lines = list(enumerate([
+        "see DESIGN §4 and ../shared/STYLE.md and notes/shared" + "/research/x.md",  # outside: two hits
+        "docs/nowhere.md, research/mission.md, store/nowhere.py, ../nowhere.py",  # four missing files
+        "docs/store.md#no-such-heading, docs/architecture.md §99",  # a missing anchor, a missing section
+        "docs/store.md, docs/store.md#ownership-and-store-gc, store/base.py, ../store/base.py, loop.py",  # fine
+        "https://github.com/org/repo/blob/main/docs/nowhere.md, RUN_DIR/trace.json, runs/latest/summary.json",  # fine
+    ], 1))
+    bad = bad_citations(here, lines, {"4", "5.3"})
+    assert [b.split(": ", 1)[1] for b in bad] == [
+        "cites a document outside the repository ('DESIGN §'); cite docs/architecture.md or a page of docs/ instead",
+        "cites a document outside the repository ('../shared'); cite docs/architecture.md or a page of docs/ instead",
+        "cites a document outside the repository ('shared/research'); cite docs/architecture.md or a page of docs/ "
+        "instead",
+        "cites ../shared/STYLE.md, which is not in the repository",  # even where a folder beside the clone has it
+        "cites notes/shared/research/x.md, which is not in the repository",
+        "cites docs/nowhere.md, which is not in the repository",
+        "cites research/mission.md, which is not in the repository",
+        "cites store/nowhere.py, which is not in the repository",
+        "cites ../nowhere.py, which is not in the repository",
+        "cites docs/store.md#no-such-heading, but docs/store.md has no such heading",
+        "cites docs/architecture.md §99, which has no section 99",
+    ], "\n".join(bad)
+    assert [b.split(":")[1] for b in bad] == ["1"] * 5 + ["2"] * 4 + ["3"] * 2

@@ -1,4 +1,4 @@
-"""ClippedPGLoss: hand-derived terms, a plain-loop twin, and microbatch / rank invariance (DESIGN §5).
+"""ClippedPGLoss: hand-derived terms, a plain-loop twin, and microbatch / rank invariance (docs/loss.md).
 
 Expected values are derived in the comments next to each case, as in torchtune's test_ppo_loss.py.
 """
@@ -381,7 +381,7 @@ def test_no_positive_tokens_gives_zero_nll_and_finite_grad():
 # ---------------------------------------------------------------- plain loop twin
 
 def loop_loss(cfg: LossConfig, lp: torch.Tensor, batch: dict, counts: GlobalCounts, threshold=None):
-    """DESIGN §5 one token at a time, with 0-dim tensor ops so autograd still works."""
+    """The loss of docs/loss.md one token at a time, with 0-dim tensor ops so autograd still works."""
     beta, mu, c = cfg.reference_policy_kl_penalty, cfg.positive_example_nll_weight, cfg.ratio_clip_c
     lo, hi = 1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max
     kind, w_hi, w_lo = (cfg.truncated_importance_sampling_type, cfg.truncated_importance_sampling_ratio,

@@ -1,4 +1,4 @@
-"""Two real gloo ranks under DDP give the single-process full-batch gradient and metrics (DESIGN §5)."""
+"""Two real gloo ranks under DDP give the single-process full-batch gradient and metrics (docs/architecture.md §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bounded importance weights (tis, icepop, seq-mask-tis) and sequence masking by log-prob error (issue 39, DESIGN §5).
+"""Bounded importance weights (tis, icepop, seq-mask-tis) and sequence masking by log-prob error (issue 39, docs/loss.md).
 
 Expected values are derived by hand in the comments; random batches are checked against the plain-loop twin of
 tests/test_loss.py and for microbatch and rank invariance of the loss, its gradients and every metric.

@@ -1,4 +1,4 @@
-"""Sequence packing and dynamic batching change no number (DESIGN §11): the packers, the packed forward, one
+"""Sequence packing and dynamic batching change no number (docs/packing.md): the packers, the packed forward, one
 optimizer step in every mode, an unbalanced shard on two real FSDP2 ranks, and the refusals."""
 
 from __future__ import annotations

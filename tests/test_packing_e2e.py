@@ -1,4 +1,4 @@
-"""Packing and dynamic batching end to end give the padded run's numbers (DESIGN §11).
+"""Packing and dynamic batching end to end give the padded run's numbers (docs/packing.md).
 
 Three runs share every assertion (CI time is scarce): a padded reference (dp 2, data plane on), packing (dp 2,
 data plane off) and dynamic batching (dp 1, data plane on, the default round of 64 on rows of ~10 tokens); all

@@ -1,4 +1,4 @@
-"""A local run is private, and a killed run's store does not outlive it (DESIGN §12-13).
+"""A local run is private, and a killed run's store does not outlive it (docs/security.md; docs/store.md#ownership-and-store-gc).
 
 One real `dataplane-rl train` (data plane on shm, a checkpoint per step) is watched: every listening socket
 of every process it started binds loopback (docs/security.md names no exception for a local run), and its

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from dataplane_rl.rollout.retries import Retries
 from dataplane_rl.rollout.worker import rollout_columns
 
 
@@ -31,7 +32,7 @@ class Task:
 def test_token_columns_are_prompt_then_response_per_row():
     job = types.SimpleNamespace(group_ids=[5, 9], prompts=["a", "bb"])
     gens = [Gen([7, 8], [-0.5, -0.25], False), Gen([], [], True), Gen([4], [-1.0], False), Gen([1, 2, 3], [-1, -2, -3], True)]
-    t = rollout_columns(job, gens, [[1, 2], [3]], Tok(), Task(), 2, 4)
+    t = rollout_columns(job, gens, [[1, 2], [3]], ["a", "bb"], Tok(), Task(), 2, 4, Retries(0))
     # rows: prompt [1, 2] + [7, 8]; [1, 2] + []; prompt [3] + [4]; [3] + [1, 2, 3]
     assert t.column("input_ids").to_pylist() == [[1, 2, 7, 8], [1, 2], [3, 4], [3, 1, 2, 3]]
     assert t.column("input_lengths").to_pylist() == [4, 2, 2, 4]
@@ -46,3 +47,6 @@ def test_token_columns_are_prompt_then_response_per_row():
     assert t.column("turn_index").to_pylist() == t.column("token_mask").to_pylist()
     assert t.column("num_turns").to_pylist() == [1] * 4 and t.column("observation_tokens").to_pylist() == [0] * 4
     assert t.column("end_reason").to_pylist() == ["done", "length", "done", "length"]
+    # a task without rows: no dataset row, no ground truth, no reward extras
+    assert t.column("dataset_row").to_pylist() == [-1] * 4 and t.column("ground_truth").to_pylist() == ["null"] * 4
+    assert t.column("reward_extra_info").to_pylist() == ["{}"] * 4 and t.column("prompt_text").to_pylist() == ["a", "a", "bb", "bb"]

@@ -1,4 +1,4 @@
-"""An shm store trusts only its owner (DESIGN §13): a store folder another user owns, that others may write,
+"""An shm store trusts only its owner (docs/security.md): a store folder another user owns, that others may write,
 or that is a symlink is refused, and so is a symlink where the store expects one of its files or folders.
 Each refusal is one StoreUnavailableError line naming the path and its owner, and nothing is written."""
 

@@ -1,4 +1,4 @@
-"""The column-store contract (DESIGN §4), run against every backend: memory, shm, ray, mooncake.
+"""The column-store contract (docs/architecture.md §5), run against every backend: memory, shm, ray, mooncake.
 
 The semantics live once in ColumnStore; these tests pin them down on each backend's storage. Readiness
 (ready/wait) and concurrency across threads and processes are in test_store_concurrency.py.

@@ -1,4 +1,4 @@
-"""Store ownership (DESIGN §12): an auto-made shm store records its owner (host, PID, start time);
+"""Store ownership (docs/store.md#ownership-and-store-gc): an auto-made shm store records its owner (host, PID, start time);
 `store gc` removes those of dead owners that were not kept, and never a live or kept one, even when the
 owner's PID now belongs to another process. Every store here lives under a private temporary root
 (DATAPLANE_RL_SHM_ROOT), so no other run's store on this machine is ever looked at."""

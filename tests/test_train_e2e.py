@@ -246,7 +246,8 @@ def test_train_cli_writes_the_run_folder(tmp_path):
         assert key in lines[0], key
     sample = json.loads((run_dir / "train_data/step_000001.jsonl").read_text().splitlines()[0])
     assert set(sample) == {"sample_id", "group_id", "prompt", "response", "total_reward", "advantage", "sample_mask",
-                           "generation_policy_version", "num_turns", "end_reason", "data_source", "extra_info"}
+                           "generation_policy_version", "num_turns", "end_reason", "data_source", "extra_info",
+                           "dataset_row", "ground_truth", "reward_extra_info"}
     assert sample["num_turns"] == 1 and sample["end_reason"] in ("done", "length")
     # every stored total_reward is the user's function of the row; the module's task made every row
     sys.path.insert(0, str(examples))
@@ -254,14 +255,17 @@ def test_train_cli_writes_the_run_folder(tmp_path):
         from reward import compute_score
     finally:
         sys.path.pop(0)
-    truth = {f"user: {r['prompt'][0]['content']}\nassistant: ": r for r in pq.read_table(examples / "data" / "train.parquet").to_pylist()}
+    file_rows = pq.read_table(examples / "data" / "train.parquet").to_pylist()
     rows = [json.loads(x) for f in sorted((run_dir / "train_data").iterdir()) for x in f.read_text().splitlines()]
     assert len(rows) == 2 * 32
-    for r in rows:
-        src, pid = truth[r["prompt"]], r["data_source"].split("@")[1]
+    for r in rows:  # each sample names its row, and its prompt, ground truth and extra_info are that row's
+        src, pid = file_rows[r["dataset_row"]], r["data_source"].split("@")[1]
+        assert r["prompt"] == f"user: {src['prompt'][0]['content']}\nassistant: "
+        assert r["ground_truth"] == src["reward_model"]["ground_truth"]
         assert r["data_source"] == f"{src['data_source']}@{pid}" and json.loads(r["extra_info"]) == src["extra_info"]
         want = compute_score(src["data_source"], r["response"], src["reward_model"]["ground_truth"], src["extra_info"])
         assert r["total_reward"] == float(np.float32(want["score"]))
+        assert json.loads(r["reward_extra_info"]) == {k: v for k, v in want.items() if k != "score"}  # the dict's rest
     pids = {r["data_source"].split("@")[1] for r in rows}
     imports = set((tmp_path / "imports.txt").read_text().split())
     assert len(pids) == 2 and pids <= imports, "each of the 2 rollout actors must make rows with the module's task"
@@ -271,6 +275,9 @@ def test_train_cli_writes_the_run_folder(tmp_path):
         for s in {r["data_source"] for r in mine}:
             want = np.mean([np.float32(r["total_reward"]) for r in mine if r["data_source"] == s])
             assert m[f"train/reward/{s}"] == pytest.approx(want, rel=1e-6)
+        # train/reward_extra/<key>: the mean of the reward dicts' other keys over the step's trained samples
+        assert m["train/reward_extra/correct"] == pytest.approx(np.mean([json.loads(r["reward_extra_info"])["correct"]
+                                                                        for r in mine]))
     assert load_config(run_dir / "config.yaml").grpo.max_num_steps == 2  # the resolved config reloads
     store_url = json.loads((run_dir / "summary.json").read_text())["store_url"]
     assert store_url.startswith("shm:///") and not Path(store_url[len("shm://"):]).exists(), \

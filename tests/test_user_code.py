@@ -37,8 +37,13 @@ def worker(*overrides: str) -> RolloutWorker:
 
 
 def generate(w: RolloutWorker, P: int = 4, step: int = 1) -> list[dict]:
-    table, _ = w.generate(RolloutJob("step-000001", step, 0, 0, list(range(P)), w.task.prompts(0, step, 0, P)))
+    table, _ = w.generate(RolloutJob("step-000001", step, 0, 0, list(range(P)), draw(w, step, P)))
     return table.to_pylist()
+
+
+def draw(w: RolloutWorker, step: int, P: int) -> list:
+    """The prompt keys the driver's task draws for `step` (an actor's own task draws none)."""
+    return load_task(w.cfg.task, w.tokenizer).prompts(0, step, 0, P)
 
 
 def user_fn():
@@ -88,28 +93,38 @@ def test_epochs_visit_every_prompt_once_in_a_seeded_order_that_resumes(tmp_path)
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:6]))
     pq.write_table(pa.Table.from_pylist(rows[6:]), tmp_path / "b.parquet")  # a folder of both kinds
     t = DatasetTask(str(tmp_path), val_path=str(tmp_path / "b.parquet"), output_key="answer")
-    assert t.train_pool == [f"q{i}" for i in range(10)] and t.val_prompts(2) == ["q6", "q7"]
+    # keys are row ids: the folder's 10 rows are 0-9, the val file's 4 rows 10-13 (10 + their position there)
+    assert [t.text(k) for k in t.train_rows] == [f"q{i}" for i in range(10)] and t.val_prompts(2) == [10, 11]
+    assert [t.text(k) for k in t.val_prompts(2)] == ["q6", "q7"] and t.where(11) == f"task path '{tmp_path / 'b.parquet'}' row 1"
     steps = [t.prompts(7, s, 0, 5) for s in range(1, 5)]  # 20 prompts: two epochs of 10
     for epoch in (steps[0] + steps[1], steps[2] + steps[3]):
-        assert sorted(epoch) == sorted(t.train_pool)
-    assert steps[0] + steps[1] != steps[2] + steps[3] and steps[0] + steps[1] != t.train_pool
+        assert sorted(epoch) == list(range(10))
+    assert steps[0] + steps[1] != steps[2] + steps[3] and steps[0] + steps[1] != list(range(10))
     again = DatasetTask(str(tmp_path), val_path=str(tmp_path / "b.parquet"), output_key="answer")
     assert [again.prompts(7, s, 0, 5) for s in (4, 2)] == [steps[3], steps[1]]
     assert t.prompts(8, 1, 0, 5) != steps[0]
     in_order = DatasetTask(str(tmp_path / "a.jsonl"), output_key="answer", shuffle=False)
-    assert in_order.prompts(0, 1, 0, 3) + in_order.prompts(0, 2, 0, 3) == (in_order.train_pool * 2)[:6]
-    assert t.row("q3").data_source == tmp_path.name and t.reward("q3", "the answer is 3") == 1.0
+    assert in_order.prompts(0, 1, 0, 3) + in_order.prompts(0, 2, 0, 3) == (in_order.train_rows.tolist() * 2)[:6]
+    assert t.row(3).data_source == tmp_path.name and t.reward(3, "the answer is 3") == 1.0
+    with pytest.raises(ConfigError, match=r"row 14 is not a row of .*b\.parquet"):
+        t.text(14)
 
 
 def test_dataset_refusals_name_the_row_and_the_fix(tmp_path):
     tok = load_tokenizer(build_tiny(0))
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"question": "q", "answer": 1}) + "\n")
-    with pytest.raises(ConfigError, match=r"row 0 has no 'prompt' \(task.input_key\); its columns: question, answer"):
+    with pytest.raises(ConfigError, match=r"has no 'prompt' \(task.input_key\); its columns: question, answer"):
         DatasetTask(str(f))
-    f.write_text("".join(json.dumps({"prompt": "same", "reward_model": {"ground_truth": g}}) + "\n" for g in "12"))
-    with pytest.raises(ConfigError, match=r"row 1 repeats the prompt of .*row 0 with another ground truth"):
-        DatasetTask(str(f))
+    for bad, what in ((None, "null or empty"), (" ", "null or empty"), (7, "row 1: the prompt is 7; it must be text or chat")):
+        f.write_text(json.dumps({"prompt": "ok", "reward_model": {"ground_truth": 1}}) + "\n"
+                     + json.dumps({"prompt": bad, "reward_model": {"ground_truth": 1}}) + "\n")
+        with pytest.raises(ConfigError, match=rf"d\.jsonl'.*{what}"):
+            DatasetTask(str(f))
+    f.write_text(json.dumps({"prompt": [{"role": "user", "content": "a"}], "reward_model": {"ground_truth": 1}}) + "\n"
+                 + json.dumps({"prompt": [{"role": "user", "content": None}], "reward_model": {"ground_truth": 1}}) + "\n")
+    with pytest.raises(ConfigError, match=r"d\.jsonl' row 1: the prompt .* a chat message with a null role or content"):
+        DatasetTask(str(f), tokenizer=tok)  # never rendered as the text "None"
     f.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": 1}}) + "\n")
     tok.chat_template = None
     with pytest.raises(ConfigError, match=r"chat messages but policy.model's tokenizer has no chat template"):
@@ -129,8 +144,8 @@ def test_dataset_refusals_name_the_row_and_the_fix(tmp_path):
         rows = [{"data_source": "s", "prompt": f"p{i}", "reward_model": {"ground_truth": str(i)}} for i in range(10)]
         datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
         task = DatasetTask(str(tmp_path / "saved"), val_path=str(tmp_path / "saved"))
-        assert sorted(task.train_pool) == [f"p{i}" for i in range(10)]
-        assert task.row("p3").ground_truth == "3" and task.row("p3").data_source == "s"
+        assert [task.text(k) for k in task.train_rows] == [f"p{i}" for i in range(10)]
+        assert task.row(3).ground_truth == "3" and task.row(3).data_source == "s"
         datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows)}
                              ).save_to_disk(str(tmp_path / "splits"))
         with pytest.raises(ConfigError, match=r"test.*train|train.*test"):
@@ -158,7 +173,7 @@ def test_a_bad_reward_fails_its_groups_naming_the_rows_source(tmp_path):
     (tmp_path / "nan.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                      "    return float('nan') if data_source == 'sub' else 1.0\n")
     w = worker("task.name=dataset", f"task.path={TRAIN}", f"task.reward_function={tmp_path / 'nan.py'}")
-    prompts = w.task.prompts(0, 1, 0, 8)
+    prompts = draw(w, 1, 8)
     table, receipt = w.generate(RolloutJob("step-000001", 1, 0, 0, list(range(8)), prompts))
     subs = {g for g, p in enumerate(prompts) if w.task.row(p).data_source == "sub"}
     assert subs and len(subs) < 8  # the fixed draw holds both sources
@@ -219,9 +234,11 @@ def test_load_task_imports_the_module_once_and_passes_the_tokenizer(tmp_path):
     try:
         tok = load_tokenizer(build_tiny(0))
         a, b = load_task(cfg.task, tok), load_task(cfg.task, tok)
-        assert import_user_module(cfg.task.module).IMPORTS == 1 and a.train_pool == b.train_pool
-        assert all(p.startswith("user: q") and p.endswith("assistant: ") for p in a.train_pool + a.val_pool)
-        assert math.isclose(a.reward(a.train_pool[0], str(a.row(a.train_pool[0]).ground_truth)), 1.0)
+        assert import_user_module(cfg.task.module).IMPORTS == 1 and a.train_rows.tolist() == b.train_rows.tolist()
+        texts = [a.text(k) for k in [*a.train_rows, *a.val_rows]]
+        assert all(p.startswith("user: q") and p.endswith("assistant: ") for p in texts)
+        first = int(a.train_rows[0])
+        assert math.isclose(a.reward(first, str(a.row(first).ground_truth)), 1.0)
     finally:
         TASKS.pop("mine", None)
 

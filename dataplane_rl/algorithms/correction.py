@@ -1,4 +1,4 @@
-"""Bounded off-policy correction: truncated or masked importance weights and sequence masking by mismatch (DESIGN §5)."""
+"""Bounded off-policy correction: truncated or masked importance weights and sequence masking by mismatch (docs/loss.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The on-policy distillation loss: a KL to the teacher's top-k, globally normalised, beside the GRPO loss (DESIGN §15).
+"""The on-policy distillation loss: a KL to the teacher's top-k, globally normalised, beside the GRPO loss (docs/distillation.md).
 
 Like loss.py, a pure function of tensors and explicit global counts. The teacher's top-k log-probs
 `teacher_topk_logprobs` [B, T, k] (full-vocabulary log-probs of its k most likely next tokens, position t

@@ -1,4 +1,4 @@
-"""GRPO's driver-side math (DESIGN §6): group advantages and whole-group dynamic sampling.
+"""GRPO's driver-side math (docs/grpo.md): group advantages and whole-group dynamic sampling.
 
 Pure numpy on per-sample scalars; the driver never needs a token column for any of it.
 """

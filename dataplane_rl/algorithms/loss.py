@@ -1,4 +1,4 @@
-"""Clipped policy-gradient loss with KL penalty and VAPO positive-example NLL (DESIGN §5).
+"""Clipped policy-gradient loss with KL penalty and VAPO positive-example NLL (docs/loss.md).
 
 The loss is a pure function of tensors and explicit global counts: it reads no process group and no
 global state. The counts (`N_tok`, `N_seq`, `N_pos`, `D`) are all-reduced once per optimizer step by

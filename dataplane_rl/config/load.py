@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,12 @@ def _model_keys(model: type[BaseModel], prefix: str = "") -> dict[str, Any]:
 
 
 ALL_KEYS = _model_keys(Config)
+# keys whose value is a mapping of the user's own names (task.reward_kwargs.format_score=0.25)
+OPEN_KEYS = tuple(k for k, f in ALL_KEYS.items() if typing.get_origin(f.annotation) is dict or f.annotation is dict)
+
+
+def _known(key: str) -> bool:
+    return key in ALL_KEYS or any(key.startswith(k + ".") for k in OPEN_KEYS)
 
 
 def _unknown_key_error(key: str, source: str) -> ConfigError:
@@ -51,9 +58,9 @@ def _unknown_key_error(key: str, source: str) -> ConfigError:
 def _check_keys(tree: dict, source: str, prefix: str = "") -> None:
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if key not in ALL_KEYS:
+        if not _known(key):
             raise _unknown_key_error(key, source)
-        if isinstance(v, dict):
+        if isinstance(v, dict) and key not in OPEN_KEYS:
             _check_keys(v, source, key + ".")
 
 
@@ -74,7 +81,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def apply_overrides(tree: dict, overrides: list[str]) -> dict:
     for text in overrides:
         key, value = parse_override(text)
-        if key not in ALL_KEYS:
+        if not _known(key):
             raise _unknown_key_error(key, f"override '{text}'")
         node = tree
         parts = key.split(".")

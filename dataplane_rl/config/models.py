@@ -60,7 +60,7 @@ class SchedulerConfig(_Section):
 class SequencePackingConfig(_Section):
     """`policy.sequence_packing.*`: pack a rank's rows into token-budget sequences (no padding); same numbers."""
 
-    enabled: bool = Field(False, description="Pack rows into sequences of at most *_mb_tokens tokens; positions restart per row and attention stays inside its row. Same numbers either way. Off by default: no faster on the default ~0.3M tiny model with its short rows (CPU, 1.00x); on the ~24.5M bench model with long-tail lengths it trains 1.9x the tokens/s of padded (CPU; notes/packing.md): turn it on for real models and long responses. CUDA uses flash_attention_2 when flash-attn is installed.")
+    enabled: bool = Field(False, description="Pack rows into sequences of at most *_mb_tokens tokens; positions restart per row and attention stays inside its row. Same numbers either way. Off by default: no faster on the default ~0.3M tiny model with its short rows (CPU, 1.00x); on the ~24.5M bench model with long-tail lengths it trains 1.9x the tokens/s of padded (CPU; docs/benchmarks.md): turn it on for real models and long responses. CUDA uses flash_attention_2 when flash-attn is installed.")
     train_mb_tokens: int = Field(4096, ge=2, description="Most tokens per packed train forward/backward; a longer row is refused before training.")
     logprob_mb_tokens: int = Field(4096, ge=2, description="Most tokens per packed log-prob forward (prev and reference log-probs).")
     algorithm: Literal["first_fit_decreasing", "concatenative"] = Field("first_fit_decreasing", description="first_fit_decreasing: longest row first into the first pack it fits (fewest packs); concatenative: rows in order.")

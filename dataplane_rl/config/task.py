@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -32,7 +32,12 @@ class TaskConfig(StrictScalars):
     output_key: str = Field("reward_model.ground_truth", description="task.name=dataset: the column holding the ground truth handed to the reward function; dotted names reach into structs (NeMo-RL: output_key).")
     shuffle: bool = Field(True, description="task.name=dataset: each epoch visits the training prompts in an order seeded by grpo.seed and the epoch (false: file order). Steps take consecutive prompts of that order, so a resumed run draws exactly the prompts it would have (verl: data.shuffle).")
     module: Optional[str] = Field(None, description="Your code: a FILE.py or an importable module name, imported in the driver and in every rollout actor and train worker before the task is looked up, so its register_task calls (tasks and multi-turn environments) work with task.name. On a cluster the file must exist at the same path on every host.")
-    reward_function: Optional[str] = Field(None, description="FILE.py:NAME (or module:NAME; NAME defaults to compute_score) with verl's signature compute_score(data_source, solution_str, ground_truth, extra_info=None) returning a float or a dict with 'score'; it replaces the task's reward, for multi-turn tasks at the end of each episode. An exception, NaN or non-number is a data failure (RewardFunctionError): retried, then its whole group fails (fault_tolerance.*).")
+    reward_function: Optional[str] = Field(None, description="FILE.py:NAME (or module:NAME; NAME defaults to compute_score), called as verl calls it: by keyword, data_source=, solution_str=, ground_truth=, extra_info= and task.reward_kwargs, passing only the parameters the function declares (all with **kwargs), checked before the run starts. It returns a float or a dict with 'score' (its other keys are the sample's reward_extra_info column, numeric ones logged as train/reward_extra/<key>); it replaces the task's reward, for multi-turn tasks at the end of each episode. An exception, NaN or non-number is a data failure (RewardFunctionError): retried, then its whole group fails (fault_tolerance.*).")
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for task.reward_function, e.g. task.reward_kwargs.format_score=0.25 (verl: custom_reward_function.reward_kwargs). A key the function does not declare is refused before the run starts.")
+    reward_manager: Literal["naive", "batch"] = Field("naive", description="How task.reward_function is called (verl: reward_model.reward_manager): naive, once per sample; batch, once per rollout job with lists (data_sources=, solution_strs=, ground_truths=, extra_infos=), returning one score or dict per sample. A batch call that raises is retried, then fails every group of the job.")
+    max_prompt_length: Optional[int] = Field(None, ge=1, description="Most prompt tokens (verl: data.max_prompt_length). None: what the model's positions (max_position_embeddings, or policy.max_total_sequence_length when smaller) leave after generation.max_new_tokens. A longer prompt is refused by row (task.truncation=error), filtered (task.filter_overlong_prompts) or cut (task.truncation=left|right); never trained silently.")
+    filter_overlong_prompts: bool = Field(False, description="Leave out prompts longer than task.max_prompt_length (verl: data.filter_overlong_prompts): the step takes a seeded replacement row in its place, and rollout/overlong_prompts_filtered_total counts them.")
+    truncation: Literal["error", "left", "right"] = Field("error", description="A prompt longer than task.max_prompt_length when task.filter_overlong_prompts is false (verl: data.truncation): error, the run stops naming the row; left, its first tokens are cut (the end is kept); right, its last tokens are cut.")
 
     @field_validator("path", "val_path")
     @classmethod

@@ -1,4 +1,4 @@
-"""Failed groups on the driver's side (DESIGN §14): counted, named in one line, left out, bounded by a budget.
+"""Failed groups on the driver's side (docs/architecture.md §7): counted, named in one line, left out, bounded by a budget.
 
 A rollout job's receipt names the groups whose reward or environment call failed on every try
 (rollout/retries.py); their rows were never written. The driver reads a round's written rows only, leaves the

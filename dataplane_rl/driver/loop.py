@@ -1,4 +1,4 @@
-"""The GRPO run (DESIGN §2): the run folder, checkpoints, signals and the step loop around GRPOTrainer.
+"""The GRPO run (docs/architecture.md §4): the run folder, checkpoints, signals and the step loop around GRPOTrainer.
 
 One loop for every mode: the data plane on or off (driver/transport.py), sync or async GRPO
 (driver/rollouts.py); the step's phases are GRPOTrainer's (driver/trainer.py).

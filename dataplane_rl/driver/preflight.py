@@ -11,6 +11,7 @@ from dataplane_rl.store import MemoryStore, open_store
 from dataplane_rl.run import private_ray
 from dataplane_rl.rollout.multiturn import check_config as check_multi_turn
 from dataplane_rl.tasks import load_modules, load_task
+from dataplane_rl.tasks.prompts import PromptSampler
 from dataplane_rl.tasks.multiturn import is_multi_turn
 
 
@@ -28,7 +29,8 @@ def open_run_store(cfg: Config):
 
 def preflight(cfg: Config):
     """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
-    an actor's traceback: task.module, the task and its file, the model folder, the engine. Returns (task, model folder)."""
+    an actor's traceback: task.module, the task and its file, the model folder, the engine. Returns (task, model
+    folder, the PromptSampler that draws the steps' prompts within task.max_prompt_length)."""
     check_imports_return(cfg)  # before this process imports them: an import may end the process it runs in
     load_modules(cfg.task)  # first: a task.module that fails to import is the one error, not an unknown task.name
     check_folders(cfg)
@@ -40,12 +42,13 @@ def preflight(cfg: Config):
     check_device(cfg)
     private_ray.check_dashboard(cfg)
     check_prompt_lengths(cfg, task, tokenizer)
+    sampler = PromptSampler(cfg, task, tokenizer, str(folder))
     check_distillation(cfg, tokenizer)
     if cfg.generation.backend == "vllm":
         from dataplane_rl.rollout.vllm_engine import require_vllm
 
         require_vllm()
-    return task, str(folder)
+    return task, str(folder), sampler
 
 
 # run in a child: import the user's module, then say so; an exception is left to the import in the driver,
@@ -155,16 +158,16 @@ def check_device(cfg: Config) -> None:
 
 
 def check_prompt_lengths(cfg: Config, task, tok) -> None:
-    """Every prompt of the task's pools leaves room for a response within policy.max_total_sequence_length
-    (else the rollout actor fails mid-run on the first long prompt it draws). Tasks without pools are
-    checked as their prompts come."""
+    """Every prompt of a task's text pools (the built-in tasks') leaves room for a response within
+    policy.max_total_sequence_length (else the rollout actor fails mid-run on the first long prompt it draws).
+    Other tasks' prompts (a dataset's rows) are checked as they are drawn (tasks/prompts.py)."""
     max_total = cfg.policy.max_total_sequence_length
     pools = [getattr(task, name, None) for name in ("train_pool", "val_pool")]
     if max_total is None or not any(pools):
         return
     from dataplane_rl.rollout.worker import encode_prompt, response_rooms
 
-    for prompt in (p for pool in pools if pool for p in pool):
+    for prompt in (p for pool in pools if pool for p in pool if isinstance(p, str)):
         ids = encode_prompt(tok, prompt)
         if len(ids) >= max_total:
             response_rooms([ids], cfg.generation.max_new_tokens, max_total)  # its ConfigError, naming the limit

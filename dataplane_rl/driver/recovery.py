@@ -1,4 +1,4 @@
-"""Rollout actors that die mid-run (DESIGN §14): replaced on their slot, their unfinished jobs dispatched again.
+"""Rollout actors that die mid-run (docs/architecture.md §7): replaced on their slot, their unfinished jobs dispatched again.
 
 A rollout row depends only on its seed (grpo.seed, step, round, group, sample) and on the weights its job was
 sent with, so a job run again on a fresh actor writes the same cells. The replacement is made on the dead

@@ -1,4 +1,4 @@
-"""In-run recoveries that rebuild part of the run (DESIGN §14): a dead train rank, a dead holder of the run's store.
+"""In-run recoveries that rebuild part of the run (docs/architecture.md §7): a dead train rank, a dead holder of the run's store.
 
 - **A holder (or the master) of the run's own Mooncake store** (`mooncake://`, started by the run) dies: its rows
   die with it. The store is replaced by a new one (a new master and holders) and every actor opens it. In sync

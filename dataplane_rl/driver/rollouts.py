@@ -40,7 +40,7 @@ class Rollouts:
         self.fields = [c.name for c in trainer.schema.columns if c.writer == "rollout"]
 
     # -- sending ------------------------------------------------------------------------------------
-    def send(self, pid: str, step: int, round_: int, prompts: list[str], G: int, group_offset: int = 0,
+    def send(self, pid: str, step: int, round_: int, prompts: list, G: int, group_offset: int = 0,
              validation: bool = False) -> Pending:
         t = self.t
         t.store.create_partition(pid, t.schema, len(prompts) * G)
@@ -54,7 +54,7 @@ class Rollouts:
     def send_round(self, step: int, round_: int) -> Pending:
         g = self.t.cfg.grpo
         pid = f"step-{step:06d}" if round_ == 0 else f"step-{step:06d}-r{round_}"
-        prompts = self.t.task.prompts(g.seed, step, round_, g.num_prompts_per_step)
+        prompts = self.t.sampler.draw(g.seed, step, round_, g.num_prompts_per_step)
         return self.send(pid, step, round_, prompts, g.num_generations_per_prompt)
 
     def send_ahead(self, version: int) -> None:

@@ -1,4 +1,4 @@
-"""One GRPO step's metrics (docs/metrics.md): the train ranks' reduced numbers, the rewards of every generated
+"""One GRPO step's metrics (docs/run-folder.md): the train ranks' reduced numbers, the rewards of every generated
 sample, generation lengths, staleness, faults, data-plane traffic, timings and throughput."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from dataplane_rl.columns.rowsets import rowset_size
-from dataplane_rl.driver.samples import source_rewards
+from dataplane_rl.driver.samples import reward_extras, source_rewards
 from dataplane_rl.driver.step_io import Groups, StepIO
 from dataplane_rl.rollout.multiturn import episode_metrics
 from dataplane_rl.store import to_numpy
@@ -33,6 +33,7 @@ def step_metrics(step: int, train: dict, got: Groups, kept_rewards: np.ndarray, 
     m["train/reward_min"] = float(np.min(generated))
     m["train/reward_max"] = float(np.max(generated))
     m.update(source_rewards(generated, got.rounds_sources))
+    m.update(reward_extras(got.scalars.column("reward_extra_info").to_pylist()))  # of the trained samples
     m["train/zero_advantage_group_fraction"] = got.zero_advantage_groups / max(got.groups_generated, 1)
     m["generation/response_length_mean"] = train["response_length_mean"]
     m["generation/response_length_max"] = train["response_length_max"]

@@ -1,4 +1,4 @@
-"""A dead train rank (DESIGN §14): one line naming the rank, its node and what resumes the run; its last output kept.
+"""A dead train rank (docs/architecture.md §7): one line naming the rank, its node and what resumes the run; its last output kept.
 
 With checkpointing on, the run rebuilds its train group and resumes from its last checkpoint in-process
 (driver/restart.py). Without, or with fault_tolerance.max_restarts spent, a rank that dies stops the run with

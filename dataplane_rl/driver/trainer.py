@@ -1,4 +1,4 @@
-"""The GRPO driver (DESIGN §2): actors, the step store, and one training step as named phases.
+"""The GRPO driver (docs/architecture.md §4): actors, the step store, and one training step as named phases.
 
 Sync and async GRPO run the same phases; they differ only in where `collect_groups` finds a step's rollout
 partition (generated on demand, or sent ahead: driver/rollouts.py) and in whether `refit` waits for the
@@ -45,7 +45,7 @@ class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.schema = load_schema(cfg.data_plane.schema_name)
-        self.task, self.model_folder = preflight(cfg)
+        self.task, self.model_folder, self.sampler = preflight(cfg)  # sampler: the steps' prompts (tasks/prompts.py)
         validation.check_task(cfg.grpo, self.task)
         self.store = None
         self.rollouts_dir: Path | None = None  # logger.save_rollouts: the run folder's rollouts/ (set by loop.py)
@@ -195,7 +195,7 @@ class GRPOTrainer:
         self._refits = []  # every engine holds these weights now, a replacement's included
         return seconds
 
-    def rollout_round(self, pid: str, step: int, round_: int, prompts: list[str], G: int, io: StepIO | None = None,
+    def rollout_round(self, pid: str, step: int, round_: int, prompts: list, G: int, io: StepIO | None = None,
                       group_offset: int = 0, validation: bool = False) -> list[dict]:
         """Create partition `pid`, have the rollout actors fill it with G samples per prompt; the receipts."""
         return self.rollouts.collect(self.rollouts.send(pid, step, round_, prompts, G, group_offset, validation), io)
@@ -370,4 +370,5 @@ class GRPOTrainer:
         self._last_step_end = now
         return step_metrics(step, train, got, kept_rewards, io, since=since, epochs=self.cfg.grpo.num_epochs,
                             async_on=self.rollouts.ahead is not None, data_plane=bool(self.store_url),
-                            counters={**self.recovery.counters(), **self.data_faults.counters()})
+                            counters={**self.recovery.counters(), **self.data_faults.counters(),
+                                      **self.sampler.counters()})

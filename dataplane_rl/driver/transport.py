@@ -1,4 +1,4 @@
-"""The data-plane switch (DESIGN §2), in one module: how columns travel between driver and actors.
+"""The data-plane switch (docs/architecture.md §4.3), in one module: how columns travel between driver and actors.
 
 Data plane on (`data_plane.enabled=true`): every actor opens the run's store by URL and reads and writes
 its own rows; the driver passes row sets and reads per-sample scalars only. Off: the driver's in-process

@@ -13,6 +13,7 @@ import numpy as np
 
 from dataplane_rl import trace
 from dataplane_rl.errors import ConfigError
+from dataplane_rl.driver.samples import source_rewards
 from dataplane_rl.store import to_numpy
 
 
@@ -31,12 +32,13 @@ def due(grpo_cfg, step: int) -> bool:
 
 @trace.traced("validation")
 def validate(trainer, step: int) -> dict:
-    """validation/reward (mean), validation/accuracy (share of reward 1.0), validation/num_samples and
-    timing/validation of the current policy; `trainer` is a started GRPOTrainer."""
+    """validation/reward (mean), validation/reward/<data_source> (verl's val-core), validation/accuracy (share of
+    reward 1.0), validation/num_samples and timing/validation of the current policy; `trainer` is a started
+    GRPOTrainer."""
     g = trainer.cfg.grpo
     t0 = time.perf_counter()
-    prompts = trainer.task.val_prompts(g.max_val_samples)
-    rewards = []
+    prompts = trainer.sampler.val(g.max_val_samples)
+    rewards, sources = [], []
     for start in range(0, len(prompts), g.val_batch_size):
         chunk = prompts[start:start + g.val_batch_size]
         pid = f"val-{step:06d}-{start // g.val_batch_size}"
@@ -45,12 +47,16 @@ def validate(trainer, step: int) -> dict:
         # a prompt whose reward failed on every try has no row (rollout/retries.py): scored on the others
         failed = [r for receipt in receipts for r in receipt.get("failed_rows", ())]
         try:
-            table = trainer.store.get(pid, ["total_reward"], np.setdiff1d(np.arange(len(chunk)), failed) if failed else None)
+            table = trainer.store.get(pid, ["total_reward", "data_source"],
+                                      np.setdiff1d(np.arange(len(chunk)), failed) if failed else None)
             rewards.append(to_numpy(table.column("total_reward")).astype(np.float64))
+            sources += table.column("data_source").to_pylist()
         finally:
             trainer.store.drop_partition(pid)
     r = np.concatenate(rewards) if rewards else np.zeros(0)
+    per_source = {k.replace("train/reward/", "validation/reward/", 1): v for k, v in source_rewards(r, sources).items()}
     return {
+        **per_source,
         "validation/reward": float(r.mean()) if r.size else 0.0,
         "validation/accuracy": float((r >= 1.0).mean()) if r.size else 0.0,
         "validation/num_samples": int(r.size),

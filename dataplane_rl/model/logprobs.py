@@ -86,7 +86,7 @@ def packed_attention(model, device: torch.device, choice: str = "auto") -> str:
     """Set the attention a packed forward uses and return its name. auto: flash_attention_2 on CUDA when the
     flash-attn wheel is installed (transformers' variable-length path, cut by cu_seq_lens), else `segments`.
 
-    CPU choice, measured on the ~24.5M bench model (notes/packing.md): `segments` (one causal SDPA per row)
+    CPU choice, measured on the ~24.5M bench model (docs/benchmarks.md, `bench train`): `segments` (one causal SDPA per row)
     beats `sdpa` (transformers builds a block-diagonal [L, L] mask from the restarting position ids and
     attends over the whole pack) because its attention costs sum(n_i^2) instead of L^2; both are exact.
     """

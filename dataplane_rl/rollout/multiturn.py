@@ -15,6 +15,7 @@ it is raised before anything of the job is put, so nothing of it is stored.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -217,24 +218,26 @@ def episode_columns(episodes: list[Episode], group_ids: list[int], prompt_len: l
     })
 
 
-def multi_turn_table(worker, job, prompt_ids: list[list[int]], seeds: list[int], G: int, temperature: float,
+def multi_turn_table(worker, job, prompt_ids: list[list[int]], texts: list[str], seeds: list[int], G: int, temperature: float,
                      top_k: int, top_p: float, retries: Retries | None = None) -> pa.Table:
     """A rollout job of a multi-turn task on `worker` (a RolloutWorker): G episodes per prompt, as columns."""
     cfg = worker.cfg
     check_config(cfg, worker.task)
     env = Env(worker.task, worker.tokenizer, job.pid, retries)
     episodes = [Episode(prompt, job.row_start + p_i * G + s, seeds[p_i * G + s], list(prompt_ids[p_i]))
-                for p_i, prompt in enumerate(job.prompts) for s in range(G)]
+                for p_i, prompt in enumerate(texts) for s in range(G)]
     run_episodes(worker.engine, env, episodes, max_turns=cfg.multi_turn.max_turns,
                  max_new_tokens=cfg.generation.max_new_tokens, max_total=cfg.policy.max_total_sequence_length,
                  temperature=temperature, top_k=top_k, top_p=top_p)
     plen = [len(p) for p in prompt_ids for _ in range(G)]
+    extras = ["{}"] * len(episodes)
     if getattr(worker.task, "user_reward", None) is not None:  # task.reward_function scores the ended episode
-        for e, p in zip(episodes, plen):
+        for i, (e, p) in enumerate(zip(episodes, plen)):
             if e.failure is None:  # retried like the environment's calls; a reward that keeps failing fails the group
                 try:
-                    e.reward = env.retries.call("reward", worker.task.reward, e.prompt,
-                                                response_text(worker.tokenizer, e, p))
+                    e.reward, extra = env.retries.call("reward", worker.task.score, e.prompt,
+                                                       response_text(worker.tokenizer, e, p))
+                    extras[i] = json.dumps(extra, sort_keys=True, default=str)
                 except DataFailure as f:
                     e.failure = f
     groups = [gid for gid in job.group_ids for _ in range(G)]
@@ -242,6 +245,7 @@ def multi_turn_table(worker, job, prompt_ids: list[list[int]], seeds: list[int],
         if e.failure is not None:
             env.retries.fail(gid, e.failure)
     table = episode_columns(episodes, groups, plen, worker.tokenizer, worker.version, env)
+    table = table.append_column("reward_extra_info", pa.array(extras, pa.string()))
     for name, col in row_columns(worker.task, job.prompts, G).items():
         table = table.append_column(name, col)
     return table

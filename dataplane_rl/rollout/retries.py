@@ -1,4 +1,4 @@
-"""Data failures in a rollout job (DESIGN §14): a reward or environment call retried, then its whole group failed.
+"""Data failures in a rollout job (docs/architecture.md §7): a reward or environment call retried, then its whole group failed.
 
 A task's reward function or environment is user code; an exception from it is retried up to
 `fault_tolerance.max_data_retries` times (the calls are pure: the same prompt and response, or actions, each
@@ -41,7 +41,7 @@ class Retries:
         for attempt in range(self.retries + 1):
             try:
                 return fn(*args)
-            except Exception as e:  # noqa: BLE001 - any exception of user code is a data failure, named below
+            except (Exception, KeyboardInterrupt, SystemExit) as e:  # noqa: BLE001 - any failure of user code, named below
                 if attempt == self.retries:
                     raise DataFailure(reason, describe(e)) from None
                 self.counts[reason] += 1
@@ -58,3 +58,36 @@ class Retries:
         out["failed_groups"] = [[g, reason, error] for g, (reason, error) in self.failed.items()]
         out["failed_rows"] = rows[~keep].tolist()
         return table.filter(pa.array(keep)), rows[keep], out
+
+
+def score_job(task, keys: list, group_ids: list[int], responses: list[str], G: int,
+              retries: Retries) -> tuple[list[float], list[str]]:
+    """The rewards and reward_extra_info (JSON) of a job's responses (G per key, in order): one call per sample, or
+    one for the job with task.reward_manager=batch. A failure fails the sample's group (a batch call that fails on
+    every try, every group of the job); the failed rows' values are placeholders that are never stored."""
+    import json
+
+    from dataplane_rl.tasks import score
+
+    n = len(responses)
+    rewards, extras = [0.0] * n, [{}] * n
+    flat = [k for k in keys for _ in range(G)]
+    if getattr(task, "batched", False):
+        try:
+            results = retries.call("reward", task.score_batch, flat, responses)
+        except DataFailure as f:
+            for gid in group_ids:
+                retries.fail(gid, f)
+            results = []
+        for i, r in enumerate(results):
+            if isinstance(r, Exception):
+                retries.fail(group_ids[i // G], DataFailure("reward", describe(r)))
+            else:
+                rewards[i], extras[i] = r
+    else:
+        for i, (key, response) in enumerate(zip(flat, responses)):
+            try:
+                rewards[i], extras[i] = retries.call("reward", score, task, key, response)
+            except DataFailure as f:
+                retries.fail(group_ids[i // G], f)
+    return rewards, [json.dumps(e, sort_keys=True, default=str) for e in extras]

@@ -11,9 +11,10 @@ import pyarrow as pa
 
 from dataplane_rl import trace
 from dataplane_rl.rollout.generation import Generation
-from dataplane_rl.rollout.retries import DataFailure, Retries
+from dataplane_rl.rollout.retries import Retries, score_job
 from dataplane_rl.store import list_array
-from dataplane_rl.tasks import row_columns
+from dataplane_rl.tasks import prompt_text, row_columns
+from dataplane_rl.tasks.prompts import encode_prompt, prompt_limit, truncate  # noqa: F401 (encode_prompt: API)
 from dataplane_rl.tasks.multiturn import is_multi_turn
 
 
@@ -26,7 +27,7 @@ class RolloutJob:
     round: int
     row_start: int
     group_ids: list[int]       # one per prompt (the prompt's index in the round)
-    prompts: list[str]
+    prompts: list              # the task's prompt keys: dataset row ids, or prompt texts
     validation: bool = False   # held-out prompts: 1 sample each at generation.val_temperature
     retry: bool = False        # sent again after an actor died: write only the cells not yet committed
 
@@ -43,35 +44,25 @@ class Pending:
     version: int = 0           # the weights the jobs were sent after (driver/recovery.py sends them again with these)
 
 
-def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, version: int,
-                    retries: Retries | None = None) -> pa.Table:
+def rollout_columns(job: RolloutJob, gens, prompt_ids, texts: list[str], tokenizer, task, G: int, version: int,
+                    retries: Retries) -> pa.Table:
     """The rollout writer's columns for a job, in row order (prompt-major, then sample). Token columns are
     built flat (one values array and the row lengths per column, no numpy array per row): a put of per-row
-    arrays cost ~25 µs per column per put more (research/anchors-turn4-store.md §0)."""
-    ids, glp, lengths, plens, rewards, groups, trunc, ptext, rtext = [], [], [], [], [], [], [], [], []
-    for p_i, (gid, prompt) in enumerate(zip(job.group_ids, job.prompts)):
+    arrays cost ~25 µs per column per put more (docs/benchmarks.md, "Store throughput")."""
+    ids, glp, lengths, plens = [], [], [], []
+    responses = [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
+    for p_i in range(len(job.prompts)):
         p = prompt_ids[p_i]
         for s in range(G):
             g = gens[p_i * G + s]
-            response = tokenizer.decode(g.tokens, skip_special_tokens=True)
             ids += p
             ids += g.tokens
             glp += [0.0] * len(p)
             glp += g.logprobs
             plens.append(len(p))
             lengths.append(len(p) + len(g.tokens))
-            if retries is None:
-                rewards.append(task.reward(prompt, response))
-            else:
-                try:
-                    rewards.append(retries.call("reward", task.reward, prompt, response))
-                except DataFailure as f:
-                    retries.fail(gid, f)
-                    rewards.append(0.0)  # never stored: the caller drops the failed group's rows
-            groups.append(gid)
-            trunc.append(g.truncated)
-            ptext.append(prompt)
-            rtext.append(response)
+    rewards, extras = score_job(task, job.prompts, job.group_ids, responses, G, retries)
+    trunc = [g.truncated for g in gens]
     n = np.asarray(lengths, np.int32)  # [B]
     pl = np.asarray(plens, np.int64)  # [B]
     # token_mask: per row, 0 over the prompt then 1 over the response, as one repeat of [0, 1] x B
@@ -83,26 +74,19 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, tokenizer, task, G: int, 
         "token_mask": list_array(mask, n, pa.int8()),
         "generation_logprobs": list_array(np.asarray(glp, np.float32), n, pa.float32()),
         "total_reward": pa.array(np.asarray(rewards, np.float32)),
-        "group_id": pa.array(np.asarray(groups, np.int64)),
+        "group_id": pa.array(np.repeat(np.asarray(job.group_ids, np.int64), G)),
         "truncated": pa.array(trunc, type=pa.bool_()),
         # a single turn: the prompt is turn 0, the response turn 1; no observations
         "turn_index": list_array(mask.astype(np.int16), n, pa.int16()),
         "num_turns": pa.array(np.ones(len(n), np.int32)),
         "observation_tokens": pa.array(np.zeros(len(n), np.int32)),
         "end_reason": pa.array(["length" if t else "done" for t in trunc], type=pa.string()),
-        "prompt_text": pa.array(ptext, type=pa.string()),
-        "response_text": pa.array(rtext, type=pa.string()),
+        "prompt_text": pa.array([t for t in texts for _ in range(G)], type=pa.string()),
+        "response_text": pa.array(responses, type=pa.string()),
         "generation_policy_version": pa.array(np.full(len(n), version, np.int64)),
-        **row_columns(task, job.prompts, G),  # data_source, extra_info
+        "reward_extra_info": pa.array(extras, type=pa.string()),
+        **row_columns(task, job.prompts, G),  # data_source, extra_info, ground_truth, dataset_row
     })
-
-
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """A prompt's token ids as the engine gets them: BOS (if the tokenizer has one and a chat template did not
-    already put it in the text), then the text."""
-    ids = list(tokenizer(prompt, add_special_tokens=False).input_ids)
-    bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
 
 
 def response_rooms(prompt_ids: list[list[int]], max_new_tokens: int, max_total: int | None) -> list[int]:
@@ -142,7 +126,9 @@ class RolloutWorker:
         self.cfg = Config.model_validate(cfg)
         self.tokenizer = load_tokenizer(model_folder)
         self.engine = make_engine(self.cfg, model_folder, self.tokenizer)
-        self.task = load_task(self.cfg.task, self.tokenizer)  # task.module imported here, in this actor
+        # task.module imported here, in this actor; a dataset mapped, not scanned: the driver draws the rows
+        self.task = load_task(self.cfg.task, self.tokenizer, draws=False)
+        self.prompt_limit = prompt_limit(self.cfg, model_folder)
         from dataplane_rl.columns.actor_io import ActorIO
 
         self.io = ActorIO(store_url)
@@ -171,8 +157,16 @@ class RolloutWorker:
 
         RNGState().load_state_dict(state)
 
-    def encode(self, prompt: str) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt)
+    def encode(self, key) -> list[int]:
+        return self.prompt(key)[0]
+
+    def prompt(self, key) -> tuple[list[int], str]:
+        """Prompt `key`'s token ids as the engine gets them, and its text; an overlong prompt cut as
+        task.truncation says (the driver refused or replaced it for truncation=error or a filter)."""
+        text = prompt_text(self.task, key)
+        ids = encode_prompt(self.tokenizer, text)
+        cut = truncate(ids, self.prompt_limit, self.cfg.task.truncation)
+        return cut, text if cut is ids else self.tokenizer.decode(cut, skip_special_tokens=True)
 
     @trace.traced("rollout_job")
     def generate(self, job: RolloutJob):
@@ -188,7 +182,8 @@ class RolloutWorker:
             if temperature == 0:
                 top_k, top_p = 0, 1.0
         t0 = time.perf_counter()
-        prompt_ids = [self.encode(p) for p in job.prompts]
+        encoded = [self.prompt(p) for p in job.prompts]
+        prompt_ids, texts = [e[0] for e in encoded], [e[1] for e in encoded]
         flat = [p for p in prompt_ids for _ in range(G)]
         # validation rounds use round -1: their seeds never coincide with a training sample's
         seeds = [sample_seed(seed, job.step, -1 if job.validation else job.round, gid, s)
@@ -198,11 +193,11 @@ class RolloutWorker:
         if is_multi_turn(self.task):
             from dataplane_rl.rollout.multiturn import multi_turn_table
 
-            table = multi_turn_table(self, job, prompt_ids, seeds, G, temperature, top_k, top_p, retries)
+            table = multi_turn_table(self, job, prompt_ids, texts, seeds, G, temperature, top_k, top_p, retries)
         else:
             gens = self.engine.generate(flat, seeds, max(rooms), temperature, top_k, top_p)
             gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
-            table = rollout_columns(job, gens, prompt_ids, self.tokenizer, self.task, G, self.version, retries)
+            table = rollout_columns(job, gens, prompt_ids, texts, self.tokenizer, self.task, G, self.version, retries)
         table, rows, failures = retries.drop_failed(table, np.arange(job.row_start, job.row_start + table.num_rows))
         receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": self.version, **failures}
         trace.complete("generate", t0, step=job.step, round=job.round, rows=table.num_rows, validation=job.validation)

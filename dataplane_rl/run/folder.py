@@ -1,4 +1,4 @@
-"""The run folder (DESIGN §7): config.yaml, metrics.jsonl, train_data/, reward.png, summary.json.
+"""The run folder (docs/run-folder.md): config.yaml, metrics.jsonl, train_data/, reward.png, summary.json.
 
 Every file is appended line by line or written atomically, so an interrupted run leaves a folder whose
 files are each whole.

@@ -1,4 +1,4 @@
-"""What a run starts listens only where it must, with the authentication Ray offers (DESIGN §13).
+"""What a run starts listens only where it must, with the authentication Ray offers (docs/security.md).
 
 A run that starts its own Ray (no `cluster.address`) makes it private:
 - every Ray service binds 127.0.0.1. Ray has no switch for its listen address: gcs_server, raylet, the

@@ -1,4 +1,4 @@
-"""Column stores behind one protocol, chosen by URL (DESIGN §4).
+"""Column stores behind one protocol, chosen by URL (docs/architecture.md §5).
 
     store = open_store("shm:///dev/shm/my-run")
     store.create_partition("step-000001", "grpo", num_rows=128)

@@ -1,4 +1,4 @@
-"""The column-store semantics every backend shares (DESIGN §4).
+"""The column-store semantics every backend shares (docs/architecture.md §5).
 
 `ColumnStore` implements the public API once: validation against the declared schema, row identity,
 write-once cells, all-or-nothing puts, missing-cell errors, checksummed blocks and readiness. A backend

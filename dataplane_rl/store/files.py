@@ -4,7 +4,7 @@ they are the user's own, and, for metadata, checksummed.
 A metadata file (meta.json, a refs file) is the xxh3 of its JSON in 16 hex digits, a space, then the
 JSON: a damaged or truncated one is a CorruptChunkError, never rows read from a wrong map.
 
-Trust (DESIGN §13): a store folder another user owns, that others may write, or that is a symlink could be
+Trust (docs/security.md): a store folder another user owns, that others may write, or that is a symlink could be
 changed under us (another user renaming our partitions, or a store built in a symlink's target), so it is
 refused, as is a symlink where the store expects one of its files or folders: every file is opened with
 O_NOFOLLOW, every folder checked with lstat.

@@ -1,4 +1,4 @@
-"""Who owns an auto-made shm store, and collecting the stores of dead owners (DESIGN §12).
+"""Who owns an auto-made shm store, and collecting the stores of dead owners (docs/store.md#ownership-and-store-gc).
 
 A store made for `shm://` (no folder named) is the run's scratch space: it should go with its owner. A
 clean exit removes it (ShmStore.close, or the finalizer), but a SIGKILL, an OOM kill or a power cut leaves

@@ -1,6 +1,6 @@
 """A store's counters: puts and gets with their bytes and seconds, refusals by cause, in Prometheus names.
 
-Names follow what Mooncake's master, TransferQueue and Ray export (research/anchors-turn4-store.md §4):
+Names follow what Mooncake's master, TransferQueue and Ray export (docs/store.md lists them):
 `_total` for counters, `_seconds` for durations, `_bytes` for sizes, a `cause` label on refusals. A process
 counts its own calls (a lock and a few additions per call); a backend whose processes share a folder (shm)
 also writes them there, so `dataplane-rl store ls` adds up every process of the store.

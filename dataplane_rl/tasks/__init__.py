@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -184,17 +185,24 @@ TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
-def get_task(name: str, path: str | None = None, tokenizer=None) -> Task:
+def get_task(name: str, path: str | None = None, tokenizer=None, val_path: str | None = None) -> Task:
     """The registered task `name` (path: its data file, for file-based tasks). A factory with a `tokenizer`
-    parameter gets the model's tokenizer (to render chat prompts, as DatasetTask does)."""
+    parameter gets the model's tokenizer (to render chat prompts, as DatasetTask does), one with a `val_path`
+    parameter task.val_path; task.val_path for a factory without one is refused (it would be ignored)."""
     try:
         factory = TASKS[name]
     except KeyError:
         hint = "" if name in _BUILT_IN else "; a task of your own needs task.module=FILE.py, the file that registers it"
         raise ConfigError(f"unknown task.name '{name}'; registered tasks: {', '.join(TASKS)}{hint}") from None
-    if tokenizer is not None and "tokenizer" in inspect.signature(factory).parameters:
-        return factory(path, tokenizer=tokenizer)
-    return factory(path)
+    params = inspect.signature(factory).parameters
+    kwargs = {"tokenizer": tokenizer} if tokenizer is not None and "tokenizer" in params else {}
+    if val_path is not None:
+        if "val_path" not in params:
+            raise ConfigError(f"task.val_path is set, and task '{name}' takes no val_path (its factory has no val_path "
+                              "parameter): it holds out its own prompts; drop task.val_path, or give the factory a "
+                              "val_path parameter (register_task)")
+        kwargs["val_path"] = val_path
+    return factory(path, **kwargs)
 
 
 _BUILT_IN = frozenset(TASKS)
@@ -202,26 +210,65 @@ _BUILT_IN = frozenset(TASKS)
 
 def register_task(name: str, factory: Callable[..., Task]) -> None:
     """Add a task: `factory(path)` returns an object with prompts(), val_prompts() and reward() (a multi-turn
-    environment: step() too, and `multi_turn = True`), and may have row(prompt) -> PromptRow (data_source, ground
-    truth, extra_info for task.reward_function). `factory(path, tokenizer=None)` also gets the model's tokenizer.
-    From the CLI: in a file named by task.module, imported in every process of the run."""
+    environment: step() too, and `multi_turn = True`), and may have row(key) -> PromptRow (data_source, ground
+    truth, extra_info for task.reward_function). prompts() returns prompt texts, or keys of the task's own (a
+    dataset's row ids) that its text(key) renders. `factory(path, tokenizer=None, val_path=None)` also gets the
+    model's tokenizer and task.val_path. From the CLI: in a file named by task.module, imported in every process
+    of the run."""
     TASKS[name] = factory
 
 
-def prompt_row(task, prompt: str) -> PromptRow:
-    """The row a prompt comes from (data_source, ground_truth, extra_info): the task's own `row(prompt)`, else
+def prompt_text(task, key) -> str:
+    """The text of prompt `key`: a task with rows (DatasetTask) renders its row; else the key is the text."""
+    text = getattr(task, "text", None)
+    if callable(text):
+        return text(key)
+    if not isinstance(key, str) or not key.strip():
+        raise ConfigError(f"{task_label(task)}: prompts() gave {key!r} ({type(key).__name__}); a prompt is non-empty "
+                          "text, or the task defines text(key) to render its keys")
+    return key
+
+
+def prompt_row(task, key) -> PromptRow:
+    """The row a prompt comes from (data_source, ground_truth, extra_info): the task's own `row(key)`, else
     data_source = the task's name, no ground truth, extra_info {}."""
     row = getattr(task, "row", None)
-    return row(prompt) if callable(row) else PromptRow(str(getattr(task, "name", type(task).__name__)))
+    return row(key) if callable(row) else PromptRow(str(getattr(task, "name", type(task).__name__)))
 
 
-def row_columns(task, prompts: list[str], G: int) -> dict:
-    """The data_source and extra_info (JSON) columns of G samples per prompt, from each prompt's row."""
+def row_columns(task, keys: list, G: int) -> dict:
+    """The data_source, extra_info (JSON), ground_truth (text) and dataset_row columns of G samples per prompt, from
+    each prompt's row; dataset_row is the row id of a task with rows, else -1."""
     import pyarrow as pa
 
-    rows = [prompt_row(task, p) for p in prompts]
+    rows = [prompt_row(task, k) for k in keys]
+    ids = [int(k) if isinstance(k, int) and not isinstance(k, bool) else -1 for k in keys]
     return {"data_source": pa.array([r.data_source for r in rows for _ in range(G)], type=pa.string()),
-            "extra_info": pa.array([r.extra_json for r in rows for _ in range(G)], type=pa.string())}
+            "extra_info": pa.array([r.extra_json for r in rows for _ in range(G)], type=pa.string()),
+            "ground_truth": pa.array([r.ground_truth_text for r in rows for _ in range(G)], type=pa.string()),
+            "dataset_row": pa.array([i for i in ids for _ in range(G)], type=pa.int64())}
+
+
+def task_label(task) -> str:
+    """How an error names a task: its name, and task.module's file where the task came from one."""
+    name = getattr(task, "name", type(task).__name__)
+    module = type(getattr(task, "task", task)).__module__
+    return f"task '{name}'" + (f" (task.module {sys.modules[module].__file__})" if module.startswith("dataplane_rl_user_")
+                               and module in sys.modules else "")
+
+
+def score(task, key, response) -> tuple[float, dict]:
+    """(reward, reward_extra_info) of one response: task.reward_function's when set (ScoredTask.score), else the
+    task's reward(), which must be a finite number (RewardFunctionError naming the task and the value)."""
+    if isinstance(task, ScoredTask):
+        return task.score(key, response)
+    from dataplane_rl.errors import RewardFunctionError
+    from dataplane_rl.tasks.user_code import finite_number
+
+    def fail(what: str) -> RewardFunctionError:
+        return RewardFunctionError(f"{task_label(task)} reward() {what} for prompt {str(key)[:40]!r} (response "
+                                   f"{response[:40]!r}); a reward must be a finite number")
+    return finite_number(task.reward(key, response), fail), {}
 
 
 class ScoredTask:
@@ -236,9 +283,22 @@ class ScoredTask:
             raise AttributeError(name)
         return getattr(self.task, name)
 
-    def reward(self, prompt: str, response: str) -> float:
-        r = prompt_row(self.task, prompt)
-        return self.user_reward(r.data_source, response, r.ground_truth, r.extra_info)
+    @property
+    def batched(self) -> bool:
+        return self.user_reward.batched
+
+    def reward(self, key, response: str) -> float:
+        return self.score(key, response)[0]
+
+    def score(self, key, response: str) -> tuple[float, dict]:
+        r = prompt_row(self.task, key)
+        return self.user_reward.score(r.data_source, response, r.ground_truth, r.extra_info)
+
+    def score_batch(self, keys: list, responses: list[str]) -> list:
+        """task.reward_manager=batch: one call for every sample; per sample (reward, extras) or its error."""
+        rows = [prompt_row(self.task, k) for k in keys]
+        return self.user_reward.score_batch([r.data_source for r in rows], responses, [r.ground_truth for r in rows],
+                                            [r.extra_info for r in rows])
 
 
 def load_modules(task_cfg) -> None:
@@ -249,17 +309,18 @@ def load_modules(task_cfg) -> None:
         import_user_module(task_cfg.module)
 
 
-def load_task(task_cfg, tokenizer=None) -> Task:
+def load_task(task_cfg, tokenizer=None, draws: bool = True) -> Task:
     """The task of a run's `task.*` config: task.module imported first, dataset prompts rendered with `tokenizer`
-    (needed for chat messages), the reward replaced by task.reward_function when it is set."""
+    (needed for chat messages), the reward replaced by task.reward_function when it is set. draws=False: for a
+    rollout actor, which renders and scores the rows it is sent and draws none (a dataset is not scanned)."""
     load_modules(task_cfg)
     c = task_cfg
     if c.name == "dataset":
-        task = DatasetTask(c.path, c.val_path, c.input_key, c.output_key, c.shuffle, tokenizer)
+        task = DatasetTask(c.path, c.val_path, c.input_key, c.output_key, c.shuffle, tokenizer, draws)
     else:
-        task = get_task(c.name, c.path, tokenizer)
+        task = get_task(c.name, c.path, tokenizer, c.val_path)
     if c.reward_function:
         from dataplane_rl.tasks.user_code import UserReward
 
-        task = ScoredTask(task, UserReward(c.reward_function))
+        task = ScoredTask(task, UserReward(c.reward_function, c.reward_kwargs, c.reward_manager))
     return task

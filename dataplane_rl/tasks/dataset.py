@@ -1,26 +1,33 @@
 """`task.name=dataset`: prompts from Parquet, JSONL or a saved `datasets` folder, in verl's layout, epochs in a seeded order.
 
-A row gives the prompt (text, or chat messages rendered with the tokenizer's chat template), the ground truth
-(`reward_model.ground_truth`), `data_source` and `extra_info`. The prompts of step k are positions
-(k-1)*n .. k*n-1 of an endless sequence of epochs, each epoch the training prompts in an order seeded by
-(grpo.seed, epoch): a pure function of (seed, step), so a resumed run draws exactly what it would have, with no
-data cursor to save. Dynamic sampling's extra rounds (round > 0) draw seeded at random instead.
+A dataset row is an identity, as a store row is: it is named by its position in the file (`dataset_row`), the
+sampler hands out row ids, and every sample carries its row's prompt, ground truth (`reward_model.ground_truth`),
+`data_source` and `extra_info`. Duplicate prompts (verl's DAPO-Math-17k repeats each prompt 100 times) and one
+prompt with several ground truths are legal: a group is one row. The file is memory-mapped Arrow
+(tasks/dataset_file.py); a process turns into Python objects only the rows it is sent, and chat prompts are
+rendered with the tokenizer's template per row, when a row is drawn.
+
+The rows of step k are positions (k-1)*n .. k*n-1 of an endless sequence of epochs, each epoch the training rows in
+an order seeded by (grpo.seed, epoch): a pure function of (seed, step), so a resumed run draws exactly what it would
+have, with no data cursor to save. Dynamic sampling's extra rounds (round > 0) draw seeded at random instead.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.tasks.answers import answer_reward, extract_answer
+from dataplane_rl.tasks.dataset_file import json_columns, open_dataset
 from dataplane_rl.tasks.pools import split_held_out
-
-SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
 @dataclass(frozen=True)
@@ -36,60 +43,19 @@ class PromptRow:
         """extra_info as the store keeps it: JSON, keys sorted (default=str: dates and such become text)."""
         return json.dumps(self.extra_info if self.extra_info is not None else {}, sort_keys=True, default=str)
 
+    @property
+    def ground_truth_text(self) -> str:
+        """The ground_truth column: text as it is, anything else as JSON."""
+        gt = self.ground_truth
+        return gt if isinstance(gt, str) else json.dumps(gt, sort_keys=True, default=str)
+
 
 def read_rows(path: str) -> list[dict]:
-    """The rows of a Parquet or JSONL file, a folder of them (files in name order), or a `datasets` folder."""
-    p = Path(path)
-    if p.is_dir():
-        if (p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file():
-            return _saved_dataset(p)
-        files = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES and f.is_file())
-        if not files:
-            raise ConfigError(f"task path '{p}' is a folder with no .parquet or .jsonl files")
-        return [row for f in files for row in read_rows(str(f))]
-    if not p.is_file():
-        raise ConfigError(f"task path '{p}' not found; give a Parquet or JSONL file, or a folder of them")
-    if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.read_table(p).to_pylist()
-        except Exception as e:  # noqa: BLE001 - pyarrow's errors for a bad file are of several kinds
-            raise ConfigError(f"task path '{p}' is not a readable Parquet file: {type(e).__name__}: {e}") from None
-    if p.suffix in (".jsonl", ".json"):
-        return _jsonl(p)
-    raise ConfigError(f"task path '{p}': unknown file type '{p.suffix}'; use .parquet or .jsonl")
-
-
-def _jsonl(p: Path) -> list[dict]:
-    try:
-        text = p.read_bytes().decode()
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"task path '{p}' is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    rows = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"task path '{p}' line {i}: not JSON ({e.msg}); one JSON object per line") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"task path '{p}' line {i}: a JSON {type(row).__name__}, not an object")
-            rows.append(row)
-    return rows
-
-
-def _saved_dataset(p: Path) -> list[dict]:
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(f"task path '{p}' is a Hugging Face datasets folder; reading it needs the datasets "
-                          "package: pip install datasets (or save it as Parquet: ds.to_parquet('train.parquet'))") from None
-    ds = datasets.load_from_disk(str(p))
-    if isinstance(ds, datasets.DatasetDict):
-        raise ConfigError(f"task path '{p}' holds the splits {sorted(ds)}; point task.path at one split's folder, "
-                          f"e.g. {p / 'train'}")
-    return ds.to_list()
+    """The rows of a Parquet or JSONL file, a folder of them, or a `datasets` folder, as Python dicts: for tools and
+    tests on small files (a run maps the file instead: DatasetTask)."""
+    table = open_dataset(path)
+    mixed = json_columns(table)
+    return [{k: json.loads(v) if k in mixed and v is not None else v for k, v in r.items()} for r in table.to_pylist()]
 
 
 def pick(row: dict, key: str):
@@ -110,11 +76,11 @@ def render_prompt(prompt, tokenizer, where: str) -> str:
         if not prompt.strip():
             raise ConfigError(f"{where}: the prompt is empty")
         return prompt
-    ok = isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) and "role" in m and "content" in m
-                                                              for m in prompt)
+    ok = isinstance(prompt, (list, tuple)) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
     if not ok:
         raise ConfigError(f"{where}: the prompt is {json.dumps(prompt, default=str)[:60]}; it must be text or chat "
-                          "messages, a list of {role, content}")
+                          "messages, a list of {role, content} with text in both")
     if tokenizer is None:
         raise ConfigError(f"{where}: the prompt is chat messages, and rendering them needs the model's tokenizer "
                           "(load the task with load_task(cfg.task, tokenizer))")
@@ -126,79 +92,207 @@ def render_prompt(prompt, tokenizer, where: str) -> str:
 
 
 class DatasetTask:
-    """Prompts and ground truths from a dataset file; the default reward compares the response's final answer
-    with the ground truth (as math_jsonl does); task.reward_function replaces it."""
+    """Rows of a dataset file; the default reward compares the response's final answer with the row's ground truth
+    (as math_jsonl does); task.reward_function replaces it. Prompt keys are row ids: rows of task.path are 0..N-1,
+    rows of task.val_path N, N+1, ... (their position there plus N)."""
 
     name = "dataset"
 
     def __init__(self, path: str, val_path: str | None = None, input_key: str = "prompt",
-                 output_key: str = "reward_model.ground_truth", shuffle: bool = True, tokenizer=None) -> None:
-        self.path, self.shuffle = path, shuffle
-        self.rows: dict[str, PromptRow] = {}
-        self.first: dict[str, str] = {}  # prompt -> where it first appeared, for the duplicate's error
+                 output_key: str = "reward_model.ground_truth", shuffle: bool = True, tokenizer=None,
+                 draws: bool = True) -> None:
+        """draws=False: a rollout actor's task, which only reads the rows it is sent: the prompt column is not
+        scanned (the driver checked it) and no pools are made, so the actor touches no page of other rows."""
+        self.path, self.val_path, self.shuffle, self.tokenizer = path, val_path, shuffle, tokenizer
+        self.input_key, self.output_key = input_key, output_key
         self.source = Path(path).stem
-        train = self._load(path, input_key, output_key, tokenizer)
+        self.files = [_File(p, input_key, output_key, draws) for p in (path, val_path) if p]
+        chat = any(pa.types.is_list(f.prompt.type) or pa.types.is_large_list(f.prompt.type) for f in self.files)
+        if chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"task path '{path}': the prompts are chat messages but policy.model's tokenizer has no "
+                              "chat template; use a model whose tokenizer_config.json has a chat_template, or give "
+                              "prompts as text")
+        N = self.files[0].rows
+        if not draws:
+            self.train_rows = self.val_rows = np.zeros(0, np.int64)
+            return
         if val_path:
-            self.train_pool, self.val_pool = train, self._load(val_path, input_key, output_key, tokenizer)
+            self.train_rows, self.val_rows = np.arange(N), np.arange(N, N + self.files[1].rows)
         else:
-            held = set(split_held_out(train)[1])
-            self.train_pool = [p for p in train if p not in held]
-            self.val_pool = [p for p in train if p in held]
-        if not self.train_pool:
+            held = self.files[0].held_out()  # [N] bool: a prompt's every copy on one side
+            self.train_rows, self.val_rows = np.flatnonzero(~held), np.flatnonzero(held)
+        if not self.train_rows.size:
             raise ConfigError(f"task.path '{path}' leaves no training prompts")
 
-    def _load(self, path: str, input_key: str, output_key: str, tokenizer) -> list[str]:
-        """The distinct rendered prompts of `path` in file order; fills self.rows."""
-        rows = read_rows(path)
-        if not rows:
-            raise ConfigError(f"task path '{path}' holds no rows")
-        order, seen = [], set()
-        for i, row in enumerate(rows):
-            where = f"task path '{path}' row {i}"
-            for key in (input_key, output_key):
-                try:
-                    pick(row, key)
-                except KeyError:
-                    which = "task.input_key" if key == input_key else "task.output_key"
-                    raise ConfigError(f"{where} has no '{key}' ({which}); its columns: {', '.join(map(str, row))}; "
-                                      f"set {which} to the column that holds it") from None
-            text = render_prompt(pick(row, input_key), tokenizer, where)
-            source = row.get("data_source")
-            data = PromptRow(str(source) if source is not None else self.source, pick(row, output_key),
-                             row.get("extra_info") or {})
-            if text in self.rows and self.rows[text] != data:
-                raise ConfigError(f"{where} repeats the prompt of {self.first[text]} with another ground truth, "
-                                  f"data_source or extra_info; a prompt names one row: drop or merge one of them")
-            if text not in seen:
-                seen.add(text)
-                order.append(text)
-            self.rows[text] = data
-            self.first.setdefault(text, f"{path} row {i}")
-        return order
+    def _locate(self, key) -> tuple["_File", int]:
+        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+            raise ConfigError(f"dataset: prompt key {key!r} is not a row id of {self.path}")
+        N = self.files[0].rows
+        if 0 <= key < N:
+            return self.files[0], int(key)
+        if len(self.files) > 1 and N <= key < N + self.files[1].rows:
+            return self.files[1], int(key) - N
+        raise ConfigError(f"dataset: row {key} is not a row of {self.path}" + (f" or {self.val_path}" if self.val_path else ""))
+
+    def where(self, key: int) -> str:
+        f, i = self._locate(key)
+        return f"task path '{f.path}' row {i}"
+
+    def text(self, key: int) -> str:
+        """The row's prompt as the engine's text (chat messages through the tokenizer's template)."""
+        f, i = self._locate(key)
+        return render_prompt(f.value(i, self.input_key), self.tokenizer, f"task path '{f.path}' row {i}")
+
+    def row(self, key: int) -> PromptRow:
+        """The row's data_source, ground truth and extra_info: new objects on every call, so a reward function that
+        changes its extra_info changes nobody else's."""
+        f, i = self._locate(key)
+        source = f.value(i, "data_source", None)
+        return PromptRow(str(source) if source is not None else Path(f.path).stem, f.value(i, self.output_key, None),
+                         f.value(i, "extra_info", None) or {})
 
     @functools.lru_cache(maxsize=4)
-    def _order(self, seed: int, epoch: int) -> list[int]:
-        order = list(range(len(self.train_pool)))
-        if self.shuffle:
-            random.Random(f"dataset/{seed}/epoch{epoch}").shuffle(order)
-        return order
+    def _order(self, seed: int, epoch: int) -> np.ndarray:
+        N = len(self.train_rows)
+        if not self.shuffle:
+            return self.train_rows
+        # numpy's PCG64 permutes 1.8M rows in ~30 ms; a Python list shuffle takes seconds
+        return self.train_rows[np.random.default_rng([seed, epoch, 0x64617461]).permutation(N)]
 
-    def prompts(self, seed: int, step: int, round_: int, n: int) -> list[str]:
-        if round_ > 0:  # dynamic sampling's extra rounds: a seeded draw that leaves the epochs' order alone
-            rng = random.Random(f"dataset/{seed}/{step}/{round_}")
-            return [rng.choice(self.train_pool) for _ in range(n)]
-        N, start = len(self.train_pool), max(step - 1, 0) * n
-        return [self.train_pool[self._order(seed, pos // N)[pos % N]] for pos in range(start, start + n)]
+    def prompts(self, seed: int, step: int, round_: int, n: int) -> list[int]:
+        if round_ != 0:  # dynamic sampling's extra rounds: a seeded draw that leaves the epochs' order alone
+            rng = np.random.default_rng([seed, step, round_ & 0xFFFFFFFF, 0x64617461])
+            return self.train_rows[rng.integers(0, len(self.train_rows), n)].tolist()
+        N, start = len(self.train_rows), max(step - 1, 0) * n
+        pos = np.arange(start, start + n)
+        return [int(self._order(seed, int(p // N))[p % N]) for p in pos]
 
-    def val_prompts(self, n: int) -> list[str]:
-        return self.val_pool[:n]
+    def val_prompts(self, n: int) -> list[int]:
+        return self.val_rows[:n].tolist()
 
-    def row(self, prompt: str) -> PromptRow:
-        try:
-            return self.rows[prompt]
-        except KeyError:
-            raise ConfigError(f"dataset: prompt {prompt[:40]!r} is not a row of {self.path}") from None
-
-    def reward(self, prompt: str, response: str) -> float:
-        gold = extract_answer(str(self.row(prompt).ground_truth))
+    def reward(self, key: int, response: str) -> float:
+        gold = extract_answer(str(self.row(key).ground_truth))
         return answer_reward(gold, response) if gold is not None else 0.0
+
+
+class _NoTemplate:
+    """A stand-in tokenizer for checking chat messages' shape without rendering them."""
+
+    chat_template = "-"
+
+    @staticmethod
+    def apply_chat_template(*args, **kwargs) -> str:
+        return ""
+
+
+_NO_TEMPLATE = _NoTemplate()
+
+
+class _File:
+    """One dataset file, memory-mapped, its prompt column checked once, its rows read one at a time."""
+
+    def __init__(self, path: str, input_key: str, output_key: str, check: bool = True) -> None:
+        self.path, self.table = path, open_dataset(path)
+        self.rows = self.table.num_rows
+        self.mixed = json_columns(self.table)
+        if not self.rows:
+            raise ConfigError(f"task path '{path}' holds no rows")
+        for key, which in ((input_key, "task.input_key"), (output_key, "task.output_key")):
+            if _column(self.table, key) is None:
+                raise ConfigError(f"task path '{path}' has no '{key}' ({which}); its columns: "
+                                  f"{', '.join(self.table.column_names)}; set {which} to the column that holds it")
+        self.prompt = _column(self.table, input_key)
+        if not check:
+            return
+        if input_key.split(".")[0] not in self.mixed:
+            check_prompts(self.prompt, f"task path '{path}'", input_key)
+        else:  # a JSONL column of mixed types, kept as JSON text: each prompt checked as it will be rendered
+            for i in range(self.rows):
+                prompt = self.value(i, input_key, None)
+                if not isinstance(prompt, str):
+                    render_prompt(prompt, _NO_TEMPLATE, f"task path '{path}' row {i}")
+
+    def value(self, i: int, key: str, *default):
+        """Row i's `key` (dotted: into structs) as a Python value; `default` where the row has none."""
+        root = key if key in self.table.column_names else key.split(".")[0]
+        if root not in self.table.column_names:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        v = self.table.column(root)[i].as_py()
+        if root in self.mixed and v is not None:
+            v = json.loads(v)
+        if root == key:
+            return v
+        try:
+            return pick({root: v}, key)
+        except KeyError:
+            if default:
+                return default[0]
+            raise
+
+    def held_out(self) -> np.ndarray:
+        """[rows] bool: the rows whose prompt is held out for validation (pools.split_held_out of the distinct
+        prompts), so every copy of a prompt falls on one side."""
+        canon = _canonical(self.prompt)
+        held = split_held_out(pc.unique(canon).to_pylist())[1]
+        return pc.is_in(canon, value_set=pa.array(held, canon.type)).to_numpy(zero_copy_only=False)
+
+
+def _column(table: pa.Table, key: str):
+    """The (chunked) column that dotted `key` names, reaching into structs; None if there is none."""
+    if key in table.column_names:
+        return table.column(key)
+    root, *parts = key.split(".")
+    if root not in table.column_names:
+        return None
+    col = table.column(root)
+    for part in parts:
+        if not pa.types.is_struct(col.type) or col.type.get_field_index(part) < 0:
+            return None
+        col = pc.struct_field(col, part)
+    return col
+
+
+def _canonical(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A prompt column as one text per row: text as it is; chat messages as their roles and contents, joined."""
+    if not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
+        return col.cast(pa.string()) if not pa.types.is_string(col.type) else col
+    chunks = []
+    for chunk in col.chunks:
+        flat = chunk.flatten()
+        lines = pc.binary_join_element_wise(pc.struct_field(flat, "role"), pc.struct_field(flat, "content"), "\n")
+        offsets = pc.subtract(chunk.offsets, chunk.offsets[0])
+        chunks.append(pc.binary_join(pa.ListArray.from_arrays(offsets, lines), "\n\n"))
+    return pa.chunked_array(chunks, pa.string())
+
+
+def check_prompts(col: pa.ChunkedArray, where: str, key: str) -> None:
+    """Refuse a prompt column with a null, empty or malformed prompt, naming the first such row (vectorised: a
+    1.8M-row file is checked in well under a second)."""
+    t = col.type
+    chat = (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_struct(t.value_type) and all(
+        t.value_type.get_field_index(f) >= 0 for f in ("role", "content"))
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or chat):
+        raise ConfigError(f"{where}: the prompt column '{key}' (task.input_key) holds {t}; it must hold text or chat "
+                          "messages, a list of {role, content}")
+    start = 0
+    for chunk in col.chunks:
+        if chat:
+            empty = pc.fill_null(pc.equal(pc.list_value_length(chunk), 0), True)
+            flat = chunk.flatten()
+            bad = pc.or_(pc.is_null(pc.struct_field(flat, "role")), pc.is_null(pc.struct_field(flat, "content")))
+            parents = pc.list_parent_indices(chunk).to_numpy()
+            bad_rows = np.sort(parents[bad.to_numpy(zero_copy_only=False)]) if len(flat) else parents[:0]
+            candidates = list(bad_rows[:1]) + ([int(np.argmax(empty.to_numpy(zero_copy_only=False)))]
+                                                if pc.any(empty).as_py() else [])
+            first = int(min(candidates)) if candidates else None
+            what = "a chat message with a null role or content, or no message"
+        else:
+            blank = pc.fill_null(pc.equal(pc.utf8_trim_whitespace(chunk), ""), True)
+            first = int(np.argmax(blank.to_numpy(zero_copy_only=False))) if pc.any(blank).as_py() else None
+            what = "null or empty"
+        if first is not None:
+            raise ConfigError(f"{where} row {start + first}: the prompt ('{key}', task.input_key) is {what}; fix or "
+                              "drop the row")
+        start += len(chunk)

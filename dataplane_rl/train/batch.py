@@ -1,7 +1,7 @@
 """THE train-batch builder (one place, driven by the schema) and the microbatches cut from its rows.
 
 The rows arrive as a row set's columns (columns/rowsets.py); padding is made here, per microbatch, never in
-the data (DESIGN §11).
+the data (docs/packing.md).
 """
 
 from __future__ import annotations

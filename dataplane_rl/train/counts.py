@@ -1,4 +1,4 @@
-"""Global loss normalisers and metric reduction over the data-parallel group (DESIGN §5).
+"""Global loss normalisers and metric reduction over the data-parallel group (docs/architecture.md §6).
 
 Once per optimizer step, each rank counts its own shard (`local_counts`) and one all-reduce sums the
 counts over the group (`all_reduce_counts`); the pure loss then divides by these global counts. After

@@ -1,4 +1,4 @@
-"""Token-budget microbatches: which rows go together (DESIGN §11). Pure index arithmetic, no tensors of data.
+"""Token-budget microbatches: which rows go together (docs/packing.md). Pure index arithmetic, no tensors of data.
 
 - `pack_rows`: sequence packing. Rows go into bins of at most `budget` tokens; a bin becomes one sequence whose
   positions restart at 0 per row and whose attention never crosses rows (model/logprobs.py `packed_logprobs`).

@@ -1,4 +1,4 @@
-"""`mooncake://`: the Mooncake distributed store as a column-store backend (DESIGN §4).
+"""`mooncake://`: the Mooncake distributed store as a column-store backend (docs/architecture.md §5.4).
 
     store.py    MooncakeStore: the backend hooks (blocks in, blocks out)
     catalog.py  partition metas and committed refs as Mooncake keys, and the partition lock

@@ -1,4 +1,4 @@
-"""`mooncake://[HOST:PORT]`: columns in the Mooncake distributed store, for more than one machine (DESIGN §4).
+"""`mooncake://[HOST:PORT]`: columns in the Mooncake distributed store, for more than one machine (docs/architecture.md §5.4).
 
 `mooncake://` starts a cluster of its own (a master and `num_holders` holder processes on free 127.0.0.1
 ports, see MooncakeCluster) and stops it on close(); `store.cluster` is that cluster. `mooncake://HOST:PORT`

@@ -1,4 +1,4 @@
-"""`shm://DIR`: the shared-memory store of one machine, the embedded default (DESIGN §4).
+"""`shm://DIR`: the shared-memory store of one machine, the embedded default (docs/architecture.md §5.3).
 
     store.py    ShmStore: the backend hooks (create, put, get, commit, drop) over a folder on /dev/shm
     catalog.py  a partition's append-only log: its meta, then one record per committed put

@@ -1,8 +1,8 @@
 """The shm arena: pre-touched segment files, handed out to puts by offset, reused after a drop, bounded.
 
 Why: writing into fresh tmpfs pages ran at ~1.1-1.5 GB/s on the 2-core machine, into pages already
-allocated and mapped at ~11 GB/s (research/anchors-turn4-store.md §0); a file per put paid for the fresh
-pages, a claim, a map lookup and a rename every time. So a writer process keeps one *open segment* per
+allocated and mapped at ~11 GB/s (`bench store`'s fresh-page and memcpy figures, docs/benchmarks.md); a file
+per put paid for the fresh pages, a claim, a map lookup and a rename every time. So a writer keeps one *open segment* per
 partition (a file in DIR/<pid>/chunks/, mapped once) and places each put at the next free 64-byte-aligned
 offset: one lock and two integers per put. Segments come from DIR/.pool (filled at store creation with
 `prefault_bytes` of allocated pages, and by drops, which pool a partition's segments when no process

@@ -1,4 +1,4 @@
-"""`shm://DIR`: the embedded default, shared by every process on one machine (DESIGN §4).
+"""`shm://DIR`: the embedded default, shared by every process on one machine (docs/architecture.md §5.3).
 
 A store is a folder, on /dev/shm so the bytes live in RAM. `shm://` alone makes a fresh folder that the
 store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes) DIR and leaves it in place.
