@@ -1,4 +1,7 @@
-"""Every error the data plane raises. Each names the thing, the value and the fix."""
+"""Every error the data plane raises. Each names the thing, the value and the fix; `one_line` is how the user
+sees any error: one line, whatever crossed Ray on the way."""
+
+import re
 
 
 class DataPlaneError(Exception):
@@ -77,3 +80,37 @@ def format_rows(rows) -> str:
     if len(spans) > 6:
         text += ",..."
     return text if len(spans) == 1 else f"{text} ({len(rows)} rows)"
+
+
+# colour codes Ray puts into a remote traceback's text
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def crossed_ray(e: BaseException) -> bool:
+    """Whether `e` is one of Ray's errors (a RayTaskError, an actor's death, a cancelled task), by its classes'
+    module: this module imports no Ray."""
+    return any(c.__module__.startswith("ray.") for c in type(e).__mro__)
+
+
+def unwrap(e: BaseException) -> BaseException:
+    """The error raised inside a Ray task or actor, for a RayTaskError (its `cause`, however deep); else `e`."""
+    for _ in range(16):  # a task that called a task that failed: a RayTaskError whose cause is another
+        cause = getattr(e, "cause", None)
+        if not (crossed_ray(e) and isinstance(cause, BaseException)):
+            break
+        e = cause
+    return e
+
+
+def one_line(e: BaseException) -> str:
+    """`Name: first line of the message`: no Ray wrapper text (`RayTaskError(X)`), no colour codes, no remote
+    traceback (a RayTaskError's text carries it; the run's error.log keeps it)."""
+    shown = unwrap(e)
+    lines = [x.strip() for x in strip_ansi(str(shown)).splitlines() if x.strip()]
+    if not lines:  # no message (Ray's TaskCancelledError): what the class says of itself
+        lines = [x.strip() for x in (type(shown).__doc__ or "").splitlines() if x.strip()] or ["(no message)"]
+    return f"{type(shown).__name__}: {lines[0]}"

@@ -199,8 +199,11 @@ class TraceFile:
     def close(self, events: list[dict] = ()) -> None:
         if self.f.closed:
             return
-        self.write(list(events))
-        self.f.close()
+        try:
+            self.write(list(events))
+        finally:  # a full disk: the file as last written, closed all the same
+            with contextlib.suppress(OSError):
+                self.f.close()
 
 
 def read_trace(path: str | Path) -> dict:

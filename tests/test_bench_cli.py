@@ -150,3 +150,20 @@ def test_bench_train_compares_padded_dynamic_packed(tmp_path):
     assert res["modes"]["packed"]["padding_fraction"] == 0 < res["modes"]["padded"]["padding_fraction"]
     assert all(r["tokens_per_s"] > 0 for r in res["modes"].values()) and res["ideal_ratio"] > 1
     assert "packed" in p.stdout and "ideal" in p.stdout
+
+
+def test_a_bad_json_or_plot_target_is_refused_before_the_benchmark_runs(tmp_path):
+    """Every command that writes a file checks it first (store/targets.py): a --json inside a store folder or in
+    a missing folder is one line, and the benchmark never starts."""
+    from dataplane_rl.store import open_store
+
+    store = open_store(f"shm://{tmp_path}/s")
+    store.close()
+    for opt, target, says in (("--json", tmp_path / "s" / "x.json", "inside the column store folder"),
+                              ("--plot", tmp_path / "nope" / "x.png", "does not exist; create it first")):
+        p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "bench", "store", "--backends", "shm",
+                            "--samples", "8", opt, str(target)], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr[-3000:]
+        assert p.stderr.startswith(f"error: ConfigError: bench store {opt} {target}") and says in p.stderr, p.stderr
+    assert sorted(x.name for x in (tmp_path / "s").iterdir() if not x.name.startswith(".")) == []
+

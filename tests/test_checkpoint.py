@@ -277,7 +277,11 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(straight, failing_saver,
     trainer = types.SimpleNamespace(workers=[failing_saver], rollout=[])
     with pytest.raises(ray.exceptions.RayTaskError, match="middle of the save"):
         manager.save(trainer, 6, "")
-    assert list((run_dir / "checkpoints").glob(".step_000006.tmp/train/*.distcp")), "the crash left a partial save"
+    # a failed save removes what it wrote (a full disk needs the room back); a killed driver's stays behind
+    assert not (run_dir / "checkpoints" / ".step_000006.tmp").exists(), "the failed save left its partial folder"
+    partial = run_dir / "checkpoints" / ".step_000006.tmp" / "train"
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
     assert step_of(manager.find()) == 3, "the partial save must not be visible"
     _, step = export_run(run_dir, tmp_path / "from_previous")  # and the previous one still loads
     assert step == 3 and (tmp_path / "from_previous" / "model.safetensors").is_file()
@@ -538,3 +542,33 @@ def test_a_remote_error_is_one_line_and_its_traceback_goes_to_the_run_folder(tmp
     assert "\n" not in line and "\x1b" not in line and str(tmp_path / "run" / "error.log") in line
     log = (tmp_path / "run" / "error.log").read_text()
     assert "Traceback" in log and "the remote reason" in log and "\x1b" not in log
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_the_summary_says_it(tmp_path):
+    """A full disk at the first save once ended a run with a traceback, no summary.json and .tmp files left.
+    checkpoint_dir on a 2 MiB tmpfs (the checkpoint needs more; the real disk is never filled): exit 2, one
+    `error:` line naming the folder and the fix, summary.json saying the same, nothing half-written left."""
+    from test_shm_faults import need_root
+    from test_train_e2e import SMALL
+
+    need_root("mounting a tmpfs")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        run_dir = tmp_path / "run"
+        p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "checkpointing.enabled=true",
+                            f"checkpointing.checkpoint_dir={mnt}", f"logger.run_dir={run_dir}"],
+                           capture_output=True, text=True, timeout=600)
+        lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+        assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+        assert lines[0].startswith(f"error: CheckpointError: the checkpoint of step 1 could not be written to {mnt}: "
+                                   "No space left on device ("), lines[0]
+        assert "checkpointing.checkpoint_dir" in lines[0] and "Traceback" not in p.stderr, p.stderr[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "failed" and f"error: {summary['error']}" == lines[0], summary
+        assert "Traceback" in (run_dir / "error.log").read_text()
+        assert not list(mnt.iterdir()), "a half-written checkpoint was left"
+        assert not [f.name for f in run_dir.rglob("*") if ".tmp" in f.name]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -5,13 +5,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def run(*args, check=False):
+def run(*args, check=False, timeout=120):
     p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", *args], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=timeout)
     if check:
         assert p.returncode == 0, p.stderr
     return p
@@ -120,3 +121,91 @@ def test_closed_pipe_exits_quietly():
     _, err = proc.communicate(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert proc.returncode == 141  # 128 + SIGPIPE, what `cat` reports in the same place
+
+
+def test_whatever_crossed_ray_is_one_error_line(monkeypatch, capsys):
+    """An environment's bad step reached the user as `error: RayTaskError(EpisodeError): ESC[36mray::...` and a
+    remote traceback; a cancelled task (a reward raising KeyboardInterrupt) as ~60 lines. Each of Ray's errors,
+    as Ray builds them, is one `error:` line: the error raised inside the actor, no wrapper text, no colour
+    codes, and the run's error.log named when the run wrote one."""
+    import ray.exceptions as rx
+
+    from dataplane_rl.cli import main as cli, trace_cmd
+    from dataplane_rl.errors import ConfigError
+    from dataplane_rl.rollout.multiturn import EpisodeError
+
+    def remote(cause):
+        return rx.RayTaskError("RolloutWorker.generate", "Traceback (most recent call last):\n  File \"w.py\", "
+                               "line 3, in step\n" + f"{type(cause).__name__}: {cause}", cause,
+                               proctitle="ray::RolloutWorker.generate()", pid=12, ip="127.0.0.1").as_instanceof_cause()
+
+    bad_step = EpisodeError("task 'guess' env.step turn 2: returned 'x', not a StepResult; fix the environment")
+    nested = rx.RayTaskError("outer", "tb", remote(ConfigError("the inner reason\nmore")), proctitle="ray::outer()")
+    cases = [  # (raised, its line, exit code)
+        (remote(bad_step), f"error: EpisodeError: {bad_step}", 2),
+        (nested, "error: ConfigError: the inner reason", 2),  # a task whose task failed: the innermost error
+        (rx.TaskCancelledError(), "error: TaskCancelledError: Raised when this task is cancelled.", 1),
+        (remote(ValueError("raw user error")), "error: ValueError: raw user error", 1),
+    ]
+    logged = remote(bad_step)
+    logged.run_error = f"EpisodeError: {bad_step} (traceback: /runs/r/error.log)"  # RunDir.record_error's line
+    cases.append((logged, f"error: EpisodeError: {bad_step} (traceback: /runs/r/error.log)", 2))
+    capsys.readouterr()
+    for raised, line, code in cases:
+
+        def fail(args, raised=raised):
+            raise raised
+
+        monkeypatch.setattr(trace_cmd, "run", fail)
+        assert cli.main(["trace", "x"]) == code
+        err = capsys.readouterr().err
+        assert err == line + "\n", (raised, err)
+    assert "\x1b[36mray::RolloutWorker.generate()" in str(remote(bad_step))  # what the line no longer carries
+
+    def bug(args):
+        raise RuntimeError("a bug of ours outside any run")
+
+    monkeypatch.setattr(trace_cmd, "run", bug)
+    with pytest.raises(RuntimeError):  # its traceback is the useful output
+        cli.main(["trace", "x"])
+
+
+BAD_ENV = '''
+import sys
+sys.path.insert(0, {examples!r})
+from env import Countdown
+from dataplane_rl.tasks import register_task
+from dataplane_rl.tasks.multiturn import EnvStep
+
+
+class BadStep(Countdown):
+    name = "bad_step"
+
+    def step(self, prompt, actions):
+        return EnvStep(42, False, 0.0)  # an observation that is not text
+
+
+register_task("bad_step", lambda path=None: BadStep())
+'''
+
+
+def test_an_environments_bad_step_is_one_line_from_a_real_run(tmp_path):
+    """The probe as a user met it: an environment's bad step inside a rollout actor reached the terminal as
+    `error: RayTaskError(EpisodeError): ESC[36mray::...` and ~15 remote lines. Now one line, the summary's,
+    naming error.log, which holds the remote traceback."""
+    from pathlib import Path
+
+    from test_train_e2e import SMALL
+
+    module = tmp_path / "bad_env.py"
+    module.write_text(BAD_ENV.format(examples=str(Path(__file__).parent.parent / "examples")))
+    run_dir = tmp_path / "run"
+    p = run("train", *SMALL, "task.name=bad_step", f"task.module={module}", "policy.max_total_sequence_length=48",
+            "generation.max_new_tokens=2", "multi_turn.max_turns=3", f"logger.run_dir={run_dir}", timeout=600)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: EpisodeError: task 'bad_step' turn 1 row "), p.stderr[-3000:]
+    assert "observation 42 (int)" in lines[0] and lines[0].endswith(f"(traceback: {run_dir / 'error.log'})")
+    assert "\x1b" not in p.stderr and "RayTaskError" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["error"] == lines[0].removeprefix("error: ")
+    assert "RayTaskError(EpisodeError)" in (run_dir / "error.log").read_text()  # the whole story is kept there

@@ -69,8 +69,21 @@ def test_group_sigterm_stops_cleanly(tmp_path, moment):
         assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
-def group_kill(run_dir: Path, moment: str) -> tuple[int, str]:
-    """Start a run in its own process group, SIGTERM the whole group at `moment`; (exit status, output).
+def test_sighup_stops_as_sigterm_does(tmp_path):
+    """A closed terminal or ssh session (SIGHUP to the job's group) once ended a run in 0.3 s with exit 129, no
+    summary.json, no checkpoint, an orphaned shm store and token folder. Now it stops as SIGTERM does."""
+    run_dir = tmp_path / "run"
+    returncode, out = group_kill(run_dir, "step", signal.SIGHUP)
+    assert returncode == 128 + signal.SIGHUP, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == signal.SIGHUP, summary
+    assert summary["error"] == "SIGHUP", summary
+    assert step_of(CheckpointManager(run_dir / "checkpoints").find()) == summary["steps_completed"], summary
+    assert not Path(summary["store_url"][len("shm://"):].partition("?")[0]).exists(), "the store outlived the run"
+
+
+def group_kill(run_dir: Path, moment: str, sig: int = signal.SIGTERM) -> tuple[int, str]:
+    """Start a run in its own process group, send the whole group `sig` at `moment`; (exit status, output).
     On a clean stop it also checks that no process of the run or its group outlived it."""
     cmd = [sys.executable, "-m", "dataplane_rl.cli.main", "train", *RUN, f"logger.run_dir={run_dir}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -84,15 +97,15 @@ def group_kill(run_dir: Path, moment: str) -> tuple[int, str]:
             wait_for("second checkpoint save in progress",
                      lambda: (run_dir / "checkpoints" / "step_000001").is_dir() and saving(run_dir), proc, tree)
         tree.poll()
-        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, sig)
         sent = time.monotonic()
         while proc.poll() is None:
             tree.poll()
-            assert time.monotonic() - sent < GRACE_S, f"the run did not exit within {GRACE_S} s of the group SIGTERM"
+            assert time.monotonic() - sent < GRACE_S, f"the run did not exit within {GRACE_S} s of the group {sig!r}"
             time.sleep(0.05)
         out = proc.stdout.read()
-        print(f"{moment}: exit {proc.returncode} {time.monotonic() - sent:.1f} s after the group SIGTERM")
-        if proc.returncode != 128 + signal.SIGTERM:
+        print(f"{moment}: exit {proc.returncode} {time.monotonic() - sent:.1f} s after the group {sig!r}")
+        if proc.returncode != 128 + sig:
             return proc.returncode, out
         deadline = time.monotonic() + 10  # SIGTERMed processes may take a moment to go
         while (tree.alive() or group_members(pgid)) and time.monotonic() < deadline:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -101,3 +102,39 @@ def test_distillation_teacher_is_checked_before_ray(tmp_path, no_ray, case, want
 def test_distillation_needs_a_teacher():
     with pytest.raises(ConfigError, match="distillation.enabled=true needs distillation.teacher"):
         load_config(None, ["distillation.enabled=true"])
+
+
+def test_every_folder_the_run_writes_is_checked_before_ray(tmp_path, no_ray):
+    """checkpointing.checkpoint_dir=/proc/x once failed only at the first save, after a step had trained; a bad
+    policy.model_cache_dir or shm:// folder with a bare FileNotFoundError naming no key."""
+    for override, key in (("checkpointing.checkpoint_dir=/proc/x", "checkpointing.checkpoint_dir"),
+                          ("policy.model_cache_dir=/proc/x", "policy.model_cache_dir"),
+                          ("data_plane.backend=shm:///proc/x/store", "data_plane.backend=shm:///proc/x/store")):
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)}: cannot write to /proc/x \("):
+            train(tmp_path, "checkpointing.enabled=true", "data_plane.enabled=true", override)
+    made = tmp_path / "new" / "ckpt"  # checked by making it; a refused run leaves it as it was
+    with pytest.raises(ConfigError, match="task.path"):  # a later check refuses: nothing of the probe is left
+        train(tmp_path, "checkpointing.enabled=true", f"checkpointing.checkpoint_dir={made}", "task.name=math_jsonl",
+              f"task.path={tmp_path / 'nope.jsonl'}")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_module_that_exits_at_import_is_one_line_and_leaves_no_token_folder(tmp_path):
+    """`task.module` calling os._exit(0) at import: `train` once exited 0 with no output and no run folder, a
+    success that did nothing. Its import is tried in a child first: exit 2, one line naming task.module. The
+    refused run's Ray token folder (made before the re-exec, run/private_ray.py) does not outlive it."""
+    import os
+
+    module = tmp_path / "quits.py"
+    module.write_text("import os\nos._exit(0)\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "train", f"task.module={module}",
+                        f"logger.run_dir={tmp_path / 'run'}", "grpo.max_num_steps=1"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, TMPDIR=str(tmp)))
+    lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith(f"error: ConfigError: task.module={module}: importing it ended its process "
+                               "(exit code 0"), lines[0]
+    assert "Traceback" not in p.stderr
+    assert not [x.name for x in tmp.iterdir() if x.name.startswith("dataplane-rl-ray-")]

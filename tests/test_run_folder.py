@@ -153,3 +153,44 @@ def test_resume_and_overwrite_drop_later_step_files_of_both_kinds(tmp_path):
     run.begin("grpo: {}\n")
     run.close()
     assert not list(folder.rglob("step_*"))
+
+
+def test_a_full_disk_at_the_end_is_one_line_and_leaves_no_tmp(tmp_path, capsys):
+    """A full disk once ended a run with a traceback, no summary.json and summary.json.tmp / error.log.tmp
+    left. On a small tmpfs (the real disk is never filled): the error's line says why it has no traceback,
+    the summary's failure is one line naming the run's own end, nothing half-written is left, and once
+    there is room again the summary is written."""
+    from test_shm_faults import need_root
+
+    need_root("mounting a tmpfs")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        run = RunDir(mnt / "run")
+        run.begin("grpo: {}\n")
+        filler = mnt / "filler"
+        with open(filler, "wb") as f:  # fill the tmpfs to its last page
+            with pytest.raises(OSError, match="No space left on device"):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        try:
+            raise RuntimeError("the run's own failure")
+        except RuntimeError as e:
+            line = run.record_error(e)
+        assert line.startswith("RuntimeError: the run's own failure (no traceback: ") and "No space left" in line
+        capsys.readouterr()
+        summary = run.finish("failed", line)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {mnt / 'run' / 'summary.json'} or reward.png could "
+                                                   "not be written: No space left on device; the run ended failed: "
+                                                   "RuntimeError: the run's own failure"), err
+        assert summary["status"] == "failed" and "No space left" in summary["summary_error"]
+        assert not [p.name for p in (mnt / "run").iterdir() if ".tmp" in p.name]
+        filler.unlink()
+        run.finish("failed", line)
+        assert json.loads((mnt / "run" / "summary.json").read_text())["error"] == line
+        run.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -113,15 +113,19 @@ def test_ls_mooncake(mooncake_store):
             mooncake_store.drop_partition(pid)
 
 
+KEPT_BY_A_CHILD = ("import sys; sys.path.insert(0, 'tests'); from dataplane_rl.store import open_store; "
+                   "from test_store_cli import fill; s = open_store('shm://'); fill(s); s.keep(); print(s.url); "
+                   "s.close()")
+
+
 def test_drop_one_then_all_removes_a_kept_folder(tmp_path):
     """`store drop URL PARTITION|--all`: --all also frees a kept shm:// folder, nothing left in /dev/shm."""
     from pathlib import Path
 
-    store = open_store("shm://")
-    fill(store)
-    store.keep()  # what a run with data_plane.keep_partitions=true does: the folder outlives the store
-    url, folder = store.url, Path(store.path)
-    store.close()
+    # made by a process that has ended, as a run's kept store is: a live owner's store is not dropped
+    url = subprocess.run([sys.executable, "-c", KEPT_BY_A_CHILD], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.strip()
+    folder = Path(url.removeprefix("shm://"))
     try:
         assert folder.is_dir(), "keep() must leave the auto-made folder in place at close"
         p = run("drop", url, "step-000002")
@@ -167,3 +171,58 @@ def test_a_live_run_folder_names_its_store(tmp_path, shm_url):
     (run_dir / "store.json").write_text(json.dumps({"store_url": None}))
     p = run("ls", str(run_dir))
     assert p.returncode == 2 and "data plane off" in p.stderr and "data_plane.enabled=true" in p.stderr
+
+
+def test_drop_refuses_the_store_of_a_live_run_unless_forced():
+    """`store drop RUN --all` on a live run once removed its store, and the run died with a remote traceback:
+    a store whose owner record names a live process is refused, naming it and --force."""
+    from test_store_owners import OWNER
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        url = owner.stdout.readline().strip()
+        for which in (["--all"], ["p"]):
+            p = run("drop", url, *which)
+            lines = p.stderr.strip().splitlines()
+            assert p.returncode == 2 and len(lines) == 1, p.stderr
+            assert f"in use by a live run (pid {owner.pid} " in lines[0] and "--force" in lines[0]
+            assert json.loads(run("ls", url, "--json").stdout)["partitions"][0]["partition"] == "p"
+        p = run("drop", url, "--all", "--force")
+        assert p.returncode == 0 and "dropped 1 partition(s)" in p.stdout, p.stderr
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_one_damaged_partition_hides_no_other(tmp_path):
+    """A damaged log (a flipped byte) or a removed chunks/ folder: `ls` marks that partition and lists the
+    rest; `show` and `export` of another partition read only it."""
+    import shutil
+
+    url = f"shm://{tmp_path}/s"
+    store = open_store(url)
+    fill(store)
+    store.create_partition("step-000003", "grpo", 4)
+    store.close()
+    log = tmp_path / "s" / "step-000002" / "log"
+    data = bytearray(log.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    log.write_bytes(bytes(data))
+    shutil.rmtree(tmp_path / "s" / "step-000003" / "chunks")
+    p = run("ls", url)
+    assert p.returncode == 0, p.stderr
+    assert "step-000001  schema grpo  16 rows" in p.stdout
+    assert "step-000002  DAMAGED: CorruptChunkError" in p.stdout
+    # removed chunks/: damaged, not "unknown or dropped" while listed live in the same line
+    assert "step-000003  DAMAGED: CorruptChunkError" in p.stdout and "step-000003/chunks is missing" in p.stdout
+    assert "unknown or dropped" not in p.stdout + p.stderr
+    assert "2 damaged partition(s): step-000002, step-000003" in p.stderr
+    assert json.loads(run("ls", url, "--json").stdout)["stats"]["dataplane_store_damaged_partitions"] == 2
+    p = run("show", url, "step-000001", "--rows", "0", "--fields", "input_ids")
+    assert p.returncode == 0 and "input_ids  [0] (1 tokens)" in p.stdout, p.stderr
+    p = run("export", url, "step-000001", str(tmp_path / "one.parquet"))
+    assert p.returncode == 0 and "16 rows" in p.stdout, p.stderr
+    p = run("show", url, "step-000003")
+    assert p.returncode == 2 and "damaged" in p.stderr and "unknown or dropped" not in p.stderr
+    p = run("drop", url, "step-000002", "--force")  # a damaged partition can be dropped (this process made the store)
+    assert p.returncode == 0, p.stderr

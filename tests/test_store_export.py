@@ -108,3 +108,70 @@ def test_hugging_face_datasets_reads_it(shm_url, tmp_path):
     ds = datasets.Dataset.from_parquet(str(tmp_path / "p.parquet"), cache_dir=str(tmp_path / "cache"))
     want = grpo_columns([5], ["teacher_topk_logprobs"])["teacher_topk_logprobs"][0]
     assert np.array_equal(np.array(ds[5]["teacher_topk_logprobs"], dtype=np.float32), want)
+
+
+def test_export_never_writes_into_a_store_and_a_bad_target_is_one_line(tmp_path):
+    """`store export URL step-000001 DIR/step-000002/log` once returned 0 and left step-000002 corrupt: a target
+    inside any store folder (directly, through a symlink, or one of the exported partition's own segments) is
+    refused before anything is read, and the store reads back as before. A folder, a missing parent, /proc,
+    another user's file or `--fields ''` is one `error:` line too."""
+    import os
+
+    url, folder = f"shm://{tmp_path}/s", tmp_path / "s"
+    store = open_store(url)
+    store.create_partition("step-000001", "grpo", 4)
+    store.put("step-000001", grpo_columns(range(4), ROLLOUT_FIELDS), range(4))
+    store.create_partition("step-000002", "grpo", 4)
+    store.put("step-000002", grpo_columns(range(4), ROLLOUT_FIELDS), range(4))
+    before = {pid: store.get(pid, ROLLOUT_FIELDS) for pid in ("step-000001", "step-000002")}
+    segment = next((folder / "step-000001" / "chunks").iterdir())
+    (tmp_path / "link").symlink_to(folder / "step-000002")
+    owned = tmp_path / "theirs.parquet"
+    owned.write_bytes(b"not ours")
+    os.chown(owned, 65534, 65534)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    cases = {  # target -> what its one line says
+        folder / "step-000002" / "log": "inside the column store folder",
+        segment: "inside the column store folder",
+        folder / "new.parquet": "inside the column store folder",
+        tmp_path / "link" / "log": "inside the column store folder",
+        tmp_path: "is a folder; name a file",
+        tmp_path / "missing" / "x.parquet": "does not exist; create it first",
+        "/proc/x.parquet": "could not be written",
+        fifo: "not a regular file",  # the rename would replace it (as root, a device in /dev)
+        owned: "belongs to another user",
+    }
+    for target, says in cases.items():
+        p = run("export", url, "step-000001", str(target))
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ConfigError: "), (target, p.stderr)
+        assert says in lines[0] and str(target) in lines[0], (target, lines[0])
+    assert owned.read_bytes() == b"not ours"
+    assert not list(tmp_path.glob(".*.tmp")) and not list(folder.rglob("*.parquet*"))
+    for pid, table in before.items():
+        assert store.get(pid, ROLLOUT_FIELDS).equals(table), pid
+    p = run("export", url, "step-000001", str(tmp_path / "x.parquet"), "--fields", "")
+    assert p.returncode == 2 and "--fields '' names no column" in p.stderr and not (tmp_path / "x.parquet").exists()
+    store.close()
+
+
+def test_export_and_trace_png_never_write_into_a_store(tmp_path):
+    """Every command that writes a file asks store/targets.py first: `export RUN OUT` and `trace RUN --png OUT`
+    with OUT in a store folder are one line, and the store's folder is left as it was."""
+    import subprocess
+    import sys
+
+    store = open_store(f"shm://{tmp_path}/s")
+    store.create_partition("step-000001", "grpo", 2)
+    store.close()
+    before = sorted(p.name for p in (tmp_path / "s").rglob("*"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trace.json").write_text('{"traceEvents": []}')
+    for args in (["export", str(tmp_path / "run"), str(tmp_path / "s" / "step-000001" / "model")],
+                 ["trace", str(tmp_path / "run"), "--png", str(tmp_path / "s" / "t.png")]):
+        p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", *args], capture_output=True, text=True,
+                           timeout=120)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and "inside the column store folder" in lines[0], p.stderr
+    assert sorted(p.name for p in (tmp_path / "s").rglob("*")) == before

@@ -175,12 +175,14 @@ def test_schema_declares_shapes_and_checks_them():
         GRPO_SCHEMA.require_shape("teacher_topk_ids", [32], "distillation.topk_logits_k=32")
 
 
-@pytest.mark.parametrize("shape,match", [([0], "dimensions >= 1"), ([1 << 11, 1 << 10], "at most")])
+@pytest.mark.parametrize("shape,match", [([0], "dimensions >= 1"), ([1 << 11, 1 << 10], "at most"),
+                                         ("[true]", r"shape \[True\] must list whole numbers"),  # was taken as [1]
+                                         ("[2.0]", "must list whole numbers")])
 def test_bad_shapes_refused_when_the_schema_loads(tmp_path, shape, match):
     f = tmp_path / "s.yaml"
     f.write_text("name: s\ncolumns:\n  - {name: input_lengths, dtype: int32, kind: sample, writer: rollout}\n"
                  f"  - {{name: k, dtype: float32, kind: token, writer: teacher, shape: {shape}}}\n")
-    with pytest.raises(SchemaError, match=f"column 'k'.*{match}"):
+    with pytest.raises(SchemaError, match=f"(column 'k'|columns.1.shape).*{match}"):
         load_schema(f)
     f.write_text("name: s\ncolumns:\n  - {name: r, dtype: float32, kind: sample, writer: driver, shape: [4]}\n")
     with pytest.raises(SchemaError, match="shape applies to token columns"):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dataplane_rl.errors import ConfigError
+from dataplane_rl.store.targets import writing
 
 
 def export_hf(state_dict: dict[str, torch.Tensor], model_folder: str | Path, out: str | Path) -> Path:
@@ -28,11 +29,15 @@ def export_hf(state_dict: dict[str, torch.Tensor], model_folder: str | Path, out
     model.tie_weights()
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(model_folder).save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    try:
+        with writing(out, "the Hugging Face folder"):  # a full disk: one line, no half folder left
+            model.save_pretrained(tmp, safe_serialization=True)
+            AutoTokenizer.from_pretrained(model_folder).save_pretrained(tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

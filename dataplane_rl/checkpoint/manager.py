@@ -16,6 +16,7 @@ export verify the manifest before they load anything, and load no pickled code.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -119,17 +120,30 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".{final.name}.tmp"
-        tmp.mkdir(mode=0o700)
-        get_all([w.save_checkpoint.remote(str(tmp / "train")) for w in trainer.workers])  # a dead rank: at once
-        driver = {"step": step, "rng": RNGState().state_dict(),
-                  "rollout_rng": trainer.recovery.on_all(f"step {step}: checkpoint", "rng_state"),
-                  "ahead": save_ahead(trainer, tmp)}
-        (tmp / DRIVER).write_text(json.dumps(driver))
-        (tmp / "config.yaml").write_text(config_yaml)
-        write_manifest(tmp, step)  # last: a folder without it is incomplete
-        if final.exists():  # a resumed run saving a step again
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # the checkpoint appears whole or not at all
+        try:
+            tmp.mkdir(mode=0o700)
+            get_all([w.save_checkpoint.remote(str(tmp / "train")) for w in trainer.workers])  # a dead rank: at once
+            driver = {"step": step, "rng": RNGState().state_dict(),
+                      "rollout_rng": trainer.recovery.on_all(f"step {step}: checkpoint", "rng_state"),
+                      "ahead": save_ahead(trainer, tmp)}
+            (tmp / DRIVER).write_text(json.dumps(driver))
+            (tmp / "config.yaml").write_text(config_yaml)
+            write_manifest(tmp, step)  # last: a folder without it is incomplete
+            if final.exists():  # a resumed run saving a step again
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # the checkpoint appears whole or not at all
+        except BaseException as e:
+            # torch's writer says "unexpected pos 704 vs 598", not ENOSPC: the room left tells, before the
+            # half-written checkpoint is removed (nothing of it is left; its room is needed now)
+            full = disk_full(e) if isinstance(e, Exception) else None
+            if full is None and isinstance(e, Exception) and free_bytes(self.root) < FULL_BELOW_BYTES:
+                full = os.strerror(errno.ENOSPC)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if full is None:
+                raise
+            raise CheckpointError(f"the checkpoint of step {step} could not be written to {self.root}: {full} "
+                                  f"({free_text(self.root)}); free space there or set checkpointing.checkpoint_dir "
+                                  "to a larger disk, then resume") from e
         self.prune()
         return final
 
@@ -157,3 +171,38 @@ class CheckpointManager:
             return
         for old in self.all()[:-self.keep_top_k]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def disk_full(e: BaseException) -> str | None:
+    """'No space left on device' (or the quota's words) if `e`, its causes or the error inside a Ray task that
+    it wraps, is a full filesystem; else None. The train ranks write their shards remotely, so the OSError
+    may reach the driver only as text."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e.strerror or os.strerror(e.errno)
+        for words in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT)):
+            if words in str(e):
+                return words
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None
+
+
+FULL_BELOW_BYTES = 1 << 20  # a failed save with less room than this left was a full disk
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes this user may still write to `path`'s filesystem (a huge number if unknown: never 'full')."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 1 << 62
+    return st.f_bavail * st.f_frsize
+
+
+def free_text(path: Path) -> str:
+    from dataplane_rl.units import human_bytes
+
+    return f"{human_bytes(free)} free after removing the partial checkpoint" if (free := free_bytes(path)) < 1 << 62 \
+        else "free space unknown"

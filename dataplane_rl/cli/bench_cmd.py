@@ -28,4 +28,35 @@ def add_parser(sub) -> None:
             raise
         b = bsub.add_parser(name, help=help_)
         mod.add_arguments(b)
-        b.set_defaults(func=mod.run_args)
+        b.set_defaults(func=_with_json_target(mod.run_args))
+
+
+def _with_json_target(run_args):
+    """run_args with its --json FILE (and --plot) checked before the benchmark runs (not inside a store folder,
+    a file of the user's own: store/targets.py), --json written under a temporary name and renamed at the end."""
+
+    def run(args) -> int:
+        from dataplane_rl.store.targets import check_target, writing
+
+        if getattr(args, "plot", None):
+            check_target(args.plot, f"bench {args.bench_command} --plot")
+        out = getattr(args, "json", None)
+        if not out:
+            return run_args(args)
+        import os
+
+        what = f"bench {args.bench_command} --json"
+        final = check_target(out, what)
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        args.json = str(tmp)
+        try:
+            rc = run_args(args)
+            if tmp.exists():
+                with writing(out, what):
+                    os.replace(tmp, final)
+        finally:
+            args.json = out
+            tmp.unlink(missing_ok=True)
+        return rc
+
+    return run

@@ -18,7 +18,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from dataplane_rl.store.targets import check_target
+
     out = Path(args.out)
+    check_target(out, "export OUT", folder=True)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export target {out} is a file, not a folder; pass a new folder")
     if out.exists() and any(out.iterdir()):

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from dataplane_rl.errors import DataPlaneError
+from dataplane_rl.errors import DataPlaneError, crossed_ray, one_line, unwrap
 
 # module name -> its add_parser registers one top-level command
 COMMANDS = ("train_cmd", "export_cmd", "schema_cmd", "config_cmd", "store_cmd", "bench_cmd", "trace_cmd")
@@ -43,18 +43,23 @@ def main(argv: list[str] | None = None) -> int:
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
         return rc
-    except DataPlaneError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:
         # the reader went away (`dataplane-rl schema show --json | head`): stop quietly, as `cat` does. Point
         # stdout at /dev/null so the interpreter's final flush does not raise the same error again
         # (the recipe of Python's signal docs, "Note on SIGPIPE").
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except Exception as e:
+        # ours, anything that crossed Ray (a RayTaskError, an actor's death, a cancelled task), or anything a run
+        # wrote to its error.log: one line, no wrapper text, colour codes or remote traceback
+        line = getattr(e, "run_error", None)  # RunDir.record_error's: what summary.json says, error.log named
+        if not (line or isinstance(e, DataPlaneError) or crossed_ray(e)):
+            raise  # a bug of ours outside a run: its traceback is what is useful
+        print(f"error: {line or one_line(e)}", file=sys.stderr)
+        return 2 if isinstance(unwrap(e), DataPlaneError) else 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     which = drop.add_mutually_exclusive_group(required=True)
     which.add_argument("partition", nargs="?", help="partition id, e.g. step-000042")
     which.add_argument("--all", action="store_true", help="every partition; an shm:// folder is then removed")
+    drop.add_argument("--force", action="store_true", help="drop even from a store a live run is using (that run "
+                      "then fails)")
     drop.set_defaults(func=drop_cmd)
     gc = ssub.add_parser("gc", help="remove the auto-made shm stores of dead runs that were not kept "
                          "(also done at each `train` start)")
@@ -103,10 +105,20 @@ def parse_rows(text: str, num_rows: int | None = None) -> list[int]:
 
 
 def describe(store) -> dict:
+    """Each partition's columns, rows and bytes; a damaged one is marked (`damaged`: its error) and the rest
+    are listed all the same."""
+    from dataplane_rl.errors import DataPlaneError, PartitionNotFoundError
+
     out = {"url": store.url, "partitions": []}
     for pid in store.list_partitions():
-        st = store.status(pid)
-        schema = store.schema(pid)
+        try:
+            st = store.status(pid)
+            schema = store.schema(pid)
+        except PartitionNotFoundError:  # dropped since it was listed
+            continue
+        except DataPlaneError as e:
+            out["partitions"].append({"partition": pid, "damaged": f"{type(e).__name__}: {e}", "nbytes": 0})
+            continue
         cols = {c.name: {"rows_written": st.rows_written[c.name], "nbytes": st.nbytes[c.name], "writer": c.writer,
                          "shape": list(c.shape)} for c in schema.columns}
         out["partitions"].append({"partition": pid, "schema": st.schema, "num_rows": st.num_rows,
@@ -163,6 +175,9 @@ def ls_cmd(args) -> int:
     parts = doc["partitions"]
     print(f"store {doc['url']}: {len(parts)} partition(s), {human_bytes(sum(p['nbytes'] for p in parts))}")
     for p in parts:
+        if "damaged" in p:
+            print(f"\n{p['partition']}  DAMAGED: {p['damaged']}")
+            continue
         print(f"\n{p['partition']}  schema {p['schema']}  {p['num_rows']} rows  {human_bytes(p['nbytes'])}")
         width = max(len(c) for c in p["columns"])
         for name, c in p["columns"].items():
@@ -171,6 +186,10 @@ def ls_cmd(args) -> int:
             shape = f"  [L, {', '.join(map(str, c['shape']))}]" if c["shape"] else ""
             print(f"  {name.ljust(width)}  {written:>13}  {human_bytes(c['nbytes']):>10}  {c['writer']}{shape}{mark}")
     print_stats(doc["stats"])
+    damaged = [p["partition"] for p in parts if "damaged" in p]
+    if damaged:
+        print(f"{len(damaged)} damaged partition(s): {', '.join(damaged)}; drop each with "
+              f"dataplane-rl store drop {args.url} PARTITION", file=sys.stderr)
     return 0
 
 
@@ -220,8 +239,8 @@ def show_cmd(args) -> int:
         schema = store.schema(args.partition)
         rows = [r for r in parse_rows(args.rows) if r < status.num_rows] if args.rows == SHOW_DEFAULT_ROWS \
             else parse_rows(args.rows, status.num_rows)
-        if args.fields:
-            fields = [f.strip() for f in args.fields.split(",") if f.strip()]
+        fields = field_list(args.fields)
+        if fields:
             table = store.get(args.partition, fields, rows)  # an unwritten field is an error, as in the API
             columns = {f: table.column(f).to_pylist() for f in fields}
         else:
@@ -232,7 +251,7 @@ def show_cmd(args) -> int:
                 except MissingColumnError as e:  # partly written: show the written cells, mark the rest
                     print(f"# {e}", file=sys.stderr)
                     columns[f] = [_cell_or_missing(store, args.partition, f, r) for r in rows]
-        stats = store.stats()
+        stats = store.stats([args.partition])  # this partition's cells: another one's damage is not this one's
     finally:
         store.close()
     print(f"partition {args.partition}: schema {status.schema}, {status.num_rows} rows; showing rows "
@@ -247,13 +266,30 @@ def show_cmd(args) -> int:
     return 0
 
 
+def field_list(text: str | None) -> list[str] | None:
+    """--fields 'a,b' -> ['a', 'b']; None when not given. Given but naming no column (`--fields ''`) is an
+    error, not every column."""
+    if text is None:
+        return None
+    fields = [f.strip() for f in text.split(",") if f.strip()]
+    if not fields:
+        from dataplane_rl.errors import ConfigError
+
+        raise ConfigError(f"--fields {text!r} names no column; name them, e.g. --fields input_ids,total_reward, "
+                          "or leave --fields out for every written column")
+    return fields
+
+
 def export_cmd(args) -> int:
     from dataplane_rl.store.parquet import export_partition
+    from dataplane_rl.store.targets import check_target, writing
 
-    fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
+    fields = field_list(args.fields)
+    out = check_target(args.out, "store export OUT")  # before the store is opened: nothing is read for a bad target
     store = _open(args.url)
     try:
-        rows, fields = export_partition(store, args.partition, args.out, fields)
+        with writing(args.out, "store export OUT"):
+            rows, fields = export_partition(store, args.partition, out, fields)
     finally:
         store.close()
     print(f"wrote {args.out}: partition {args.partition}, {rows} rows, {len(fields)} columns ({', '.join(fields)})")
@@ -265,6 +301,8 @@ def drop_cmd(args) -> int:
     url = store_url(args.url)
     store = _open(url, **({"pool_bytes": 0} if url.startswith("shm://") else {}))
     try:
+        if not args.force:
+            refuse_live(store, args)
         pids = store.list_partitions() if args.all else [args.partition]
         for pid in pids:
             store.drop_partition(pid)
@@ -275,3 +313,29 @@ def drop_cmd(args) -> int:
     if folder is not None:
         shutil.rmtree(folder)  # the store is empty; its folder (marker, chunk pool) is all that is left
     return 0
+
+
+def refuse_live(store, args) -> None:
+    """A ConfigError if a live process owns the store (its owner record: store/owners.py): dropping from
+    under a run once made it die with a remote traceback. Only shm stores record their owner."""
+    from dataplane_rl.errors import ConfigError
+    from dataplane_rl.store import owners
+
+    folder = getattr(store, "path", None)
+    owner = owners.read_owner(str(folder)) if folder is not None else None
+    if not owner or not owners.owner_alive(owner):
+        return
+    raise ConfigError(f"store {args.url} is in use by a live run (pid {owner['pid']} on {owner['host']}: "
+                      f"{_command_of(int(owner['pid']))}); stop that run first, or pass --force to drop from it "
+                      f"anyway: dataplane-rl store drop --force {args.url} {'--all' if args.all else args.partition}")
+
+
+def _command_of(pid: int) -> str:
+    import psutil
+
+    try:
+        words = psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return "command unknown"
+    text = " ".join(words)
+    return text if len(text) <= 120 else text[:117] + "..."

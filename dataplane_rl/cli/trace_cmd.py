@@ -20,6 +20,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from dataplane_rl.run.trace_plot import phase_table, save_timeline_png
 
+    from dataplane_rl.store.targets import check_target, writing
+
+    out = check_target(args.png, "trace --png") if args.png else None  # before anything is read or printed
     path = Path(args.run_dir)
     path = path / "trace.json" if path.is_dir() else path
     if not path.is_file():
@@ -37,6 +40,7 @@ def run(args) -> int:
         print(f"{'process':<14} {'phase':<20} {'count':>6} {'seconds':>10} {'max_s':>9}")
         for r in rows:
             print(f"{r['process']:<14} {r['phase']:<20} {r['count']:>6} {r['seconds']:>10.3f} {r['max_s']:>9.3f}")
-    if args.png:
-        save_timeline_png(path, args.png, steps)
+    if out is not None:
+        with writing(args.png, "trace --png"):
+            save_timeline_png(path, out, steps)
     return 0

@@ -19,7 +19,7 @@ from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
 from dataplane_rl.checkpoint.export import export_hf
 from dataplane_rl.run.loggers import MetricLoggers
 from dataplane_rl.run.reaper import deferred_sigint
-from dataplane_rl.run.preempt import LOST, RayLost, StopSignals
+from dataplane_rl.run.preempt import LOST, TERMINATING, RayLost, StopSignals
 from dataplane_rl.driver.rollouts import RolloutActorError, RolloutWaitError
 from dataplane_rl.run.folder import RunDir
 from dataplane_rl.driver.step_io import DynamicSamplingError
@@ -80,7 +80,7 @@ def check_finite(metrics: dict) -> None:
 def ray_lost(stop: StopSignals, trainer) -> bool:
     """After a SIGTERM: whether Ray's processes went with it (a signal to the whole process group); if so,
     neither the handler nor close() may wait on Ray any more."""
-    if stop.ray_lost or (stop.signum == signal.SIGTERM and stop.ray_going()):
+    if stop.ray_lost or (stop.signum in TERMINATING and stop.ray_going()):
         stop.ray_lost = True
         LOST.set()
         if trainer is not None:
@@ -94,7 +94,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
     failure, before or after the start, leaves a summary.json saying so.
 
     resume: continue the run in cfg.logger.run_dir from its latest complete checkpoint.
-    SIGTERM/SIGINT end the current step, checkpoint (when checkpointing is on) and return status
+    SIGTERM/SIGHUP/SIGINT end the current step, checkpoint (when checkpointing is on) and return status
     'interrupted' with the signal's number in summary["signal"].
     """
     import ray
@@ -225,7 +225,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
         # a SIGTERM to the whole process group stopped Ray too: RayLost, or an actor's death seen first.
         # Stop now, without waiting on Ray, as the interrupted run it is (exit 143 all the same)
         if isinstance(e, RayLost) or ray_lost(stop, trainer):
-            status, error = "interrupted", "SIGTERM to the process group: Ray's processes stopped with the driver"
+            sent = signal.Signals(stop.signum).name if stop.signum else "SIGTERM"
+            status, error = "interrupted", f"{sent} to the process group: Ray's processes stopped with the driver"
         else:
             error = run.record_error(e)
             raise
@@ -249,7 +250,11 @@ def train(cfg: Config, resume: bool = False) -> dict:
                                                          "store_url": trainer.store_url if trainer else None,
                                                          "kept_store_url": trainer.kept_store_url if trainer else None})
                     if timeline is not None:  # the checkpoints' and the close's spans, the actors' last events
-                        timeline.close(trace.take())
+                        try:
+                            timeline.close(trace.take())
+                        except OSError as e:  # a full disk: the run's end is in summary.json; say what is missing
+                            print(f"warning: {timeline.path} is missing the run's last events: {e.strerror or e}",
+                                  file=sys.stderr, flush=True)
             finally:
                 run.close()
     return summary

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 from dataplane_rl.config import Config
-from dataplane_rl.model.load import load_tokenizer, resolve_model
+from dataplane_rl.model.load import cache_root, load_tokenizer, resolve_model
 from dataplane_rl.store import MemoryStore, open_store
 from dataplane_rl.run import private_ray
 from dataplane_rl.rollout.multiturn import check_config as check_multi_turn
@@ -28,7 +31,9 @@ def preflight(cfg: Config):
     """Every check that needs no Ray, made before Ray starts, so a mistake is one clear ConfigError and not
     an actor's traceback: task.module, the task and its file, the model folder, the engine. Returns (task, model
     folder, the PromptSampler that draws the steps' prompts within task.max_prompt_length)."""
+    check_imports_return(cfg)  # before this process imports them: an import may end the process it runs in
     load_modules(cfg.task)  # first: a task.module that fails to import is the one error, not an unknown task.name
+    check_folders(cfg)
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     tokenizer = load_tokenizer(folder)
     task = load_task(cfg.task, tokenizer)
@@ -44,6 +49,98 @@ def preflight(cfg: Config):
 
         require_vllm()
     return task, str(folder), sampler
+
+
+# run in a child: import the user's module, then say so; an exception is left to the import in the driver,
+# which names its file and line (tasks/user_code.py)
+_IMPORT_CHILD = """
+import sys
+from dataplane_rl.tasks.user_code import import_user_module
+try:
+    import_user_module(sys.argv[1], sys.argv[2])
+except BaseException as e:
+    print("dataplane-rl-import: raised", type(e).__name__, flush=True)
+    sys.exit(0)
+print("dataplane-rl-import: returned", flush=True)
+"""
+
+
+def check_imports_return(cfg: Config) -> None:
+    """task.module and task.reward_function's module, each imported first in a child process: one that calls
+    os._exit (or otherwise ends its process) at import made `train` exit 0 with no output and no run folder,
+    a success that did nothing. A ConfigError naming the key if the child's import did not return."""
+    import subprocess
+    import sys
+
+    from dataplane_rl.errors import ConfigError
+
+    specs = [("task.module", cfg.task.module)]
+    if cfg.task.reward_function:
+        specs.append(("task.reward_function", cfg.task.reward_function.rpartition(":")[0]))
+    for key, spec in specs:
+        if not spec:
+            continue
+        try:
+            p = subprocess.run([sys.executable, "-c", _IMPORT_CHILD, spec, key], capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL, timeout=IMPORT_CHECK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"{key}={spec}: importing it did not finish within {IMPORT_CHECK_TIMEOUT_S} s; an "
+                              "import must not block (move slow work into the functions it defines)") from None
+        said = next((line.split()[1:] for line in p.stdout.splitlines() if line.startswith("dataplane-rl-import:")), [])
+        if said[:1] == ["returned"] or said[:1] == ["raised"] and said[1:] not in (["SystemExit"], ["KeyboardInterrupt"]):
+            continue  # imported, or raised an error the import in this process names with its file and line
+        how = f"raised {said[1]}" if said else (f"ended its process (exit code {p.returncode}: os._exit or a "
+                                                 "signal?)" if p.returncode >= 0 else f"was killed by signal {-p.returncode}")
+        raise ConfigError(f"{key}={spec}: importing it {how} instead of returning; a module must not end the "
+                          "process that imports it (the driver, each rollout actor and train worker)")
+
+
+IMPORT_CHECK_TIMEOUT_S = 120
+
+
+def check_folders(cfg: Config) -> None:
+    """Every folder the run writes, checked as logger.run_dir is (run/folder.py), before anything starts:
+    checkpointing.checkpoint_dir=/proc/x once failed only at the first save, after a step had trained, and
+    a bad policy.model_cache_dir or shm:// folder with a bare FileNotFoundError."""
+    import os
+
+    from dataplane_rl.checkpoint.manager import CheckpointManager
+    from dataplane_rl.store import owners
+
+    if cfg.checkpointing.enabled:
+        key = "checkpointing.checkpoint_dir" if cfg.checkpointing.checkpoint_dir else "checkpointing (RUN_DIR/checkpoints)"
+        check_writable(key, CheckpointManager.for_config(cfg).root)
+    cache = cache_root(cfg.policy.model_cache_dir)
+    if cfg.policy.model == "tiny" and not (cache / f"tiny-qwen2-seed{cfg.grpo.seed}").is_dir():  # built there now
+        check_writable("policy.model_cache_dir", cache)
+    url = cfg.data_plane.backend if cfg.data_plane.enabled else ""
+    if url.startswith("shm://"):
+        path = url[len("shm://"):].partition("?")[0]
+        # a named store's folder is made by the store; its parent must take it
+        folder = Path(path).absolute().parent if path and not os.path.isdir(path) else Path(path or owners.auto_root())
+        check_writable(f"data_plane.backend={url}", folder)
+
+
+def check_writable(key: str, folder: Path) -> None:
+    """A ConfigError naming `key` unless a file can be made in `folder` (made, with any parent, if missing). The
+    file is removed, and so is every folder made for it: a refused run leaves nothing."""
+    import os
+    import tempfile
+
+    from dataplane_rl.errors import ConfigError
+
+    folder = Path(folder)
+    made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".dataplane-rl-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot write to {folder} ({e.strerror or e}); choose a writable folder") from None
+    finally:
+        for p in made:  # deepest first; the run makes them again when it writes there
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 def check_device(cfg: Config) -> None:

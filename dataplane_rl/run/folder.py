@@ -23,13 +23,12 @@ import fcntl
 import json
 import math
 import os
-import re
 import shutil
 import time
 import traceback
 from pathlib import Path
 
-from dataplane_rl.errors import ConfigError
+from dataplane_rl.errors import ConfigError, one_line, strip_ansi
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
 _STALE = ("metrics.jsonl", "summary.json", "reward.png", "store.json", "trace.json")
@@ -37,12 +36,11 @@ _STALE = ("metrics.jsonl", "summary.json", "reward.png", "store.json", "trace.js
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-# colour codes Ray puts into a remote traceback's text
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:  # a full disk: no half-written .tmp left beside the file
+        tmp.unlink(missing_ok=True)
 
 
 def fresh_run_dir(root: str | Path = "runs") -> Path:
@@ -245,18 +243,17 @@ class RunDir:
     def record_error(self, e: BaseException) -> str:
         """The summary's error: one line, no colour codes, no remote traceback; the whole traceback (a
         Ray task's remote one included) goes to error.log in the run folder, which the line names."""
-        cause = getattr(e, "cause", None)  # a RayTaskError: the error raised inside the actor
-        shown = cause if isinstance(cause, BaseException) else e
-        lines = [x.strip() for x in _ANSI.sub("", str(shown)).splitlines() if x.strip()]
-        line = f"{type(shown).__name__}: {lines[0] if lines else ''}"
-        if not self.started:  # a run refused before it started leaves the folder's files as they were
-            return line
-        log = self.path / "error.log"
-        try:
-            _atomic_write(log, _ANSI.sub("", "".join(traceback.format_exception(e))))
-        except OSError:  # a folder that cannot take it still gets the summary
-            return line
-        return f"{line} (traceback: {log})"
+        line = one_line(e)
+        if self.started:  # a run refused before it started leaves the folder's files as they were
+            log = self.path / "error.log"
+            try:
+                _atomic_write(log, strip_ansi("".join(traceback.format_exception(e))))
+                line = f"{line} (traceback: {log})"
+            except OSError as why:  # a folder that cannot take it still gets the summary
+                line = f"{line} (no traceback: {log} could not be written: {why.strerror or why})"
+            with contextlib.suppress(AttributeError, TypeError):
+                e.run_error = line  # the command's `error:` line is the summary's (cli/main.py)
+        return line
 
     def finish(self, status: str, error: str | None = None, extra: dict | None = None) -> dict:
         """Write summary.json and reward.png; returns the summary. A fresh folder of a run that never
@@ -285,9 +282,17 @@ class RunDir:
             return summary
         if metrics:
             summary["plot"] = str(self.path / "reward.png")
-        _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
-        if metrics:
-            self.plot(metrics)
+        try:
+            _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
+            if metrics:
+                self.plot(metrics)
+        except OSError as e:  # a full disk: the run's end is told in one line all the same
+            import sys
+
+            summary["summary_error"] = (f"{self.path / 'summary.json'} or reward.png could not be written: "
+                                        f"{e.strerror or e}")
+            print(f"error: {summary['summary_error']}; the run ended {status}" + (f": {error}" if error else ""),
+                  file=sys.stderr, flush=True)
         return summary
 
     def plot(self, metrics: list[dict]) -> None:

@@ -75,6 +75,9 @@ def save_reward_png(metrics: list[dict], title: str, path: Path, validation: lis
 
     fig = reward_figure(metrics, title, validation)
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    finally:  # a full disk: no half-drawn .tmp left
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)

@@ -1,8 +1,9 @@
-"""SIGTERM / SIGINT: finish the current step, checkpoint, stop cleanly (clusters preempt with SIGTERM).
+"""SIGTERM / SIGHUP / SIGINT: finish the current step, checkpoint, stop cleanly (clusters preempt with SIGTERM;
+a closed terminal or ssh session sends SIGHUP, which once ended the run at once with no summary).
 
 The first signal only sets a flag that the loop reads between steps; a second SIGINT raises
-KeyboardInterrupt at once, for a user who does not want to wait for the step. A SIGINT that this process
-inherited as ignored (started with `&` or `nohup`) stays ignored; SIGTERM always stops the run.
+KeyboardInterrupt at once, for a user who does not want to wait for the step. A SIGINT or SIGHUP that this
+process inherited as ignored (started with `&` or `nohup`) stays ignored; SIGTERM always stops the run.
 
 A SIGTERM to the whole process group (`timeout`, `kill -- -PGID`, SLURM's scancel, a pod stop) reaches
 Ray's gcs_server, raylet and actors too: they exit at once, the step can never finish, and the driver's
@@ -26,6 +27,10 @@ _RAY_EXIT_WAIT_S = 10.0
 
 # set once a run in this process lost Ray to a group signal: its core worker cannot be shut down cleanly
 LOST = threading.Event()
+
+
+# signals whose default action ends a process: one sent to the whole group also stops Ray's processes
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
 
 class RayLost(BaseException):
@@ -83,7 +88,7 @@ class StopSignals:
             raise KeyboardInterrupt
         first = self.signum is None
         self.signum = signum
-        if signum == signal.SIGTERM and first and self._procs:
+        if signum in TERMINATING and first and self._procs:
             # the main thread may be inside ray.get: look from another thread, so the handler returns at once
             threading.Thread(target=self._watch, name="ray-lost-watch", daemon=True).start()
 
@@ -111,10 +116,10 @@ class StopSignals:
         """(Re)install the handlers; call again after ray.init, which sets its own SIGTERM handler."""
         if threading.current_thread() is not threading.main_thread():
             return  # signals reach the main thread only; a run in a thread stops by its caller
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             current = signal.getsignal(sig)
-            if sig == signal.SIGINT and current == signal.SIG_IGN and sig not in self._saved:
-                continue
+            if sig != signal.SIGTERM and current == signal.SIG_IGN and sig not in self._saved:
+                continue  # `nohup` and `&` ignore them on purpose
             self._saved.setdefault(sig, current)
             signal.signal(sig, self._handle)
 

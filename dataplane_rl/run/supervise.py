@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,7 +52,21 @@ def supervise(cmd: list[str]) -> int:
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
+        drop_token_folder()
     return 128 - code if code < 0 else code
+
+
+def drop_token_folder() -> None:
+    """The run's Ray token folder (run/private_ray.py) was made for this process, which its owner record
+    names: it goes when the driver has exited, however it ended. The driver removes it at its own exit only
+    once it started Ray, so a run refused before that (a bad task.module) once left it in /tmp."""
+    folder = os.environ.get(TOKEN_DIR_ENV, "")
+    if os.path.basename(folder).startswith(TOKEN_PREFIX):  # never anything else, whatever the variable says
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# as run/private_ray.py names them; not imported from there: this process loads only the standard library
+TOKEN_DIR_ENV, TOKEN_PREFIX = "DATAPLANE_RL_RAY_TOKEN_DIR", "dataplane-rl-ray-"
 
 
 if __name__ == "__main__":

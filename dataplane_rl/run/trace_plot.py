@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+import os
 from pathlib import Path
 
 from dataplane_rl.trace import read_trace
@@ -102,5 +103,11 @@ def save_timeline_png(path: str | Path, out: str | Path, steps: tuple[int, int] 
     import matplotlib.pyplot as plt
 
     fig = timeline_figure(path, steps)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # renamed into place: OUT is whole or as it was
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)

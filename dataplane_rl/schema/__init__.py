@@ -13,16 +13,16 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Annotated, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from dataplane_rl.errors import SchemaError, format_rows
 from dataplane_rl.resources import data_dir
-from dataplane_rl.schema.types import ARROW_DTYPES, inner_shape, nested_type, token_lengths, type_name
+from dataplane_rl.schema.types import ARROW_DTYPES, inner_shape, nested_type, token_lengths, type_name, whole_dims
 from dataplane_rl.yaml_load import load_yaml_mapping
 
 WRITERS = ("rollout", "driver", "policy", "reference", "teacher")
@@ -53,7 +53,7 @@ class Column(BaseModel):
     dtype: str = Field(description="Arrow type name of one value")
     kind: Literal["token", "sample"] = Field(description="token: one value per token; sample: one per row")
     writer: Literal["rollout", "driver", "policy", "reference", "teacher"]
-    shape: tuple[int, ...] = Field((), description="token columns only: the fixed inner shape each token holds "
+    shape: Annotated[tuple[int, ...], BeforeValidator(whole_dims)] = Field((), description="token columns only: the fixed inner shape each token holds "
                                                    "(e.g. [64] for a teacher's top-k); a row is [L, *shape]")
     doc: str = ""
     allow_nonfinite: bool = Field(False, description="float columns only: NaN and +-inf are valid values "

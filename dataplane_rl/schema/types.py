@@ -60,3 +60,11 @@ def token_lengths(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     offsets = np.asarray(arr.offsets)
     return np.diff(offsets).astype(np.int64)
+
+
+def whole_dims(shape):
+    """A schema's `shape`, refused unless it lists whole numbers: pydantic took `shape: [true]` as [1]."""
+    if isinstance(shape, (list, tuple)) and not all(type(d) is int for d in shape):
+        raise ValueError(f"shape {list(shape)} must list whole numbers (true/false and decimals are not "
+                         "dimensions), e.g. shape: [64]")
+    return shape

@@ -230,13 +230,14 @@ class ColumnStore(Reads, ABC):
         self._counted("get", 0, t0)  # its bytes: counted by _table, per block read
         return table
 
-    def stats(self) -> dict[str, float]:
+    def stats(self, partitions: list[str] | None = None) -> dict[str, float]:
         """The store's counters and gauges, in Prometheus names (`_total`, `_seconds`, `_bytes`): puts and
         gets with their bytes and seconds and refusals by cause (of every process that wrote them where
-        this one can read them: shm; else of this process), cells and bytes of live partitions, and the
-        backend's space (shm: the arena's capacity, allocated, pooled and free bytes)."""
+        this one can read them: shm; else of this process), cells and bytes of the live `partitions` (default
+        every one; a damaged one is counted, not raised), and the backend's space (shm: the arena's capacity,
+        allocated, pooled and free bytes)."""
         self._check_open()
-        return stats.of_store(self)
+        return stats.of_store(self, partitions)
 
     def status(self, pid: str) -> PartitionStatus:
         self._check_open()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from dataplane_rl.errors import PartitionNotFoundError
+from dataplane_rl.errors import DataPlaneError, PartitionNotFoundError
 
 PREFIX = "dataplane_store_"
 COUNTERS = ("puts_total", "put_bytes_total", "put_seconds_total", "gets_total", "get_bytes_total",
@@ -93,22 +93,26 @@ class PartitionStatus:
         return all(self.rows_written.get(f, 0) == self.num_rows for f in fields)
 
 
-def of_store(store) -> dict[str, float]:
-    """`ColumnStore.stats()`: the counters (this process's, plus those other processes shared), the live
-    partitions' cells and bytes, and the backend's gauges."""
+def of_store(store, partitions: Iterable[str] | None = None) -> dict[str, float]:
+    """`ColumnStore.stats()`: the counters (this process's, plus those other processes shared), the cells and
+    bytes of the live `partitions` (default: every one), and the backend's gauges. A damaged partition is
+    counted in `damaged_partitions`, not raised: one bad partition must not hide the rest (`store ls`)."""
     out = add(store._other_counters(), store._counters.metrics())
-    cells = free = used = 0
-    parts = store.list_partitions()
+    cells = free = used = damaged = 0
+    parts = store.list_partitions() if partitions is None else list(partitions)
     for pid in parts:
         try:
             st = store.status(pid)
         except PartitionNotFoundError:  # dropped meanwhile
+            continue
+        except DataPlaneError:  # damaged (a CorruptChunkError, an untrusted file): `store ls` names it
+            damaged += 1
             continue
         cells += sum(st.rows_written.values())
         free += st.num_rows * len(st.rows_written) - sum(st.rows_written.values())
         used += st.total_bytes
     p = PREFIX
     out.update({p + "partitions": len(parts), p + "cells_used": cells, p + "cells_free": free,
-                p + "used_bytes": used})
+                p + "used_bytes": used, p + "damaged_partitions": damaged})
     out.update(store._gauges())
     return out

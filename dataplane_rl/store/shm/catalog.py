@@ -220,6 +220,12 @@ class ShmCatalog:
         except BaseException as e:
             log.close()
             if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+                # a drop renames the folder whole: one still in place with a file missing is damaged, not
+                # dropped (it was once "unknown or dropped" while listed live in the same line)
+                if _same_folder(pdir, st):
+                    raise CorruptChunkError(f"partition {pid} of {self.url} is damaged: "
+                                            f"{os.path.join(pdir, e.filename or '')} is missing; the partition "
+                                            "cannot be trusted, drop it and regenerate the step") from None
                 raise self._not_found(pid) from None
             raise
         return log
@@ -315,3 +321,12 @@ class ShmCatalog:
         """Forget what this process read of `pid`; its files close when no commit or lease still uses them."""
         with self._refs_lock:
             self._logs.pop(pid, None)
+
+
+def _same_folder(path: str, st: os.stat_result) -> bool:
+    """Whether `path` is still the folder `st` describes (not dropped, nor dropped and made again)."""
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return False
+    return (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
