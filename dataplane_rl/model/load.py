@@ -21,7 +21,7 @@ _CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=:?.,!() \n")
 # own would change the model's shape, and with it the seed's weights and every figure measured on them.
 _SPECIAL = ["<unk>", "<bos>", "<eos>"]
 # Part of the cached folder's name: bump it when what build_tiny writes changes, so no older build is reused
-# (version 1, "tiny-qwen2-seed{seed}", named id 0 <pad>, and transformers dropped its spaces; see load_tokenizer).
+# (version 1, "tiny-qwen2-seed{seed}", named id 0 <pad>, and transformers dropped its spaces; see read_tokenizer).
 TINY_VERSION = 2
 # The tiny model's chat template: every character in its vocabulary, so chat prompts render without a download.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
