@@ -25,6 +25,54 @@ def test_unknown_key_suggests_the_closest():
         load_config(None, ["loss_fn.ratio_clip_mx=0.3"])
 
 
+@pytest.mark.parametrize("override,says", [
+    ("data.train_files=train.parquet", "verl's data.train_files is task.path here (with task.name=dataset)"),
+    ("data.val_files=val.parquet", "verl's data.val_files is task.val_path here"),
+    ("data.prompt_key=prompt", "verl's data.prompt_key is task.input_key here"),
+    ("data.max_prompt_length=512", "verl's data.max_prompt_length is task.max_prompt_length here"),
+    ("data.filter_overlong_prompts=true", "is task.filter_overlong_prompts here"),
+    ("data.truncation=left", "is task.truncation here"),
+    ("data.reward_fn_key=data_source", "not a key here: a row's source is always its data_source column"),
+    ("custom_reward_function.path=r.py", "is task.reward_function=FILE.py:NAME here"),
+    ("custom_reward_function.name=compute_score", "is task.reward_function=FILE.py:NAME here"),
+    ("+custom_reward_function.reward_kwargs.format_score=0.25", "is task.reward_kwargs.format_score here"),
+    ("reward.custom_reward_function.path=r.py", "is task.reward_function=FILE.py:NAME here"),
+    ("reward_model.reward_manager=batch", "verl's reward_model.reward_manager is task.reward_manager here"),
+    ("actor_rollout_ref.rollout.n=8", "is grpo.num_generations_per_prompt here"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "counted in samples (verl's counts prompts: times rollout.n)"),
+    ("data.dataset_name=OpenMathInstruct-2", "NeMo-RL's data.dataset_name is task.name here"),
+    ("data.train_data_path=t.jsonl", "NeMo-RL's data.train_data_path is task.path here"),
+    # a verl key without a counterpart: its section's, never a look-alike
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "'actor_rollout_ref' is a section of verl's config"),
+    ("data.tokenizer=x", "'data' is a section of verl's and NeMo-RL's configs, not of this one: a dataset is task.*"),
+])
+def test_a_verl_or_nemo_rl_key_is_named_by_where_it_lives_here(override, says):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert msg.startswith(f"unknown config key '{override.split('=')[0]}' (override '{override}'); ") and says in msg, msg
+    assert "did you mean" not in msg and "data_plane" not in msg and "output_key" not in msg, msg
+
+
+def test_a_verl_config_file_is_named_by_its_section(tmp_path):
+    p = tmp_path / "verl.yaml"
+    p.write_text("data:\n  train_files: train.parquet\n  prompt_key: prompt\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'data' \(in .*verl.yaml\); 'data' is a section of "
+                                          r"verl's and NeMo-RL's configs.*task.path"):
+        load_config(p)
+
+
+def test_every_foreign_key_is_named_by_a_key_of_ours():
+    import re
+
+    from dataplane_rl.config.foreign_keys import KEYS
+    from dataplane_rl.config.load import ALL_KEYS
+
+    named = {m.group(1) for _, here in KEYS.values() if (m := re.match(r"([a-z_]+(?:\.[a-z_]+)+)", here))}
+    assert len(named) >= 20 and named - set(ALL_KEYS) == set()
+    assert not set(KEYS) & set(ALL_KEYS)  # none of them is a key here too
+
+
 def test_unknown_key_in_file_names_the_file(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("grpo:\n  num_prompts_per_stepp: 4\n")

@@ -298,10 +298,11 @@ def test_bad_environment_output_is_one_line_naming_task_turn_and_row(tmp_path, f
 
 
 def test_an_observation_past_the_length_limit_is_cut_and_ends_the_episode():
-    w = worker_for("tool", "policy.max_total_sequence_length=14")  # prompt 10, action 1, then 'key=7:' (6) > 3
+    # prompt 11 (BOS and 'tool 0012:'), action 1, then 'key=7:' (6) > 3
+    w = worker_for("tool", "policy.max_total_sequence_length=15")
     table, _ = w.generate(job(w, P=2))
     for r in rows(table):
-        assert r["input_lengths"] == 14 and r["end_reason"] == "length" and r["truncated"] and r["num_turns"] == 1
+        assert r["input_lengths"] == 15 and r["end_reason"] == "length" and r["truncated"] and r["num_turns"] == 1
         assert r["token_mask"].count(1) == 1 and r["observation_tokens"] == 3
 
 

@@ -35,9 +35,9 @@ BACKENDS = ("hf", "vllm")
 
 def build_small(seed: int, cache_dir: str | None = None) -> Path:
     """Build (once) a ~24.5M-parameter Qwen2 with the tiny model's character tokenizer; return its folder."""
-    from dataplane_rl.model.load import build_tiny, cache_root, load_tokenizer
+    from dataplane_rl.model.load import TINY_VERSION, build_tiny, cache_root, load_tokenizer
 
-    folder = cache_root(cache_dir) / f"bench-qwen2-24m-seed{seed}"
+    folder = cache_root(cache_dir) / f"bench-qwen2-24m-v{TINY_VERSION}-seed{seed}"  # its tokenizer is the tiny one's
     if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
         return folder
     import torch

@@ -17,7 +17,9 @@ from dataplane_rl.store.targets import writing
 
 
 def export_hf(state_dict: dict[str, torch.Tensor], model_folder: str | Path, out: str | Path) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dataplane_rl.model.load import read_tokenizer
 
     out = Path(out)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_folder), dtype=torch.float32)
@@ -32,7 +34,7 @@ def export_hf(state_dict: dict[str, torch.Tensor], model_folder: str | Path, out
     try:
         with writing(out, "the Hugging Face folder"):  # a full disk: one line, no half folder left
             model.save_pretrained(tmp, safe_serialization=True)
-            AutoTokenizer.from_pretrained(model_folder).save_pretrained(tmp)
+            read_tokenizer(model_folder).save_pretrained(tmp)  # as saved: AutoTokenizer would rebuild the tiny one
             if out.exists():
                 shutil.rmtree(out)
             os.replace(tmp, out)

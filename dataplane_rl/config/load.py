@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from dataplane_rl.config.foreign_keys import foreign_hint
 from dataplane_rl.config.models import Config
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.resources import data_dir
@@ -46,6 +47,9 @@ def _known(key: str) -> bool:
 
 
 def _unknown_key_error(key: str, source: str) -> ConfigError:
+    foreign = foreign_hint(key)  # verl's or NeMo-RL's key: where it lives here, not a look-alike
+    if foreign:
+        return ConfigError(f"unknown config key '{key}' ({source}){foreign}")
     # suggest a sibling first (loss_fn.ratio_clip_mx -> loss_fn.ratio_clip_max), then any key
     section = key.rsplit(".", 1)[0] + "." if "." in key else ""
     siblings = [k for k in ALL_KEYS if k.startswith(section) and k.count(".") == key.count(".")]

@@ -1,7 +1,8 @@
 """The policy model: the tiny local default or a local Hugging Face folder, its tokenizer, the device.
 
 The tiny model is a ~0.3M-parameter Qwen2 with a character tokenizer, built from the seed (no download)
-and saved as an ordinary Hugging Face folder, so every engine loads it like a real model.
+and saved as an ordinary Hugging Face folder, so every engine loads it like a real model. Its tokenizer reads
+every character: one token per code point, `<unk>` (id 0, also the padding id) for one outside the vocabulary.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from dataplane_rl.errors import ConfigError
 
 # Characters of the tiny tokenizer: enough for the built-in tasks' prompts and answers.
 _CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=:?.,!() \n")
-_SPECIAL = ["<pad>", "<bos>", "<eos>"]
+# Id 0 is both the unknown character and the padding (padding is masked by length, never by id): a token of its
+# own would change the model's shape, and with it the seed's weights and every figure measured on them.
+_SPECIAL = ["<unk>", "<bos>", "<eos>"]
+# Part of the cached folder's name: bump it when what build_tiny writes changes, so no older build is reused
+# (version 1, "tiny-qwen2-seed{seed}", named id 0 <pad>, and transformers dropped its spaces; see read_tokenizer).
+TINY_VERSION = 2
 # The tiny model's chat template: every character in its vocabulary, so chat prompts render without a download.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -30,27 +36,21 @@ def cache_root(cache_dir: str | None = None) -> Path:
 
 def build_tiny(seed: int, cache_dir: str | None = None) -> Path:
     """Build (once) the tiny model and tokenizer for `seed`; return its folder."""
-    folder = cache_root(cache_dir) / f"tiny-qwen2-seed{seed}"
+    folder = cache_root(cache_dir) / f"tiny-qwen2-v{TINY_VERSION}-seed{seed}"
     if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
         return folder
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    vocab = {tok: i for i, tok in enumerate(_SPECIAL + _CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    # one token per character; WordLevel alone would split on whitespace only
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                     unk_token="<pad>", clean_up_tokenization_spaces=False)
-    hf_tok.chat_template = TINY_CHAT_TEMPLATE
+    hf_tok = tiny_tokenizer()
+    vocab = hf_tok.get_vocab()
     cfg = Qwen2Config(vocab_size=len(vocab), tie_word_embeddings=True, bos_token_id=vocab["<bos>"],
-                      eos_token_id=vocab["<eos>"], pad_token_id=vocab["<pad>"], **TINY)
+                      eos_token_id=vocab["<eos>"], pad_token_id=vocab["<unk>"], **TINY)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
-    (tmp / "dataplane_rl.json").write_text(json.dumps({"seed": seed, "tiny": TINY}))
+    (tmp / "dataplane_rl.json").write_text(json.dumps({"seed": seed, "tiny": TINY, "version": TINY_VERSION}))
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         tmp.rename(folder)  # atomic: concurrent builders race harmlessly
@@ -59,6 +59,22 @@ def build_tiny(seed: int, cache_dir: str | None = None) -> Path:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def tiny_tokenizer():
+    """The tiny model's character tokenizer: one token per Unicode code point (an emoji with a skin tone is two),
+    `<unk>` for a character outside the vocabulary; decoding joins the tokens as they are."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(_SPECIAL + _CHARS)}, unk_token="<unk>"))
+    # WordLevel alone would split on whitespace and drop it; "." would miss newlines (and fuse "\n\n" into one <unk>)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # without a decoder, tokenizers joins tokens with a space: "a b" for "ab"
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<unk>", bos_token="<bos>", eos_token="<eos>",
+                                     unk_token="<unk>", clean_up_tokenization_spaces=False)
+    hf_tok.chat_template = TINY_CHAT_TEMPLATE
+    return hf_tok
 
 
 def resolve_model(name: str, seed: int, cache_dir: str | None = None) -> Path:
@@ -97,10 +113,30 @@ def load_model(folder: Path, device: torch.device):
     return model.to(device)
 
 
-def load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+def read_tokenizer(folder: Path):
+    """The folder's tokenizer as saved. transformers 5 rebuilds the tokenizer of every qwen2 folder as Qwen2's
+    byte-level BPE from the vocabulary alone (AutoTokenizer ignores tokenizer_config's class for model types it
+    lists in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS): a character tokenizer loses its pre-tokenizer and its
+    unknown token there, and every space, newline and unknown character vanishes. So a WordLevel tokenizer.json
+    (the tiny model's, and its exports') is loaded as it is written."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(folder)
+    return (PreTrainedTokenizerFast if _word_level(Path(folder)) else AutoTokenizer).from_pretrained(folder)
+
+
+def _word_level(folder: Path) -> bool:
+    f = folder / "tokenizer.json"
+    # a real model's tokenizer.json is megabytes of BPE: not parsed just to learn that
+    if not f.is_file() or f.stat().st_size > 1 << 20:
+        return False
+    try:
+        return json.loads(f.read_text()).get("model", {}).get("type") == "WordLevel"
+    except (ValueError, AttributeError):
+        return False  # AutoTokenizer names what is wrong with the file
+
+
+def load_tokenizer(folder: Path):
+    tok = read_tokenizer(folder)
     if tok.chat_template is None and (Path(folder) / "dataplane_rl.json").is_file():
         tok.chat_template = TINY_CHAT_TEMPLATE  # a tiny folder built before the template was
     if tok.pad_token_id is None:
