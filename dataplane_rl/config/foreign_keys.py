@@ -43,7 +43,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "trainer.test_freq": (VERL, "grpo.val_period here"),
     "trainer.val_before_train": (VERL, "grpo.val_at_start here"),
     "trainer.save_freq": (VERL, "checkpointing.save_period here"),
-    # NeMo-RL's examples/configs/grpo_math_1B.yaml (its other sections are named as ours)
+    # NeMo-RL's GRPO math example config, grpo_math_1B (its other sections are named as ours)
     "data.dataset_name": (NEMO_RL, "task.name here (task.name=dataset for a file of your own)"),
     "data.train_data_path": (NEMO_RL, "task.path here (with task.name=dataset)"),
     "data.val_data_path": (NEMO_RL, "task.val_path here"),
