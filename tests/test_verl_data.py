@@ -138,6 +138,10 @@ def test_the_batch_manager_calls_once_with_lists_and_fails_only_the_bad_items_gr
     module = import_user_module(fn)  # the worker's module: it ran in this process
     assert module.CALLS == [6], "one call with the job's 6 samples"
     assert [g for g, reason, _ in receipt["failed_groups"]] == [1] and "returned nan" in receipt["failed_groups"][0][2]
+    naive = reward_file(tmp_path, "def compute_score(solution_str, ground_truth):\n    return float('inf')\n", "inf.py")
+    _, receipt = generate(worker("task.name=dataset", f"task.path={data}", f"task.val_path={data}",
+                                 f"task.reward_function={naive}"), [4])
+    assert receipt["failed_groups"][0][2].endswith(f"[task path '{data}' row 4]")  # the row it scored
     assert [r["dataset_row"] for r in rows] == [2, 2, 6, 6]  # group 1 (row 5) is never stored
     for r in rows:
         assert r["total_reward"] == 2.0 * len(r["response_text"]) and json.loads(r["reward_extra_info"]) == {"n": len(r["response_text"])}

@@ -291,8 +291,14 @@ class ScoredTask:
         return self.score(key, response)[0]
 
     def score(self, key, response: str) -> tuple[float, dict]:
+        from dataplane_rl.errors import RewardFunctionError
+
         r = prompt_row(self.task, key)
-        return self.user_reward.score(r.data_source, response, r.ground_truth, r.extra_info)
+        try:
+            return self.user_reward.score(r.data_source, response, r.ground_truth, r.extra_info)
+        except RewardFunctionError as e:
+            where = getattr(self.task, "where", None)  # a dataset names the row the failing call scored
+            raise RewardFunctionError(f"{e} [{where(key)}]") if callable(where) else e from None
 
     def score_batch(self, keys: list, responses: list[str]) -> list:
         """task.reward_manager=batch: one call for every sample; per sample (reward, extras) or its error."""
