@@ -286,6 +286,9 @@ def test_train_cli_writes_the_run_folder(tmp_path):
     assert json.loads((run_dir / "store.json").read_text()) == {"store_url": store_url}
     assert f"store {store_url} (dataplane-rl store ls {run_dir})" in p.stderr
     assert out["final_validation_reward"] == lines[-1]["validation/reward"]  # validated after the last step
+    # validation/reward/<data_source>: the held-out file's two sources (the module's task tags them with the actor's pid)
+    per_source = {k.split("/")[2].split("@")[0] for k in lines[-1] if k.startswith("validation/reward/")}
+    assert per_source == {"add", "sub"}, sorted(lines[-1])
 
 
 def _sigint_default():
