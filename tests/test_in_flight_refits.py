@@ -214,3 +214,19 @@ def test_an_age_1_ray_run_with_in_flight_updates_trains_no_token_past_the_bound(
         assert m["async/token_age_mean"] == pytest.approx(sum(ages) / len(ages))
         assert m["async/mixed_version_samples"] == sum(len(set(g)) > 1 for g in gen)
         assert m["async/in_flight_refits"] >= 0
+
+
+def test_the_trace_shows_where_a_refit_landed():
+    from dataplane_rl import trace
+
+    w = make_worker(*IN_FLIGHT, *SMALL)
+    trace.configure(True)
+    try:
+        _, receipt = generate(w, {4: 1})
+        events = receipt["trace"] + trace.take()  # the job's events ride its receipt; its own span ends after
+    finally:
+        trace.configure(False)
+    job_span = next(e for e in events if e.get("name") == "rollout_job")
+    landed = [e for e in events if e.get("name") == "refit_in_generation"]
+    assert [e["args"]["version"] for e in landed] == [1]
+    assert job_span["ts"] <= landed[0]["ts"] and landed[0]["ts"] + landed[0]["dur"] <= job_span["ts"] + job_span["dur"]

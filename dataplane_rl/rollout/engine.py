@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from dataplane_rl import trace
 from dataplane_rl.rollout.generation import Generation, GenerationEngine
 
 
@@ -56,7 +57,7 @@ class HFEngine:
         """Load the parked refit, if one is; True when the weights changed. Called by the generating thread only."""
         if self._pending is None:  # only offer() sets it, and only this thread clears it: no lock to look
             return False
-        with self._lock:
+        with self._lock, trace.span("refit_in_generation", version=self._pending[1]):  # where it landed, in the trace
             state_dict, version = self._pending
             self._pending = None
             self.model.load_state_dict(state_dict)
