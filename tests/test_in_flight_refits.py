@@ -134,6 +134,24 @@ def test_stale_cache_records_versions_but_logprobs_mix_them():
     assert (lp1[after] - batch["generation_logprobs"][after]).abs().max() > 1e-6  # the stale cache shows
 
 
+def test_a_job_waits_for_the_refit_sent_before_it():
+    """Ray may run a job's generate before the refit sent ahead of it reaches the refit thread: the job waits for
+    its weights (job.weights), and generates with them once they land."""
+    w = make_worker(*IN_FLIGHT, *SMALL)
+    j = job(w)
+    j.weights = 1
+    out = []
+    t = threading.Thread(target=lambda: out.append(w.generate(j)))
+    t.start()
+    t.join(0.5)  # the job is waiting (not a timing assertion: it cannot finish without version 1)
+    assert not out
+    w.load_weights(weights(1), 1)
+    t.join()
+    table, receipt = out[0]
+    assert receipt["version"] == 1 and receipt["in_flight_refits"] == 0
+    assert table.column("generation_policy_version").to_pylist() == [1] * table.num_rows
+
+
 def test_in_flight_updates_without_a_refit_change_nothing():
     """The key on, no refit inside the job: the same rows as the key off, bit for bit."""
     off, _ = make_worker(*ASYNC, *SMALL).generate(job(make_worker(*ASYNC, *SMALL)))
@@ -156,11 +174,13 @@ def test_key_off_every_generated_token_has_the_jobs_version():
 def test_multi_turn_refit_between_turns():
     """guess: one sampled token per turn; each turn's generate runs a prefill and one decode forward (passes
     2k-1 and 2k). A refit that reaches the actor during turn 2's prefill lands after its token is sampled: turn 2's
-    token is version 0's, turn 3's version 1's; observations are -1."""
+    token is version 0's, turn 3's version 1's; observations are -1. Turn 2's last forward feeds no sampled token,
+    so the refit lands after that turn's generation: not an in-flight refit, but the episode's tokens span two
+    versions."""
     w = make_worker(*IN_FLIGHT, "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true", *MT,
                     "grpo.num_generations_per_prompt=2")
     table, receipt = generate(w, {3: 1})
-    assert receipt["in_flight_refits"] == 1
+    assert receipt["in_flight_refits"] == 0 and w.version == 1
     for row, m, turns in zip(table.column("token_policy_version").to_pylist(), table.column("token_mask").to_pylist(),
                              table.column("turn_index").to_pylist()):
         assert all((v == -1) == (k == 0) for v, k in zip(row, m))  # prompt and observations are -1
@@ -214,6 +234,9 @@ def test_an_age_1_ray_run_with_in_flight_updates_trains_no_token_past_the_bound(
         assert m["async/token_age_mean"] == pytest.approx(sum(ages) / len(ages))
         assert m["async/mixed_version_samples"] == sum(len(set(g)) > 1 for g in gen)
         assert m["async/in_flight_refits"] >= 0
+        # a job waits for the refit sent before it (its refit thread may start later than its generate thread),
+        # so no row is older than the schedule makes it, as with the key off: nothing is dropped as stale
+        assert m["async/dropped_stale"] == 0
 
 
 def test_the_trace_shows_where_a_refit_landed():

@@ -35,7 +35,7 @@ class HFEngine:
         self.recompute_kv_cache = recompute_kv_cache
         self.version = 0  # the loaded weights' version, recorded on every sampled token
         self.in_flight_refits = 0  # refits loaded while a generation was under way
-        self._lock = threading.Lock()  # guards _pending and _generating against offer() on the refit thread
+        self._lock = threading.Condition()  # guards _pending, _generating and version against the refit thread
         self._pending: tuple | None = None  # (state_dict, version) offered during a generation, not yet loaded
         self._generating = False
 
@@ -49,20 +49,30 @@ class HFEngine:
             if not self._generating:
                 self.model.load_state_dict(state_dict)
                 self.version = version
+                self._lock.notify_all()  # a job waiting for these weights (wait_for_version)
                 return True
             self._pending = (state_dict, version)
             return False
 
-    def _land(self) -> bool:
-        """Load the parked refit, if one is; True when the weights changed. Called by the generating thread only."""
+    def wait_for_version(self, version: int, timeout_s: float) -> bool:
+        """Block until the loaded weights are at least `version` (a refit sent before a job can reach the actor's
+        refit thread after the job reached its generate thread); False after timeout_s."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.version >= version, timeout=timeout_s)
+
+    def _land(self, inside: bool = True) -> bool:
+        """Load the parked refit, if any; True when the weights changed. Called by the generating thread only.
+        inside: between two decode steps, so later tokens use it (counted in in_flight_refits, traced)."""
         if self._pending is None:  # only offer() sets it, and only this thread clears it: no lock to look
             return False
-        with self._lock, trace.span("refit_in_generation", version=self._pending[1]):  # where it landed, in the trace
+        with self._lock, trace.span("refit_in_generation" if inside else "refit_after_generation",
+                                    version=self._pending[1]):  # where it landed, in the trace
             state_dict, version = self._pending
             self._pending = None
             self.model.load_state_dict(state_dict)
             self.version = version
-            self.in_flight_refits += 1
+            self.in_flight_refits += inside
+            self._lock.notify_all()
         return True
 
     def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0):
@@ -71,7 +81,7 @@ class HFEngine:
         try:
             return self._generate(prompts, seeds, max_new_tokens, temperature, top_k, top_p)
         finally:
-            self._land()  # one that arrived after the last forward: the next generation uses it
+            self._land(inside=False)  # one that arrived too late for any token: the next generation uses it
             with self._lock:
                 self._generating = False
 
@@ -98,7 +108,7 @@ class HFEngine:
         vers: list[list[int]] = [[] for _ in range(B)]
         done = torch.zeros(B, dtype=torch.bool)
         greedy = temperature == 0
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             # greedy: argmax, log-probs of the untempered distribution (temperature 0 has none)
             logp = torch.log_softmax(logits.float() / (1.0 if greedy else temperature), dim=-1).cpu()  # [B, V]
             if greedy:
@@ -127,7 +137,8 @@ class HFEngine:
             attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=self.device)], dim=1)  # [B, P+t]
             if self.recompute_kv_cache:
                 seq = torch.cat([seq, nxt[:, None].to(self.device)], dim=1)  # [B, P+t]
-            if self._land() and self.recompute_kv_cache:
+            # the last step's forward feeds no sampled token: a refit then lands after the generation
+            if step < max_new_tokens - 1 and self._land() and self.recompute_kv_cache:
                 pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P+t] the positions the cache was built with
                 out = self.model(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=True)
                 pos = pos[:, -1:]  # [B, 1]

@@ -30,6 +30,7 @@ class RolloutJob:
     prompts: list              # the task's prompt keys: dataset row ids, or prompt texts
     validation: bool = False   # held-out prompts: 1 sample each at generation.val_temperature
     retry: bool = False        # sent again after an actor died: write only the cells not yet committed
+    weights: int = 0           # the version of the last refit sent before it: with in-flight updates it waits for it
 
 
 @dataclass
@@ -207,6 +208,10 @@ class RolloutWorker:
             if temperature == 0:
                 top_k, top_p = 0, 1.0
         t0 = time.perf_counter()
+        if self.in_flight and not self.engine.wait_for_version(job.weights, self.cfg.grpo.async_grpo.wait_timeout_s):
+            raise RuntimeError(f"rollout job step {job.step} round {job.round}: the refit to version {job.weights} sent "
+                               f"before it did not reach this actor within grpo.async_grpo.wait_timeout_s="
+                               f"{self.cfg.grpo.async_grpo.wait_timeout_s}; the engine holds version {self.version}")
         version = self.version  # the job's first token's; with in-flight updates later ones may be newer
         refits = getattr(self.engine, "in_flight_refits", 0)
         encoded = [self.prompt(p) for p in job.prompts]
