@@ -120,8 +120,9 @@ def test_async_rollout_actor_killed_with_steps_ahead_is_replaced(tmp_path, strai
     code, out = kill_rollout_actors(run_dir, [("start", 1)], *CASES["age1"][0], "generation.num_workers=2")
     assert code == 0, out[-3000:]
     got = read_metrics(run_dir)
-    # the same rows, and numbers equal to float32 rounding: this run's two rollout actors have one torch thread each,
-    # the straight run's one actor two, so the engines' log-prob sums run in another order (rel 1.7e-6 on the Intel VM)
+    # the same rows, and numbers equal to float32 rounding: this run's two rollout actors each generate half of a
+    # step's prompts, the straight run's one actor all of them, and a batch of another shape sums the engine's
+    # log-probs in another order (rel 1.7e-6 apart on the Intel VM)
     for x, y in zip(got, expected, strict=True):
         for k in ASYNC_KEYS:
             assert math.isclose(x[k], y[k], rel_tol=1e-5, abs_tol=1e-9), f"step {x['step']} {k}: {x[k]} vs {y[k]}"
