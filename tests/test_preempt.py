@@ -86,8 +86,11 @@ def group_kill(run_dir: Path, moment: str, sig: int = signal.SIGTERM) -> tuple[i
     """Start a run in its own process group, send the whole group `sig` at `moment`; (exit status, output).
     On a clean stop it also checks that no process of the run or its group outlived it."""
     cmd = [sys.executable, "-m", "dataplane_rl.cli.main", "train", *RUN, f"logger.run_dir={run_dir}"]
+    # a job in a terminal or a scheduler gets SIGHUP's default action; one started under nohup (a CI runner may
+    # be) inherits it ignored, which the run keeps ignored on purpose (run/preempt.py): give the job the default
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     pgid = proc.pid  # start_new_session: the child leads a group of its own, as a batch job does
     tree = Tree(psutil.Process(proc.pid))
     try:

@@ -122,10 +122,11 @@ def test_async_rollout_actor_killed_with_steps_ahead_is_replaced(tmp_path, strai
     got = read_metrics(run_dir)
     # the same rows, and numbers equal to float32 rounding: this run's two rollout actors each generate half of a
     # step's prompts, the straight run's one actor all of them, and a batch of another shape sums the engine's
-    # log-probs in another order (rel 1.7e-6 apart on the Intel VM)
+    # log-probs in another order (rel 1.7e-6 apart on the Intel VM; train/logprob_mismatch, itself float noise of
+    # ~1e-7, 2e-8 apart)
     for x, y in zip(got, expected, strict=True):
         for k in ASYNC_KEYS:
-            assert math.isclose(x[k], y[k], rel_tol=1e-5, abs_tol=1e-9), f"step {x['step']} {k}: {x[k]} vs {y[k]}"
+            assert math.isclose(x[k], y[k], rel_tol=1e-5, abs_tol=1e-6), f"step {x['step']} {k}: {x[k]} vs {y[k]}"
     assert_same_rows(train_data(run_dir), train_data(straight_dir))
     faults = json.loads((run_dir / "summary.json").read_text())["faults"]
     assert len(faults) == 1 and faults[0]["where"]["slot"] == 1 and faults[0]["cost"]["jobs_redispatched"] >= 1, faults
