@@ -64,6 +64,10 @@ def assert_close(a: dict, b: dict, rel=1e-5, abs_=1e-7):
         if k in NOISE_KEYS and (rel or abs_):
             assert a[k] < NOISE_KEYS[k] and b[k] < NOISE_KEYS[k], f"{k}: {a[k]} vs {b[k]}"
             continue
+        if k in NOISE_KEYS:  # exact otherwise: the engine's float32 log-probs can round otherwise between two runs
+            # in one Ray session (CI on the Intel VM: 9.0e-8 vs 2.8e-7), while every row and trained number is equal
+            assert math.isclose(a[k], b[k], abs_tol=1e-6), f"{k}: {a[k]} vs {b[k]}"
+            continue
         assert math.isclose(a[k], b[k], rel_tol=rel, abs_tol=abs_), f"{k}: {a[k]} vs {b[k]}"
 
 
