@@ -161,7 +161,7 @@ class DatasetTask:
 
     def prompts(self, seed: int, step: int, round_: int, n: int) -> list[int]:
         if round_ != 0:  # dynamic sampling's extra rounds: a seeded draw that leaves the epochs' order alone
-            rng = np.random.default_rng([seed, step, round_ & 0xFFFFFFFF, 0x64617461])
+            rng = np.random.default_rng([seed, step, round_, 0x64617461])
             return self.train_rows[rng.integers(0, len(self.train_rows), n)].tolist()
         N, start = len(self.train_rows), max(step - 1, 0) * n
         pos = np.arange(start, start + n)
