@@ -113,7 +113,7 @@ class UserReward:
     whose other keys are the sample's reward_extra_info. Every call gets its own copy of the row's values."""
 
     def __init__(self, spec: str, reward_kwargs: dict | None = None, manager: str = "naive") -> None:
-        self.spec, self.manager = spec, manager
+        self.spec = spec
         self.fn = load_function(spec)
         self.args, self.kwargs = call_plan(self.fn, spec, manager, reward_kwargs or {})
         self.batched = manager == "batch"
