@@ -29,6 +29,8 @@ def _token(name: str, r: int, n: int, seed: int) -> np.ndarray:
         return (base % 2).astype(np.int8)
     if name == "turn_index":
         return (base % 3).astype(np.int16)
+    if name == "token_policy_version":
+        return (base % 4 - 1).astype(np.int32)  # -1 (prompt or environment token) or a weight version
     shape = GRPO_SCHEMA.by_name[name].shape
     if shape:  # a shaped column (a teacher's top-k): [n, *shape], every value a function of (row, token, slot)
         grid = base.reshape(-1, *[1] * len(shape)) * 1000 + np.arange(int(np.prod(shape))).reshape(shape)

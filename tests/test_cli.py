@@ -65,6 +65,7 @@ def _rollout_table(n=3, bad=False):
         "response_text": pa.array(["x", "y", "z"]),
         "generation_policy_version": pa.array([0, 0, 0], type=pa.int64()),
         "turn_index": pa.array([[0] + [1] * (k - 1) for k in lengths], type=pa.list_(pa.int16())),
+        "token_policy_version": pa.array([[-1] + [0] * (k - 1) for k in lengths], type=pa.list_(pa.int32())),
         "num_turns": pa.array([1, 1, 1], type=pa.int32()),
         "observation_tokens": pa.array([0, 0, 0], type=pa.int32()),
         "end_reason": pa.array(["done", "length", "done"]),

@@ -50,3 +50,14 @@ def test_token_columns_are_prompt_then_response_per_row():
     # a task without rows: no dataset row, no ground truth, no reward extras
     assert t.column("dataset_row").to_pylist() == [-1] * 4 and t.column("ground_truth").to_pylist() == ["null"] * 4
     assert t.column("reward_extra_info").to_pylist() == ["{}"] * 4 and t.column("prompt_text").to_pylist() == ["a", "a", "bb", "bb"]
+    # token_policy_version: -1 on the prompt, the job's version on every sampled token (no refit inside the job)
+    assert t.column("token_policy_version").to_pylist() == [[-1, -1, 4, 4], [-1, -1], [-1, 4], [-1, 4, 4, 4]]
+
+
+def test_a_row_is_as_old_as_its_oldest_token():
+    """With in-flight weight updates a row's tokens may span versions: generation_policy_version is the oldest."""
+    job = types.SimpleNamespace(group_ids=[5], prompts=["a"])
+    gens = [Gen([7, 8, 9], [-0.5, -0.25, -1.0], False), Gen([], [], True)]
+    t = rollout_columns(job, gens, [[1, 2]], ["a"], Tok(), Task(), 2, 3, Retries(0), versions=[[3, 4, 5], []])
+    assert t.column("token_policy_version").to_pylist() == [[-1, -1, 3, 4, 5], [-1, -1]]
+    assert t.column("generation_policy_version").to_pylist() == [3, 3]

@@ -43,13 +43,12 @@ class RolloutRecovery:
     # -- the actors ---------------------------------------------------------------------------------
     def spawn(self, slot: int):
         """A rollout actor on bundle `slot` of the rollout placement group (not yet ready)."""
-        import ray
-
         from dataplane_rl.driver import placement
-        from dataplane_rl.rollout.worker import RolloutWorker
+        from dataplane_rl.rollout.worker import actor_class
 
         cfg_dict, threads, gpus = self.spec
-        return ray.remote(RolloutWorker).options(**placement.options(self.t._groups[0], slot, gpus)).remote(
+        cls = actor_class(self.t.cfg.grpo.async_grpo.in_flight_weight_updates)
+        return cls.options(**placement.options(self.t._groups[0], slot, gpus)).remote(
             cfg_dict, self.t.model_folder, self.t.store_url, threads)
 
     def record(self, run_dir: Path) -> None:

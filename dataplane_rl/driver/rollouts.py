@@ -46,7 +46,7 @@ class Rollouts:
         t.store.create_partition(pid, t.schema, len(prompts) * G)
         splits = np.array_split(np.arange(len(prompts)), len(t.rollout))
         jobs = [RolloutJob(pid, step, round_, int(s[0]) * G, (s + group_offset).tolist(), [prompts[i] for i in s],
-                           validation=validation) for s in splits if s.size]
+                           validation=validation, weights=t.version) for s in splits if s.size]
         p = self.open[pid] = Pending(pid, step, G, jobs, [a.generate.remote(j) for a, j in zip(t.rollout, jobs)],
                                      t.version)
         return p

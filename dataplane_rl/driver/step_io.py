@@ -44,3 +44,5 @@ class Groups:
     dropped_stale: int = 0     # rows older than the staleness bound
     groups_generated: int = 0  # every group of every round
     zero_advantage_groups: int = 0  # of those, the groups whose rewards are all equal
+    in_flight_refits: int = 0  # refits that landed inside the generations of the step's rounds (receipts)
+    token_versions: pa.Array | None = None  # token_policy_version of the kept rows (in-flight weight updates only)

@@ -48,6 +48,8 @@ def step_metrics(step: int, train: dict, got: Groups, kept_rewards: np.ndarray, 
     m["async/staleness_mean"] = float(staleness.mean())
     m["async/staleness_max"] = int(staleness.max())
     m["async/dropped_stale"] = got.dropped_stale
+    if got.token_versions is not None:
+        m.update(token_ages(step, got.token_versions, got.in_flight_refits))
     m.update(counters)
     m["data_plane/enabled"] = data_plane
     m["data_plane/bytes_written"] = io.bytes_written
@@ -66,3 +68,24 @@ def step_metrics(step: int, train: dict, got: Groups, kept_rewards: np.ndarray, 
     m["throughput/train_tokens_per_s"] = train["total_tokens"] * epochs / max(io.timing["train"], 1e-9)
     m["throughput/generation_tokens_per_s"] = train["response_tokens"] / max(io.timing["generate"], 1e-9)
     return m
+
+
+def token_ages(step: int, versions, in_flight_refits: int) -> dict:
+    """async/* metrics of in-flight weight updates from the trained rows' token_policy_version (a list array): a
+    generated token's age is step-1 minus the version that sampled it; -1 (prompt, observation) is no generated
+    token. A sample is mixed when its generated tokens span more than one version."""
+    offsets = to_numpy(versions.offsets).astype(np.int64)  # [n+1]
+    values = to_numpy(versions.values).astype(np.int64)[offsets[0]:offsets[-1]]  # [T]
+    row = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))  # [T] each token's row
+    gen = values >= 0
+    oldest = np.full(len(offsets) - 1, np.iinfo(np.int64).max)  # [n]
+    newest = np.full(len(offsets) - 1, -1)  # [n]
+    np.minimum.at(oldest, row[gen], values[gen])
+    np.maximum.at(newest, row[gen], values[gen])
+    age = (step - 1) - values[gen]  # [T_gen]
+    return {
+        "async/mixed_version_samples": int(((newest >= 0) & (newest > oldest)).sum()),
+        "async/in_flight_refits": in_flight_refits,
+        "async/token_age_mean": float(age.mean()) if len(age) else 0.0,
+        "async/token_age_max": int(age.max()) if len(age) else 0,
+    }

@@ -207,6 +207,8 @@ class GRPOTrainer:
         self.trained = False  # until the optimizer steps: a lost store can still be regenerated (driver/restart.py)
         t_step = time.perf_counter()
         got = self.collect_groups(step, io)
+        if self.cfg.grpo.async_grpo.in_flight_weight_updates:  # async/token_age_* and mixed_version_samples
+            got.token_versions = self.read(got.rs, ["token_policy_version"], io).column(0).combine_chunks()
         rewards = self.advantages_and_masks(got, io)
         # the run folder's rows are read before the optimizer steps: after them the step reads nothing from the
         # store, so a store lost then costs nothing of the step (driver/restart.py)
@@ -236,13 +238,14 @@ class GRPOTrainer:
         kept: list = []  # (pid, rows of one whole group)
         scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS on its written rows, read once
         written: dict[str, np.ndarray] = {}  # per round partition: those rows (not a failed group's)
-        rounds_rewards, rounds_sources, dropped = [], [], 0
+        rounds_rewards, rounds_sources, dropped, refits = [], [], 0, 0
         generated = flat = round_ = 0
         rounds = g.max_gen_batches if g.use_dynamic_sampling or self.rollouts.ahead else 1
         while round_ < rounds:
             p = self.rollouts.first_round(step) if round_ == 0 else self.rollouts.send_round(step, round_)
             receipts = self.rollouts.collect(p, io)
             io.timing["generate"] = io.timing.get("generate", 0.0) + max(r["generate_s"] for r in receipts)
+            refits += sum(r.get("in_flight_refits", 0) for r in receipts)
             sc, rows = self.data_faults.read_round(step, p, receipts, self.schema.field_set("DRIVER_FIELDS"), io)
             scalars[p.pid], written[p.pid] = sc, rows
             if len(rows) < p.G * sum(len(j.prompts) for j in p.jobs):  # failed groups: one more round may replace them
@@ -273,7 +276,7 @@ class GRPOTrainer:
                 "grpo.num_prompts_per_step, or turn grpo.use_dynamic_sampling off")
         rs = merge([[k] for k in kept])  # the kept rows, whole groups in order, by partition
         sc = pa.concat_tables([scalars[pid].take(pa.array(np.searchsorted(written[pid], rows))) for pid, rows in rs])
-        return Groups(rs, sc, list(scalars), rounds_rewards, rounds_sources, dropped, generated, flat)
+        return Groups(rs, sc, list(scalars), rounds_rewards, rounds_sources, dropped, generated, flat, refits)
 
     @trace.traced("advantages")
     def advantages_and_masks(self, got: Groups, io: StepIO) -> np.ndarray:
@@ -346,11 +349,15 @@ class GRPOTrainer:
     @trace.traced("train_data")
     def train_data(self, rs: RowSet, io: StepIO) -> list[dict]:
         """The trained rows for the run folder's train_data/ file."""
+        return train_data_rows(rs, self.read(rs, self.schema.field_set("TRAIN_DATA_FIELDS"), io))
+
+    def read(self, rs: RowSet, fields, io: StepIO) -> pa.Table:
+        """Columns of the row set, read by the driver (data_plane/driver_bytes_read)."""
         t0 = time.perf_counter()
-        data = fetch(self.store, rs, self.schema.field_set("TRAIN_DATA_FIELDS"))
+        data = fetch(self.store, rs, fields)
         io.driver_bytes_read += data.nbytes
         io.get_s += time.perf_counter() - t0
-        return train_data_rows(rs, data)
+        return data
 
     def _drop(self, pids: list[str]) -> None:
         """Drop the step's partitions; with the run's Mooncake store lost, they went with it (the next store

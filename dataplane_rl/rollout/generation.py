@@ -22,11 +22,13 @@ def sample_seed(seed: int, step: int, round_: int, prompt: int, sample: int) -> 
 
 @dataclass
 class Generation:
-    """One sampled response: its token ids, their log-probs from the sampling pass, and truncation."""
+    """One sampled response: its token ids, their log-probs from the sampling pass, and truncation; with in-flight
+    weight updates (rollout/engine.py) also the version of the weights behind each token."""
 
     tokens: list[int]
     logprobs: list[float]
     truncated: bool
+    versions: list[int] | None = None  # per token, the weight version that sampled it; None: the job's version
 
 
 class GenerationEngine(Protocol):

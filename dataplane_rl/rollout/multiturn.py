@@ -63,6 +63,7 @@ class Episode:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turn: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # token_policy_version: -1 but on sampled tokens
     actions: list[str] = field(default_factory=list)
     inputs: list[tuple[int, ...]] = field(default_factory=list)   # each turn's engine input, as given
     outputs: list[list[int]] = field(default_factory=list)        # each turn's sampled tokens
@@ -75,12 +76,15 @@ class Episode:
         self.mask = [0] * len(self.ids)
         self.logprobs = [0.0] * len(self.ids)
         self.turn = [0] * len(self.ids)
+        self.versions = [-1] * len(self.ids)
 
-    def add(self, tokens: list[int], logprobs: list[float] | None, k: int) -> None:
+    def add(self, tokens: list[int], logprobs: list[float] | None, k: int, versions: list[int] | None = None) -> None:
+        """Append sampled tokens (logprobs and versions given) or an observation's (None: masked, version -1)."""
         self.ids += tokens
         self.mask += [1 if logprobs is not None else 0] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
         self.turn += [k] * len(tokens)
+        self.versions += list(versions) if versions is not None else [-1] * len(tokens)
 
 
 class Env:
@@ -128,8 +132,10 @@ class Env:
 
 
 def run_episodes(engine, env: Env, episodes: list[Episode], *, max_turns: int, max_new_tokens: int,
-                 max_total: int, temperature: float, top_k: int, top_p: float) -> list[Episode]:
-    """Play every episode to its end, all live episodes in one engine batch per turn."""
+                 max_total: int, temperature: float, top_k: int, top_p: float, versions=None) -> list[Episode]:
+    """Play every episode to its end, all live episodes in one engine batch per turn. versions: a Generation's
+    per-token weight versions (RolloutWorker.token_versions with the job's version bound); None: all 0."""
+    versions = versions or (lambda g: [0] * len(g.tokens))
     for k in range(1, max_turns + 1):
         live = [e for e in episodes if e.end is None]
         for e in live:
@@ -147,7 +153,7 @@ def run_episodes(engine, env: Env, episodes: list[Episode], *, max_turns: int, m
             tokens, lps = g.tokens[:room], g.logprobs[:room]
             e.inputs.append(inp)
             e.outputs.append(list(tokens))
-            e.add(list(tokens), lps, k)
+            e.add(list(tokens), lps, k, versions(g)[:room])
             e.actions.append(env.tokenizer.decode(tokens, skip_special_tokens=True))
             try:
                 obs, done, e.reward = env.step(e, k)
@@ -194,6 +200,7 @@ def check_prefix(env: Env, e: Episode) -> None:
 
 def episode_columns(episodes: list[Episode], group_ids: list[int], prompt_len: list[int], tokenizer, version: int,
                     env: Env) -> pa.Table:
+    # a row's generation_policy_version is its oldest sampled token's (`version`, the job's, if it sampled none)
     """The rollout writer's columns of finished episodes, in their order (prompt-major, then sample)."""
     for e in episodes:
         check_prefix(env, e)
@@ -214,12 +221,14 @@ def episode_columns(episodes: list[Episode], group_ids: list[int], prompt_len: l
         "prompt_text": pa.array([e.prompt for e in episodes], type=pa.string()),
         "response_text": pa.array([response_text(tokenizer, e, p) for e, p in zip(episodes, prompt_len)],
                                   type=pa.string()),
-        "generation_policy_version": pa.array(np.full(n, version, np.int64)),
+        "generation_policy_version": pa.array(np.asarray([min((v for v in e.versions if v >= 0), default=version)
+                                                          for e in episodes], np.int64)),
+        "token_policy_version": tok([np.asarray(e.versions, np.int32) for e in episodes], pa.int32()),
     })
 
 
 def multi_turn_table(worker, job, prompt_ids: list[list[int]], texts: list[str], seeds: list[int], G: int, temperature: float,
-                     top_k: int, top_p: float, retries: Retries | None = None) -> pa.Table:
+                     top_k: int, top_p: float, retries: Retries | None = None, version: int = 0) -> pa.Table:
     """A rollout job of a multi-turn task on `worker` (a RolloutWorker): G episodes per prompt, as columns."""
     cfg = worker.cfg
     check_config(cfg, worker.task)
@@ -228,7 +237,8 @@ def multi_turn_table(worker, job, prompt_ids: list[list[int]], texts: list[str],
                 for p_i, prompt in enumerate(texts) for s in range(G)]
     run_episodes(worker.engine, env, episodes, max_turns=cfg.multi_turn.max_turns,
                  max_new_tokens=cfg.generation.max_new_tokens, max_total=cfg.policy.max_total_sequence_length,
-                 temperature=temperature, top_k=top_k, top_p=top_p)
+                 temperature=temperature, top_k=top_k, top_p=top_p,
+                 versions=lambda g: worker.token_versions(g, version))
     plen = [len(p) for p in prompt_ids for _ in range(G)]
     extras = ["{}"] * len(episodes)
     if getattr(worker.task, "user_reward", None) is not None:  # task.reward_function scores the ended episode
@@ -244,7 +254,7 @@ def multi_turn_table(worker, job, prompt_ids: list[list[int]], texts: list[str],
     for e, gid in zip(episodes, groups):
         if e.failure is not None:
             env.retries.fail(gid, e.failure)
-    table = episode_columns(episodes, groups, plen, worker.tokenizer, worker.version, env)
+    table = episode_columns(episodes, groups, plen, worker.tokenizer, version, env)
     table = table.append_column("reward_extra_info", pa.array(extras, pa.string()))
     for name, col in row_columns(worker.task, job.prompts, G).items():
         table = table.append_column(name, col)

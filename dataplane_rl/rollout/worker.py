@@ -30,6 +30,7 @@ class RolloutJob:
     prompts: list              # the task's prompt keys: dataset row ids, or prompt texts
     validation: bool = False   # held-out prompts: 1 sample each at generation.val_temperature
     retry: bool = False        # sent again after an actor died: write only the cells not yet committed
+    weights: int = 0           # the version of the last refit sent before it: with in-flight updates it waits for it
 
 
 @dataclass
@@ -45,11 +46,14 @@ class Pending:
 
 
 def rollout_columns(job: RolloutJob, gens, prompt_ids, texts: list[str], tokenizer, task, G: int, version: int,
-                    retries: Retries) -> pa.Table:
+                    retries: Retries, versions: list | None = None) -> pa.Table:
     """The rollout writer's columns for a job, in row order (prompt-major, then sample). Token columns are
     built flat (one values array and the row lengths per column, no numpy array per row): a put of per-row
-    arrays cost ~25 µs per column per put more (docs/benchmarks.md, "Store throughput")."""
-    ids, glp, lengths, plens = [], [], [], []
+    arrays cost ~25 µs per column per put more (docs/benchmarks.md, "Store throughput"). versions: per
+    generation, the weight version of each of its tokens (RolloutWorker.token_versions); None: all `version`,
+    the job's. A row's generation_policy_version is its oldest token's (`version` if it has none)."""
+    versions = versions if versions is not None else [[version] * len(g.tokens) for g in gens]
+    ids, glp, tpv, lengths, plens = [], [], [], [], []
     responses = [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
     for p_i in range(len(job.prompts)):
         p = prompt_ids[p_i]
@@ -59,6 +63,8 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, texts: list[str], tokeniz
             ids += g.tokens
             glp += [0.0] * len(p)
             glp += g.logprobs
+            tpv += [-1] * len(p)
+            tpv += versions[p_i * G + s]
             plens.append(len(p))
             lengths.append(len(p) + len(g.tokens))
     rewards, extras = score_job(task, job.prompts, job.group_ids, responses, G, retries)
@@ -83,7 +89,8 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, texts: list[str], tokeniz
         "end_reason": pa.array(["length" if t else "done" for t in trunc], type=pa.string()),
         "prompt_text": pa.array([t for t in texts for _ in range(G)], type=pa.string()),
         "response_text": pa.array(responses, type=pa.string()),
-        "generation_policy_version": pa.array(np.full(len(n), version, np.int64)),
+        "generation_policy_version": pa.array(np.asarray([min(v, default=version) for v in versions], np.int64)),
+        "token_policy_version": list_array(np.asarray(tpv, np.int32), n, pa.int32()),
         "reward_extra_info": pa.array(extras, type=pa.string()),
         **row_columns(task, job.prompts, G),  # data_source, extra_info, ground_truth, dataset_row
     })
@@ -108,7 +115,8 @@ def cut(g: Generation, room: int) -> Generation:
     """The generation cut to `room` tokens; a cut one is truncated (it did not end by itself)."""
     if len(g.tokens) <= room:
         return g
-    return Generation(g.tokens[:room], g.logprobs[:room], truncated=True)
+    return Generation(g.tokens[:room], g.logprobs[:room], truncated=True,
+                      versions=None if g.versions is None else g.versions[:room])
 
 
 class RolloutWorker:
@@ -132,20 +140,38 @@ class RolloutWorker:
         from dataplane_rl.columns.actor_io import ActorIO
 
         self.io = ActorIO(store_url)
-        self.version = 0  # generation_policy_version of what this engine generates: the last refit's step
+        self.in_flight = self.cfg.grpo.async_grpo.in_flight_weight_updates
+        self._version = 0  # the last refit's step (with in-flight updates the engine keeps it: `version`)
         trace.configure(self.cfg.logger.trace_max_events > 0)
 
     def ready(self) -> int:
         return os.getpid()
 
+    @property
+    def version(self) -> int:
+        """The weights' version now: the last training step whose weights the engine loaded (0: the initial)."""
+        return self.engine.version if self.in_flight else self._version
+
     @trace.traced("load_weights")
     def load_weights(self, state_dict, version: int) -> float:
         """Refit the engine with the policy's weights after training step `version`; returns the seconds
-        the engine took. An actor runs one call at a time, so a refit lands between generation batches."""
+        the engine took. Without in-flight updates the actor runs one call at a time, so a refit lands between
+        generation batches; with them (InFlightRolloutWorker) it may run while `generate` does, and then
+        waits in the engine's slot for the next decode step (0 s here, its load counted in the generation)."""
         t0 = time.perf_counter()
-        self.engine.load_weights(state_dict)
-        self.version = version
+        if self.in_flight:
+            self.engine.offer(state_dict, version)
+        else:
+            self.engine.load_weights(state_dict)
+            self._version = version
         return time.perf_counter() - t0
+
+    def token_versions(self, g: Generation, version: int) -> list[int]:
+        """The weight version of each of g's tokens: the engine's record with in-flight updates, else `version`
+        (the job's, which no refit can change while it runs)."""
+        if self.in_flight and g.versions is not None:
+            return list(g.versions)
+        return [version] * len(g.tokens)
 
     def rng_state(self) -> dict:
         from dataplane_rl.rng import RNGState
@@ -182,6 +208,12 @@ class RolloutWorker:
             if temperature == 0:
                 top_k, top_p = 0, 1.0
         t0 = time.perf_counter()
+        if self.in_flight and not self.engine.wait_for_version(job.weights, self.cfg.grpo.async_grpo.wait_timeout_s):
+            raise RuntimeError(f"rollout job step {job.step} round {job.round}: the refit to version {job.weights} sent "
+                               f"before it did not reach this actor within grpo.async_grpo.wait_timeout_s="
+                               f"{self.cfg.grpo.async_grpo.wait_timeout_s}; the engine holds version {self.version}")
+        version = self.version  # the job's first token's; with in-flight updates later ones may be newer
+        refits = getattr(self.engine, "in_flight_refits", 0)
         encoded = [self.prompt(p) for p in job.prompts]
         prompt_ids, texts = [e[0] for e in encoded], [e[1] for e in encoded]
         flat = [p for p in prompt_ids for _ in range(G)]
@@ -193,13 +225,17 @@ class RolloutWorker:
         if is_multi_turn(self.task):
             from dataplane_rl.rollout.multiturn import multi_turn_table
 
-            table = multi_turn_table(self, job, prompt_ids, texts, seeds, G, temperature, top_k, top_p, retries)
+            table = multi_turn_table(self, job, prompt_ids, texts, seeds, G, temperature, top_k, top_p, retries,
+                                     version)
         else:
             gens = self.engine.generate(flat, seeds, max(rooms), temperature, top_k, top_p)
             gens = [cut(g, rooms[i // G]) for i, g in enumerate(gens)]
-            table = rollout_columns(job, gens, prompt_ids, texts, self.tokenizer, self.task, G, self.version, retries)
+            table = rollout_columns(job, gens, prompt_ids, texts, self.tokenizer, self.task, G, version, retries,
+                                    [self.token_versions(g, version) for g in gens])
         table, rows, failures = retries.drop_failed(table, np.arange(job.row_start, job.row_start + table.num_rows))
-        receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": self.version, **failures}
+        receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": version, **failures}
+        if self.in_flight:  # refits that landed inside this job's generation (async/in_flight_refits)
+            receipt["in_flight_refits"] = self.engine.in_flight_refits - refits
         trace.complete("generate", t0, step=job.step, round=job.round, rows=table.num_rows, validation=job.validation)
         if job.retry:
             table, receipt["rows_regenerated"] = self.io.emit_missing(job.pid, rows, table)
@@ -219,3 +255,20 @@ class RolloutWorker:
         """Close the store client; returns the trace events not yet taken."""
         self.io.close()
         return trace.take()
+
+
+def actor_class(in_flight: bool):
+    """The Ray actor class of a rollout actor. With in-flight weight updates, load_weights runs in its own
+    concurrency group (one thread) beside the default group's (one thread: generate and the rest stay serial and
+    in order), so a refit reaches the engine while it generates; without them, a plain one-call-at-a-time actor."""
+    import ray
+
+    if not in_flight:
+        return ray.remote(RolloutWorker)
+
+    class InFlightRolloutWorker(RolloutWorker):
+        @ray.method(concurrency_group="refit")
+        def load_weights(self, state_dict, version: int) -> float:
+            return super().load_weights(state_dict, version)
+
+    return ray.remote(concurrency_groups={"refit": 1})(InFlightRolloutWorker)
