@@ -11,9 +11,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from dataplane_rl.config import bound_schema
 from dataplane_rl.errors import DuplicateWriteError
 from dataplane_rl.schema import ARROW_DTYPES, GRPO_SCHEMA, Column, Schema
 
+GRPO = bound_schema()  # what a partition created as "grpo" holds: the teacher columns at the default k
 ROLLOUT_FIELDS = tuple(c.name for c in GRPO_SCHEMA.columns if c.writer == "rollout")
 
 
@@ -31,7 +33,7 @@ def _token(name: str, r: int, n: int, seed: int) -> np.ndarray:
         return (base % 3).astype(np.int16)
     if name == "token_policy_version":
         return (base % 4 - 1).astype(np.int32)  # -1 (prompt or environment token) or a weight version
-    shape = GRPO_SCHEMA.by_name[name].shape
+    shape = GRPO.by_name[name].shape
     if shape:  # a shaped column (a teacher's top-k): [n, *shape], every value a function of (row, token, slot)
         grid = base.reshape(-1, *[1] * len(shape)) * 1000 + np.arange(int(np.prod(shape))).reshape(shape)
         if GRPO_SCHEMA.by_name[name].dtype == "int32":

@@ -87,16 +87,21 @@ def _teacher(tmp_path, vocab_swap: bool = False):
     ("missing", "is not a Hugging Face model folder"),
     ("vocab", "another vocabulary than the student"),
     ("k_over_vocab", r"topk_logits_k=60 is more than the teacher's vocabulary \(53 tokens\)"),
-    ("shape", r"column 'teacher_topk_logprobs' has shape \[\d+\], but distillation.topk_logits_k=\d+ needs"),
+    ("shape", r"column 'teacher_topk_logprobs' has shape \[64\], but distillation.topk_logits_k=8 needs shape \[8\]"),
 ])
 def test_distillation_teacher_is_checked_before_ray(tmp_path, no_ray, case, want):
-    from dataplane_rl.schema import load_schema
+    """The built-in schema's teacher columns take the run's k; a schema file of one's own that writes a number
+    there must match it."""
+    from dataplane_rl.schema import schema_path
 
-    declared = load_schema("grpo").column("teacher_topk_logprobs").shape[0]
     teacher = tmp_path / "nothing" if case == "missing" else _teacher(tmp_path, vocab_swap=case == "vocab")
-    k = {"k_over_vocab": 60, "shape": 8 if declared != 8 else 9}.get(case, min(declared, 53))
+    k = {"k_over_vocab": 60, "shape": 8}.get(case, 16)
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(schema_path("grpo").read_text().replace("shape: [distillation.topk_logits_k]", "shape: [64]"))
+    schema = [f"data_plane.schema={fixed}"] if case == "shape" else []
     with pytest.raises(ConfigError, match=want):
-        train(tmp_path, "distillation.enabled=true", f"distillation.teacher={teacher}", f"distillation.topk_logits_k={k}")
+        train(tmp_path, "distillation.enabled=true", f"distillation.teacher={teacher}", f"distillation.topk_logits_k={k}",
+              *schema)
 
 
 def test_distillation_needs_a_teacher():

@@ -113,3 +113,66 @@ def test_custom_schema_loads(tmp_path):
     p.write_text(BASE + "field_sets:\n  S: [a]\naliases:\n  a: alpha\n")
     s = load_schema(p)
     assert s.field_set("S") == ("a",) and s.apply_aliases({"a": 1}) == {"alpha": 1}
+
+
+# -- a shape that names a config value (schema/grpo.yaml: teacher_topk_* have [distillation.topk_logits_k]) ----
+def test_a_shape_names_a_config_value_and_a_run_binds_it():
+    from dataplane_rl.config import bound_schema, load_config
+
+    col = GRPO_SCHEMA.column("teacher_topk_ids")
+    assert col.shape == ("distillation.topk_logits_k",) and col.shape_text == "[distillation.topk_logits_k]"
+    assert not GRPO_SCHEMA.bound and GRPO_SCHEMA.column("input_ids").bound
+    with pytest.raises(SchemaError, match=r"'teacher_topk_ids' has shape \[distillation.topk_logits_k\].*bound"):
+        col.arrow_type  # no Arrow type until a config gives k
+    cfg = load_config(None, ["distillation.topk_logits_k=16"])
+    bound = cfg.run_schema()
+    assert bound.bound and bound is cfg.run_schema()  # bound once per value, not per call
+    assert bound.column("teacher_topk_ids").arrow_type == pa.list_(pa.list_(pa.int32(), 16))
+    assert bound.column("teacher_topk_logprobs").shape == (16,)
+    assert bound.names == GRPO_SCHEMA.names and bound.field_sets == GRPO_SCHEMA.field_sets
+    assert bound_schema().column("teacher_topk_ids").shape == (64,)  # without a config: the key's default
+    assert GRPO_SCHEMA.bind({"distillation": {"topk_logits_k": 3}}).column("teacher_topk_ids").shape == (3,)
+    plain = GRPO_SCHEMA.bind({"distillation": {"topk_logits_k": 3}})
+    assert plain.bind({}) is plain  # a schema whose shapes name nothing is its own binding
+
+
+@pytest.mark.parametrize("shape,values,match", [
+    ("[distillation.topk_logit_k]", None, r"names 'distillation.topk_logit_k', which is not a config key "
+                                          r"\('topk_logit_k' not found \(did you mean 'topk_logits_k'\?\)\)"),
+    ("[policy.model]", None, r"names 'policy.model', which is 'tiny' in this config, not a whole number >= 1"),
+    ("[d.k]", {"d": {"k": 0}}, r"names 'd.k', which is 0 in this config, not a whole number >= 1"),
+    ("[d.k]", {"d": {"k": True}}, r"which is True in this config"),
+    ("[d.k, 8]", {"d": {"k": 1 << 18}}, r"bound to the config \(d.k=262144\): .*at most 1048576 values per token"),
+])
+def test_a_bad_binding_is_one_error_naming_the_file_column_and_key(tmp_path, shape, values, match):
+    from dataplane_rl.config import Config
+
+    p = tmp_path / "s.yaml"
+    p.write_text(BASE + f"  - {{name: top, dtype: float32, kind: token, writer: teacher, shape: {shape}}}\n")
+    schema = load_schema(p)
+    with pytest.raises(SchemaError, match=match) as e:
+        schema.bind(Config() if values is None else values)
+    assert str(e.value).startswith(f"schema file '{p}'") and "column 'top'" in str(e.value)
+
+
+@pytest.mark.parametrize("shape", ["[Distillation.k]", "[topk]", "['16']", "[distillation.]"])
+def test_a_shape_names_only_dotted_config_keys(tmp_path, shape):
+    p = tmp_path / "s.yaml"
+    p.write_text(BASE + f"  - {{name: top, dtype: float32, kind: token, writer: teacher, shape: {shape}}}\n")
+    with pytest.raises(SchemaError, match=r"must list whole numbers .* or config keys"):
+        load_schema(p)
+
+
+def test_a_run_refuses_a_bad_binding_before_it_starts(tmp_path):
+    """The run's config validation binds data_plane.schema: a key its shape names that is not a number is one
+    ConfigError naming the schema file, the column and the key."""
+    from dataplane_rl.config import load_config
+    from dataplane_rl.errors import ConfigError
+    from dataplane_rl.schema import schema_path
+
+    p = tmp_path / "mine.yaml"
+    p.write_text(schema_path("grpo").read_text().replace("shape: [distillation.topk_logits_k]", "shape: [grpo.seed]", 1))
+    with pytest.raises(ConfigError, match=rf"schema file '{p}' column 'teacher_topk_logprobs': shape names "
+                                          r"'grpo.seed', which is 0 in this config") as e:
+        load_config(None, [f"data_plane.schema={p}", "grpo.seed=0"])
+    assert "\n" not in str(e.value)

@@ -10,11 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from dataplane_rl.errors import MissingColumnError
-from dataplane_rl.schema import GRPO_SCHEMA
+from dataplane_rl.config import bound_schema
 from dataplane_rl.store import open_store, token_rows
 from dataplane_rl.store.parquet import SCHEMA_KEY, SOURCE_KEY, export_partition, read_parquet_schema
 from store_workers import ROLLOUT_FIELDS, as_lists, grpo_columns
 from test_store_cli import run
+
+GRPO = bound_schema()  # what a partition created as "grpo" holds: the teacher columns at the default k
 
 TEACHER = ["teacher_topk_logprobs", "teacher_topk_ids"]
 
@@ -41,13 +43,13 @@ def test_export_reads_back_equal(shm_url, tmp_path):
     want = grpo_columns(range(16), written)
     for name in written:
         assert as_lists(table.column(name)) == as_lists(want[name]), name
-    k = GRPO_SCHEMA.by_name["teacher_topk_ids"].shape[0]
+    k = GRPO.by_name["teacher_topk_ids"].shape[0]
     assert str(table.schema.field("teacher_topk_ids").type.value_type).startswith("fixed_size_list")
     for got, w in zip(token_rows(table.column("teacher_topk_logprobs")), want["teacher_topk_logprobs"]):
         assert got.shape == (len(w), k) and np.array_equal(got, w)  # [L, k] again, exactly
     meta = pq.read_schema(out).metadata
     assert json.loads(meta[SOURCE_KEY]) == {"store": shm_url, "partition": "step-000001"}
-    assert read_parquet_schema(out) == GRPO_SCHEMA.model_validate_json(meta[SCHEMA_KEY])
+    assert read_parquet_schema(out) == GRPO.model_validate_json(meta[SCHEMA_KEY])
     assert read_parquet_schema(out).by_name["teacher_topk_ids"].shape == (k,)
     import subprocess
     import sys
@@ -86,7 +88,7 @@ def test_export_errors_name_the_problem(shm_url, tmp_path):
 
 
 def test_ls_and_show_print_shapes(shm_url):
-    k = GRPO_SCHEMA.by_name["teacher_topk_ids"].shape[0]
+    k = GRPO.by_name["teacher_topk_ids"].shape[0]
     p = run("ls", shm_url)
     assert p.returncode == 0, p.stderr
     line = next(x for x in p.stdout.splitlines() if x.strip().startswith("teacher_topk_ids"))

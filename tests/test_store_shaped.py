@@ -14,14 +14,17 @@ import pytest
 import torch
 
 from dataplane_rl.errors import DuplicateWriteError, SchemaError
-from dataplane_rl.schema import GRPO_SCHEMA, load_schema
+from dataplane_rl.config import bound_schema
+from dataplane_rl.schema import load_schema
 from dataplane_rl.store import list_array, pad_tokens, token_rows, token_values
 from store_workers import grpo_columns, row_len
 from test_store_contract import corrupt
 
+GRPO = bound_schema()  # what a partition created as "grpo" holds: the teacher columns at the default k
+
 N = 12
 TEACHER = ["teacher_topk_logprobs", "teacher_topk_ids"]
-K = GRPO_SCHEMA.by_name["teacher_topk_ids"].shape[0]
+K = GRPO.by_name["teacher_topk_ids"].shape[0]
 
 
 @pytest.fixture
@@ -82,7 +85,7 @@ def test_one_flat_array_with_lengths(store, part):
     rows = [1, 4]
     want = grpo_columns(rows, TEACHER)
     lengths = [row_len(r) for r in rows]
-    cols = {f: list_array(np.concatenate(want[f]).reshape(-1), lengths, GRPO_SCHEMA.by_name[f].token_type)
+    cols = {f: list_array(np.concatenate(want[f]).reshape(-1), lengths, GRPO.by_name[f].token_type)
             for f in TEACHER}
     store.put(part, cols, rows)
     _equal(store.get(part, TEACHER, rows), rows)
@@ -115,7 +118,7 @@ def test_refusals_name_the_column_and_shape_and_store_nothing(store, part):
     _refused(store, part, {**good, "teacher_topk_logprobs": nan}, "teacher_topk_logprobs.*rows 3.*NaN")
     holes = [x.tolist() for x in ids]
     holes[0][1][3] = None  # one value of one token
-    _refused(store, part, {**good, "teacher_topk_ids": pa.array(holes, type=GRPO_SCHEMA.by_name["teacher_topk_ids"]
+    _refused(store, part, {**good, "teacher_topk_ids": pa.array(holes, type=GRPO.by_name["teacher_topk_ids"]
                                                                .arrow_type)}, "teacher_topk_ids.*rows 2.*null")
     store.put(part, good, [2, 3])  # what was refused left nothing behind: the good put is the first write
     _equal(store.get(part, TEACHER, [2, 3]), [2, 3])
@@ -167,12 +170,12 @@ def test_several_inner_dims_stay_narrow(store):
 
 
 def test_schema_declares_shapes_and_checks_them():
-    col = GRPO_SCHEMA.by_name["teacher_topk_logprobs"]
+    col = GRPO.by_name["teacher_topk_logprobs"]
     assert col.writer == "teacher" and col.shape == (K,) and col.shape_text == f"[{K}]"
     assert col.arrow_type == pa.list_(pa.list_(pa.float32(), K))
-    GRPO_SCHEMA.require_shape("teacher_topk_ids", [K], "distillation.topk_logits_k")
+    GRPO.require_shape("teacher_topk_ids", [K], "distillation.topk_logits_k")
     with pytest.raises(SchemaError, match=r"teacher_topk_ids.*shape \[64\].*topk_logits_k=32 needs shape \[32\]"):
-        GRPO_SCHEMA.require_shape("teacher_topk_ids", [32], "distillation.topk_logits_k=32")
+        GRPO.require_shape("teacher_topk_ids", [32], "distillation.topk_logits_k=32")
 
 
 @pytest.mark.parametrize("shape,match", [([0], "dimensions >= 1"), ([1 << 11, 1 << 10], "at most"),
@@ -203,8 +206,8 @@ def test_inner_dimensions_ride_along_in_microbatches(mode):
     ids = [rng.integers(0, 50, (n, K)).astype(np.int32) for n in lengths]
     for name, rows in zip(TEACHER, (lp, ids)):
         table = table.append_column(name, list_array(np.concatenate(rows), lengths,
-                                                     GRPO_SCHEMA.by_name[name].token_type))
-    batch = build_train_batch(table, GRPO_SCHEMA)
+                                                     GRPO.by_name[name].token_type))
+    batch = build_train_batch(table, GRPO)
     assert batch["teacher_topk_logprobs"].shape == (8, 30, K) and batch["teacher_topk_ids"].dtype == torch.int64
     seen = []
     for mb in plan_microbatches(batch, policy_for(mode, 3, 40), "train"):

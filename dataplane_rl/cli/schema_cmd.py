@@ -14,25 +14,46 @@ def add_parser(sub) -> None:
     show.add_argument("--schema", default="grpo", help="built-in schema name or YAML path (default: grpo)")
     show.add_argument("--field-set", help="only the columns of this field set, in its order")
     show.add_argument("--json", action="store_true", help="machine-readable output")
+    _config_arguments(show, "show a shape that names a config value ([distillation.topk_logits_k]) with its value "
+                            "in this config (default: the name alone)")
     show.set_defaults(func=show_cmd)
     val = ssub.add_parser("validate", help="check a Parquet or Arrow IPC file of columns against the schema")
     val.add_argument("file", type=Path)
     val.add_argument("--schema", default="grpo", help="built-in schema name or YAML path (default: grpo)")
     val.add_argument("--writer", default="rollout",
                      help="columns that must be present: those of this writer (rollout, driver, policy, reference, teacher) or 'all'")
+    _config_arguments(val, "the config whose values fill shapes that name them (default: the config's defaults)")
     val.set_defaults(func=validate_cmd)
+
+
+def _config_arguments(parser, what: str) -> None:
+    parser.add_argument("--config", help=f"YAML run config: {what}")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as `train` takes them")
+
+
+def bound_to(schema, args):
+    """`schema` bound to the config --config and the overrides make, or None when neither is given."""
+    if not args.config and not args.overrides:
+        return None
+    from dataplane_rl.config import bound_schema, load_config
+
+    return bound_schema(schema, load_config(args.config, args.overrides))
 
 
 def show_cmd(args) -> int:
     from dataplane_rl.schema import load_schema
 
     schema = load_schema(args.schema)
+    bound = bound_to(schema, args) or schema
     names = schema.field_set(args.field_set) if args.field_set else schema.names
     rows = []
     for name in names:
         c = schema.column(name)
-        rows.append({"name": c.name, "dtype": c.dtype, "kind": c.kind, "shape": list(c.shape), "writer": c.writer,
-                     "field_sets": schema.sets_of(c.name), "alias": schema.aliases.get(c.name), "doc": c.doc})
+        rows.append({"name": c.name, "dtype": c.dtype, "kind": c.kind, "shape": list(bound.column(name).shape),
+                     "writer": c.writer, "field_sets": schema.sets_of(c.name), "alias": schema.aliases.get(c.name),
+                     "doc": c.doc})
+        if not c.bound and bound is not schema:
+            rows[-1]["declared_shape"] = list(c.shape)
     if args.json:
         json.dump({"schema": schema.name, "version": schema.version, "source": schema.source,
                    "columns": rows, "field_sets": {k: list(v) for k, v in schema.field_sets.items()},
@@ -40,7 +61,7 @@ def show_cmd(args) -> int:
         print()
         return 0
     header = ("name", "dtype", "kind", "shape", "writer", "field sets", "alias")
-    table = [(r["name"], r["dtype"], r["kind"], schema.column(r["name"]).shape_text or "-", r["writer"],
+    table = [(r["name"], r["dtype"], r["kind"], shape_text(schema.column(r["name"]), bound.column(r["name"])), r["writer"],
               ",".join(r["field_sets"]) or "-", r["alias"] or "-") for r in rows]
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
     title = f"schema {schema.name} v{schema.version} ({shown_path(schema.source)})"
@@ -49,6 +70,13 @@ def show_cmd(args) -> int:
     for t in table:
         print("  ".join(v.ljust(w) for v, w in zip(t, widths)))
     return 0
+
+
+def shape_text(declared, bound) -> str:
+    """A column's shape as the file declares it, a named dimension with its value when bound: [distillation.topk_logits_k=16]."""
+    if not declared.shape:
+        return "-"
+    return f"[{', '.join(f'{d}={b}' if d != b else str(d) for d, b in zip(declared.shape, bound.shape))}]"
 
 
 def shown_path(source) -> str:
@@ -91,6 +119,10 @@ def validate_cmd(args) -> int:
     from dataplane_rl.schema import Violation, load_schema
 
     schema = load_schema(args.schema)
+    if not schema.bound:  # a shape names a config value: the given config's, else its default (as a store binds)
+        from dataplane_rl.config import bound_schema
+
+        schema = bound_to(schema, args) or bound_schema(schema)
     table = read_columns(args.file)
     found = schema.violations(table)
     required = schema.names if args.writer == "all" else [c.name for c in schema.columns if c.writer == args.writer]

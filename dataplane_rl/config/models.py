@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -314,7 +316,7 @@ class Config(_Section):
                 raise ValueError(f"data_plane.keep_partitions=true would keep nothing: {gone}, which ends with the run; "
                                  "use data_plane.enabled=true with shm:// (the default) or a long-running "
                                  "mooncake://HOST:PORT store")
-        schema = load_schema(self.data_plane.schema_name)
+        schema = load_schema(self.data_plane.schema_name).bind(self)  # a bad binding: one error naming the file
         fields = self.train_fields(schema)
         for f in fields:
             schema.column(f)
@@ -339,6 +341,13 @@ class Config(_Section):
                              "add them to data_plane.train_fields")
         return self
 
+    def run_schema(self):
+        """data_plane.schema bound to this config: a shape that names a config value (shape:
+        [distillation.topk_logits_k]) holds this config's value."""
+        from dataplane_rl.schema import load_schema
+
+        return load_schema(self.data_plane.schema_name).bind(self)
+
     def train_fields(self, schema=None) -> tuple[str, ...]:
         """The columns each train worker fetches."""
         if self.data_plane.train_fields is not None:
@@ -352,3 +361,16 @@ class Config(_Section):
         if self.distillation.enabled:  # the teacher's columns, written in the log-prob pass
             fields += (schema or load_schema(self.data_plane.schema_name)).field_set("DISTILL_FIELDS")
         return fields
+
+
+@functools.cache
+def _default_config() -> Config:
+    return Config()
+
+
+def bound_schema(schema="grpo", cfg: Config | None = None):
+    """`schema` (a name, path or Schema) bound to `cfg`, or without one to the config's defaults, as a run that sets
+    none of the keys its shapes name binds it (a store binds a partition's schema so when it is created)."""
+    from dataplane_rl.schema import load_schema
+
+    return load_schema(schema).bind(cfg if cfg is not None else _default_config())

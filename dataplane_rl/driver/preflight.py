@@ -186,7 +186,6 @@ def check_distillation(cfg: Config, student_tokenizer) -> None:
 
     from dataplane_rl.errors import ConfigError, SchemaError
     from dataplane_rl.model.load import load_tokenizer
-    from dataplane_rl.schema import load_schema
 
     folder = Path(d.teacher)
     if not (folder / "config.json").is_file() or not any(next(folder.glob(p), None) for p in ("*.safetensors", "*.bin")):
@@ -207,7 +206,7 @@ def check_distillation(cfg: Config, student_tokenizer) -> None:
     if d.topk_logits_k > vocab_size:
         raise ConfigError(f"distillation.topk_logits_k={d.topk_logits_k} is more than the teacher's vocabulary "
                           f"({vocab_size} tokens); set distillation.topk_logits_k <= {vocab_size}")
-    schema = load_schema(cfg.data_plane.schema_name)
+    schema = cfg.run_schema()
     for name in schema.field_set("DISTILL_FIELDS"):
         try:
             schema.require_shape(name, [d.topk_logits_k], f"distillation.topk_logits_k={d.topk_logits_k}")

@@ -22,7 +22,6 @@ from dataplane_rl.errors import StoreUnavailableError
 from dataplane_rl import trace
 from dataplane_rl.ray_calls import get_all
 from dataplane_rl.rollout.worker import RolloutWorker
-from dataplane_rl.schema import load_schema
 from dataplane_rl.store import owners, to_numpy
 from dataplane_rl.run import private_ray
 from dataplane_rl.driver import validation
@@ -44,7 +43,7 @@ from dataplane_rl.driver.preflight import open_run_store, preflight, torch_threa
 class GRPOTrainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.schema = load_schema(cfg.data_plane.schema_name)
+        self.schema = cfg.run_schema()
         self.task, self.model_folder, self.sampler = preflight(cfg)  # sampler: the steps' prompts (tasks/prompts.py)
         validation.check_task(cfg.grpo, self.task)
         self.store = None

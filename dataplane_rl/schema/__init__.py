@@ -10,19 +10,18 @@ import functools
 import math
 import os
 import re
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from dataplane_rl.errors import SchemaError, format_rows
+from dataplane_rl.errors import SchemaError
 from dataplane_rl.resources import data_dir
 from dataplane_rl.schema.types import ARROW_DTYPES, inner_shape, nested_type, token_lengths, type_name, whole_dims
+from dataplane_rl.schema.violations import Violation, bad_values
 from dataplane_rl.yaml_load import load_yaml_mapping
 
 WRITERS = ("rollout", "driver", "policy", "reference", "teacher")
@@ -53,8 +52,10 @@ class Column(BaseModel):
     dtype: str = Field(description="Arrow type name of one value")
     kind: Literal["token", "sample"] = Field(description="token: one value per token; sample: one per row")
     writer: Literal["rollout", "driver", "policy", "reference", "teacher"]
-    shape: Annotated[tuple[int, ...], BeforeValidator(whole_dims)] = Field((), description="token columns only: the fixed inner shape each token holds "
-                                                   "(e.g. [64] for a teacher's top-k); a row is [L, *shape]")
+    shape: Annotated[tuple[int | str, ...], BeforeValidator(whole_dims)] = Field(
+        (), description="token columns only: the fixed inner shape each token holds (e.g. [64]); a row is [L, *shape]. "
+                        "A dimension may name a config value (shape: [distillation.topk_logits_k]), which the run's "
+                        "config fills in when the schema is bound to it (Schema.bind)")
     doc: str = ""
     allow_nonfinite: bool = Field(False, description="float columns only: NaN and +-inf are valid values "
                                                       "(refused by default, like nulls)")
@@ -72,7 +73,8 @@ class Column(BaseModel):
         if self.shape:
             if self.kind != "token":
                 raise ValueError(f"column '{self.name}': shape applies to token columns, not {self.kind} columns")
-            if any(d < 1 for d in self.shape) or math.prod(self.shape) > MAX_INNER_VALUES:
+            dims = [d for d in self.shape if isinstance(d, int)]  # a named dimension is checked once bound
+            if any(d < 1 for d in dims) or math.prod(dims) > MAX_INNER_VALUES:
                 raise ValueError(f"column '{self.name}': shape {list(self.shape)} must list dimensions >= 1 holding "
                                  f"at most {MAX_INNER_VALUES} values per token")
         if self.allow_nonfinite and not self.dtype.startswith("float"):
@@ -84,9 +86,17 @@ class Column(BaseModel):
         return ARROW_DTYPES[self.dtype]
 
     @property
+    def bound(self) -> bool:
+        """False while a shape dimension names a config value: the column has no Arrow type until bound."""
+        return all(isinstance(d, int) for d in self.shape)
+
+    @property
     def token_type(self) -> pa.DataType:
         """What one token holds: dtype, or for a shaped column fixed_size_list<dtype, K> per inner dimension
         (shape [a, b]: fixed_size_list<fixed_size_list<dtype, b>, a>)."""
+        if not self.bound:
+            raise SchemaError(f"column '{self.name}' has shape {self.shape_text}, which names a config value: use the "
+                              "schema bound to a config (Config.run_schema(), or schema.bind(config))")
         return nested_type(self.value_type, self.shape)
 
     @property
@@ -98,19 +108,6 @@ class Column(BaseModel):
     def shape_text(self) -> str:
         """'' for a scalar per token, else the shape as the schema file writes it: [64], [48, 8]."""
         return f"[{', '.join(map(str, self.shape))}]" if self.shape else ""
-
-
-@dataclass(frozen=True)
-class Violation:
-    """One reason a batch does not match the schema."""
-
-    column: str
-    message: str
-    rows: tuple[int, ...] = ()
-
-    def __str__(self) -> str:
-        where = f" rows {format_rows(self.rows)}" if self.rows else ""
-        return f"column '{self.column}'{where}: {self.message}"
 
 
 class Schema(BaseModel):
@@ -169,6 +166,23 @@ class Schema(BaseModel):
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns)
+
+    @property
+    def bound(self) -> bool:
+        """True when no shape names a config value (see `bind`)."""
+        return all(c.bound for c in self.columns)
+
+    def bind(self, config) -> "Schema":
+        """This schema with each shape dimension that names a config value (distillation.topk_logits_k) replaced by
+        that value in `config` (a run's Config, or an object or mapping with those keys); itself if none does."""
+        from dataplane_rl.schema.binding import bind
+
+        return bind(self, config)
+
+    @cached_property
+    def bindings(self) -> dict:
+        """The schemas `bind` made from this one, by their values (a run binds once per process, a store per put)."""
+        return {}
 
     @cached_property
     def json_text(self) -> str:
@@ -255,7 +269,7 @@ class Schema(BaseModel):
                 nulls = np.flatnonzero(np.asarray(arr.is_null()))
                 out.append(Violation(name, "has null values; every cell must hold a value", tuple(nulls.tolist())))
             else:
-                out.extend(_bad_values(col, arr))
+                out.extend(bad_values(col, arr))
         if len(set(counts.values())) > 1:
             desc = ", ".join(f"{k}={v}" for k, v in counts.items())
             out.append(Violation("*", f"columns have different row counts ({desc}); every column must cover the same rows"))
@@ -299,44 +313,6 @@ class Schema(BaseModel):
             detail = "; ".join(str(v) for v in found[:8]) + (f"; ... {len(found) - 8} more" if len(found) > 8 else "")
             cls = AlignmentError if any(v.column == "*" for v in found) else SchemaError
             raise cls(f"{prefix}{detail}")
-
-
-def _bad_values(col: Column, arr: pa.Array | pa.ChunkedArray) -> list[Violation]:
-    """Nulls inside token lists, and NaN/inf in a float column that does not allow them, with their rows.
-
-    The common case (nothing wrong) costs one pass over the values and no per-row work."""
-    chunks = arr.chunks if isinstance(arr, pa.ChunkedArray) else [arr]
-    floats = col.dtype.startswith("float") and not col.allow_nonfinite
-    nulls, nonfinite, base = [], [], 0
-    for chunk in chunks:
-        flat, width, null_at = chunk.flatten() if col.kind == "token" else chunk, 1, None  # width: values per token
-        while null_at is None and pa.types.is_fixed_size_list(flat.type):  # a shaped column: down to its values
-            if flat.null_count:
-                null_at = np.flatnonzero(np.asarray(flat.is_null())) // width
-            k = flat.type.list_size
-            flat, width = flat.values.slice(flat.offset * k, len(flat) * k), width * k
-        if null_at is None and col.kind == "token" and flat.null_count:
-            null_at = np.flatnonzero(np.asarray(flat.is_null())) // width
-        if null_at is not None:
-            nulls.append(base + np.unique(np.asarray(pc.list_parent_indices(chunk))[null_at]))
-        elif floats and len(flat):
-            values = flat.to_numpy(zero_copy_only=False)
-            ok = np.isfinite(values)
-            if not ok.all():
-                at = np.flatnonzero(~ok) // width
-                if col.kind == "token":
-                    at = np.unique(np.asarray(pc.list_parent_indices(chunk))[at])
-                nonfinite.append(base + at)
-        base += len(chunk)
-    out = []
-    if nulls:
-        out.append(Violation(col.name, "has null values inside token lists; every token must hold a value",
-                             tuple(np.concatenate(nulls).tolist())))
-    if nonfinite:
-        out.append(Violation(col.name, "has NaN or infinite values; fix the writer, or declare the column with "
-                                       "allow_nonfinite: true in the schema if they are valid",
-                             tuple(np.concatenate(nonfinite).tolist())))
-    return out
 
 
 def schema_path(name_or_path: str | Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import numpy as np
@@ -62,9 +63,15 @@ def token_lengths(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
     return np.diff(offsets).astype(np.int64)
 
 
+# A shape dimension that names a config value: dotted lower-case words (distillation.topk_logits_k).
+CONFIG_KEY = re.compile(r"[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)+")
+
+
 def whole_dims(shape):
-    """A schema's `shape`, refused unless it lists whole numbers: pydantic took `shape: [true]` as [1]."""
-    if isinstance(shape, (list, tuple)) and not all(type(d) is int for d in shape):
+    """A schema's `shape`, refused unless it lists whole numbers or config keys: pydantic took `shape: [true]`
+    as [1]."""
+    if isinstance(shape, (list, tuple)) and not all(type(d) is int or (isinstance(d, str) and CONFIG_KEY.fullmatch(d))
+                                                    for d in shape):
         raise ValueError(f"shape {list(shape)} must list whole numbers (true/false and decimals are not "
-                         "dimensions), e.g. shape: [64]")
+                         "dimensions) or config keys, e.g. shape: [64] or shape: [distillation.topk_logits_k]")
     return shape

@@ -143,6 +143,10 @@ class ColumnStore(Reads, ABC):
             raise SchemaError(f"partition {pid}: num_rows={num_rows!r} must be an integer from 0 to at most "
                               f"{MAX_ROWS}; split larger batches over several partitions")
         s = load_schema(schema)
+        if not s.bound:  # a shape names a config value: its default, as in a run that does not set it
+            from dataplane_rl.config import bound_schema
+
+            s = bound_schema(s)
         self._create(PartitionMeta(pid, s.json_text, int(num_rows)))
 
     def put(self, pid: str, columns: Mapping[str, Any], rows: Any) -> None:

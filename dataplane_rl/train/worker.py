@@ -64,7 +64,6 @@ class TrainWorker:
                  threads: int) -> None:
         from dataplane_rl.algorithms.loss import ClippedPGLoss
         from dataplane_rl.config import Config
-        from dataplane_rl.schema import load_schema
         from dataplane_rl.model.load import load_model, pick_device
 
         torch.set_num_threads(threads)
@@ -72,7 +71,7 @@ class TrainWorker:
         from dataplane_rl.tasks import load_modules
 
         load_modules(self.cfg.task)  # the user's task.module, in every process of the run
-        self.schema = load_schema(self.cfg.data_plane.schema_name)
+        self.schema = self.cfg.run_schema()
         self.train_fields = self.cfg.train_fields(self.schema)
         self.rank, self.world = rank, world
         self.device = pick_device(self.cfg.policy.device)
