@@ -9,9 +9,9 @@ from typing import Literal, Optional
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from dataplane_rl.algorithms.loss import LossConfig
 from dataplane_rl.config.distillation import DistillationConfig
 from dataplane_rl.config.faults import FaultToleranceConfig
+from dataplane_rl.config.loss import LossConfig
 from dataplane_rl.config.multi_turn import MultiTurnConfig
 from dataplane_rl.config.task import TaskConfig
 from dataplane_rl.config_types import CONFIG, StrictScalars

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from pydantic import ValidationError
 
 from dataplane_rl.errors import SchemaError
-
-if TYPE_CHECKING:
-    from dataplane_rl.schema import Column, Schema
 
 _MISSING = object()
 
@@ -39,8 +36,6 @@ def config_value(schema: "Schema", column: "Column", key: str, config: Any) -> i
 
 def bind(schema: "Schema", config: Any) -> "Schema":
     """`schema` with each shape dimension that names a config value replaced by that value in `config`."""
-    from dataplane_rl.schema import Column, Schema
-
     values = {(c.name, d): config_value(schema, c, d, config)
               for c in schema.columns for d in c.shape if isinstance(d, str)}
     if not values:
@@ -49,10 +44,10 @@ def bind(schema: "Schema", config: Any) -> "Schema":
     cache = schema.bindings
     if key not in cache:
         try:
-            columns = tuple(c if c.bound else Column(**{**c.model_dump(), "shape": [values.get((c.name, d), d)
+            columns = tuple(c if c.bound else type(c)(**{**c.model_dump(), "shape": [values.get((c.name, d), d)
                                                                                       for d in c.shape]})
                             for c in schema.columns)
-            cache[key] = Schema(**{**schema.model_dump(), "columns": columns}, source=schema.source)
+            cache[key] = type(schema)(**{**schema.model_dump(), "columns": columns}, source=schema.source)
         except ValidationError as e:  # a dimension the column refuses (too many values per token)
             msg = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
             named = ", ".join(sorted({f"{k}={v}" for (_, k), v in values.items()}))
