@@ -20,7 +20,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from dataplane_rl.algorithms.loss import ClippedPGLoss, GlobalCounts, LossConfig, _check_shape, _require, batch_masks
+from dataplane_rl.algorithms.loss import ClippedPGLoss, GlobalCounts, LossConfig, Masks, _check_shape, _require
+from dataplane_rl.errors import MissingColumnError
 
 DISTILL_METRIC_NAMES: tuple[str, ...] = ("distillation_loss", "distillation_student_topk_mass",
                                          "distillation_teacher_topk_mass")
@@ -73,8 +74,8 @@ def distillation_loss(student_topk_logprobs: torch.Tensor, teacher_topk_logprobs
 class DistillationLoss:
     """kl_loss_weight * top-k KL + task_loss_weight * ClippedPGLoss over one microbatch, globally normalised.
 
-    `loss, metrics = DistillationLoss(dcfg, loss_cfg)(curr_logprobs, batch, counts, student_topk_logprobs)`:
-    `batch` is ClippedPGLoss's plus `teacher_topk_logprobs` [B, T, k]; `student_topk_logprobs` [B, T, k] is the
+    `loss, metrics = DistillationLoss(dcfg, loss_cfg)(curr_logprobs, batch, counts, topk_logprobs)`, ClippedPGLoss's
+    call: `batch` is ClippedPGLoss's plus `teacher_topk_logprobs` [B, T, k]; `topk_logprobs` [B, T, k] is the
     student's log-probs at the batch's `teacher_topk_ids`. The loss carries the factor `counts.dp_size`;
     metrics are ClippedPGLoss's (its `loss` renamed `task_loss`, `loss` the total) plus DISTILL_METRIC_NAMES.
     """
@@ -89,12 +90,22 @@ class DistillationLoss:
         """The threshold the counts and the train step's masks must use, as for ClippedPGLoss."""
         return self.pg.seq_logprob_error_threshold
 
+    def masks(self, batch: Mapping[str, torch.Tensor]) -> Masks:
+        """The batch's masks, as ClippedPGLoss.masks: the KL and the task loss share them."""
+        return self.pg.masks(batch)
+
     def __call__(self, curr_logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], counts: GlobalCounts,
-                 student_topk_logprobs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 topk_logprobs: Optional[torch.Tensor] = None, *, masks: Optional[Masks] = None,
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         d = self.dcfg
-        task, metrics = self.pg(curr_logprobs, batch, counts)  # task carries dp_size; metrics do not
-        valid = batch_masks(batch, self.pg.seq_logprob_error_threshold)[0]  # [B, T]
+        masks = masks if masks is not None else self.masks(batch)
+        task, metrics = self.pg(curr_logprobs, batch, counts, masks=masks)  # task carries dp_size; metrics do not
+        valid = masks.valid  # [B, T]
         teacher = _require(batch, "teacher_topk_logprobs", "the distillation KL needs (distillation.enabled)")
+        if topk_logprobs is None:
+            raise MissingColumnError("DistillationLoss needs topk_logprobs, the student's log-probs at the batch's "
+                                     "teacher_topk_ids [B, T, k]; compute them in the train forward (at_ids)")
+        student_topk_logprobs = topk_logprobs
         kl, dm = distillation_loss(student_topk_logprobs, teacher, valid, counts.tokens, d.kl_type, d.mixed_kl_weight)
         loss = d.task_loss_weight * task + counts.dp_size * d.kl_loss_weight * kl
         metrics["task_loss"] = metrics["loss"]

@@ -14,7 +14,7 @@ Scaling, so that the training loop only sums and FSDP2 (like DDP) only averages:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 
@@ -50,7 +50,7 @@ class GlobalCounts:
 
     tokens = N_tok = sum(token_mask * sample_mask); sequences = N_seq = sum(sample_mask);
     positive_tokens = N_pos = sum(token_mask * sample_mask * [rewards > 0]), each over the sequences that
-    `grpo.seq_logprob_error_threshold` keeps (`batch_masks`); dp_size = D, the number
+    `grpo.seq_logprob_error_threshold` keeps (`derived_masks`); dp_size = D, the number
     of data-parallel ranks whose gradients DDP averages. Build them with
     `dataplane_rl.train.counts.local_counts` + `all_reduce_counts`.
     """
@@ -84,8 +84,20 @@ def _check_shape(name: str, t: torch.Tensor, want: list[int], what: str) -> None
         raise SchemaError(f"{name} has shape {_shape(t)} but must be {what} = {want}")
 
 
-def derived_masks(batch: Mapping[str, torch.Tensor], seq_logprob_error_threshold: Optional[float] = None):
-    """(valid [B, T], sample [B], positive [B, T] or None, written [B], error [B]), shapes checked.
+class Masks(NamedTuple):
+    """The masks of one batch under `grpo.seq_logprob_error_threshold`, derived once (`derived_masks`) and shared
+    by every loss term, the counts and the entropy metric. valid [B, T], sample [B], positive [B, T] or None,
+    written [B], error [B] (float64)."""
+
+    valid: torch.Tensor
+    sample: torch.Tensor
+    positive: Optional[torch.Tensor]
+    written: torch.Tensor
+    error: torch.Tensor
+
+
+def derived_masks(batch: Mapping[str, torch.Tensor], seq_logprob_error_threshold: Optional[float] = None) -> Masks:
+    """The one derivation of the batch's masks, shapes checked: (valid, sample, positive, written, error).
 
     written = sample_mask != 0, as the column holds it; error = each sequence's multiplicative probability
     error over its written valid tokens (`correction.seq_mult_prob_error`, 0 without generation_logprobs);
@@ -105,15 +117,9 @@ def derived_masks(batch: Mapping[str, torch.Tensor], seq_logprob_error_threshold
     valid = tokens & sample[:, None]  # [B, T]
     rewards = batch.get("rewards")
     if rewards is None:
-        return valid, sample, None, written, error
+        return Masks(valid, sample, None, written, error)
     _check_shape("rewards", rewards, [B], "[B] with B from token_mask")
-    return valid, sample, valid & (rewards > 0)[:, None], written, error  # positive [B, T]
-
-
-def batch_masks(batch: Mapping[str, torch.Tensor], seq_logprob_error_threshold: Optional[float] = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(valid [B, T], sample [B], positive [B, T] or None) as bool tensors: the first three of `derived_masks`."""
-    return derived_masks(batch, seq_logprob_error_threshold)[:3]
+    return Masks(valid, sample, valid & (rewards > 0)[:, None], written, error)  # positive [B, T]
 
 
 def kl_estimate(lp: torch.Tensor, lp_ref: torch.Tensor, kind: str, input_clamp: float, output_clamp: float) -> torch.Tensor:
@@ -153,7 +159,9 @@ def kl_estimate(lp: torch.Tensor, lp_ref: torch.Tensor, kind: str, input_clamp: 
 class ClippedPGLoss:
     """Clipped PG + beta * KL + mu * positive-example NLL over one microbatch, globally normalised.
 
-    `loss, metrics = ClippedPGLoss(cfg)(curr_logprobs, batch, counts)`:
+    `loss, metrics = ClippedPGLoss(cfg)(curr_logprobs, batch, counts)`, the call every loss term takes
+    (`topk_logprobs`: the student's log-probs at the teacher's ids, which only DistillationLoss reads; `masks`: the
+    batch's `self.masks(batch)` when the caller derived them already):
     - `curr_logprobs` [B, T]: entry t is log p(token t | tokens < t) under the current policy;
       position 0 (no prediction) and padding must be masked out by `token_mask`.
     - `batch`: `prev_logprobs` [B, T], `advantages` [B] or [B, T], `token_mask` [B, T],
@@ -173,15 +181,20 @@ class ClippedPGLoss:
         # grpo.seq_logprob_error_threshold: pass the same value to train.counts.local_counts
         self.seq_logprob_error_threshold = seq_logprob_error_threshold
 
+    def masks(self, batch: Mapping[str, torch.Tensor]) -> Masks:
+        """The batch's masks under this loss's threshold: derive them once per microbatch and pass them on."""
+        return derived_masks(batch, self.seq_logprob_error_threshold)
+
     def __call__(
-        self, curr_logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], counts: GlobalCounts
+        self, curr_logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor], counts: GlobalCounts,
+        topk_logprobs: Optional[torch.Tensor] = None, *, masks: Optional[Masks] = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         beta, mu = cfg.reference_policy_kl_penalty, cfg.positive_example_nll_weight
         if not isinstance(counts, GlobalCounts):
             raise TypeError(f"counts must be a GlobalCounts, got {type(counts).__name__}; "
                             "build it with dataplane_rl.train.counts.all_reduce_counts")
-        valid, sample, positive, written, seq_error = derived_masks(batch, self.seq_logprob_error_threshold)
+        valid, sample, positive, written, seq_error = masks if masks is not None else self.masks(batch)
         B, T = valid.shape
         _check_shape("curr_logprobs", curr_logprobs, [B, T], "[B, T] as token_mask")
         if mu > 0 and positive is None:

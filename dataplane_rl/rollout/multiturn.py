@@ -25,7 +25,8 @@ import pyarrow as pa
 from dataplane_rl.errors import DataPlaneError
 from dataplane_rl.rollout.generation import Generation
 from dataplane_rl.rollout.retries import DataFailure, Retries
-from dataplane_rl.store import list_array_of_rows
+from dataplane_rl.schema import GRPO_SCHEMA
+from dataplane_rl.store import schema_table
 from dataplane_rl.tasks import row_columns
 
 
@@ -204,26 +205,22 @@ def episode_columns(episodes: list[Episode], group_ids: list[int], prompt_len: l
     """The rollout writer's columns of finished episodes, in their order (prompt-major, then sample)."""
     for e in episodes:
         check_prefix(env, e)
-    tok = list_array_of_rows
-    n = len(episodes)
-    return pa.table({
-        "input_ids": tok([np.asarray(e.ids, np.int32) for e in episodes], pa.int32()),
-        "input_lengths": pa.array(np.asarray([len(e.ids) for e in episodes], np.int32)),
-        "token_mask": tok([np.asarray(e.mask, np.int8) for e in episodes], pa.int8()),
-        "generation_logprobs": tok([np.asarray(e.logprobs, np.float32) for e in episodes], pa.float32()),
-        "total_reward": pa.array(np.asarray([e.reward for e in episodes], np.float32)),
-        "group_id": pa.array(np.asarray(group_ids, np.int64)),
-        "truncated": pa.array([e.end == "length" for e in episodes], type=pa.bool_()),
-        "turn_index": tok([np.asarray(e.turn, np.int16) for e in episodes], pa.int16()),
-        "num_turns": pa.array(np.asarray([len(e.outputs) for e in episodes], np.int32)),
-        "observation_tokens": pa.array(np.asarray([sum(map(len, e.observations)) for e in episodes], np.int32)),
-        "end_reason": pa.array([e.end for e in episodes], type=pa.string()),
-        "prompt_text": pa.array([e.prompt for e in episodes], type=pa.string()),
-        "response_text": pa.array([response_text(tokenizer, e, p) for e, p in zip(episodes, prompt_len)],
-                                  type=pa.string()),
-        "generation_policy_version": pa.array(np.asarray([min((v for v in e.versions if v >= 0), default=version)
-                                                          for e in episodes], np.int64)),
-        "token_policy_version": tok([np.asarray(e.versions, np.int32) for e in episodes], pa.int32()),
+    return schema_table(GRPO_SCHEMA, {  # the Arrow types are the schema's; token columns one sequence per row
+        "input_ids": [e.ids for e in episodes],
+        "input_lengths": [len(e.ids) for e in episodes],
+        "token_mask": [e.mask for e in episodes],
+        "generation_logprobs": [e.logprobs for e in episodes],
+        "total_reward": [e.reward for e in episodes],
+        "group_id": group_ids,
+        "truncated": [e.end == "length" for e in episodes],
+        "turn_index": [e.turn for e in episodes],
+        "num_turns": [len(e.outputs) for e in episodes],
+        "observation_tokens": [sum(map(len, e.observations)) for e in episodes],
+        "end_reason": [e.end for e in episodes],
+        "prompt_text": [e.prompt for e in episodes],
+        "response_text": [response_text(tokenizer, e, p) for e, p in zip(episodes, prompt_len)],
+        "generation_policy_version": [min((v for v in e.versions if v >= 0), default=version) for e in episodes],
+        "token_policy_version": [e.versions for e in episodes],
     })
 
 

@@ -12,7 +12,8 @@ import pyarrow as pa
 from dataplane_rl import trace
 from dataplane_rl.rollout.generation import Generation
 from dataplane_rl.rollout.retries import Retries, score_job
-from dataplane_rl.store import list_array
+from dataplane_rl.schema import GRPO_SCHEMA
+from dataplane_rl.store import schema_table
 from dataplane_rl.tasks import prompt_text, row_columns
 from dataplane_rl.tasks.prompts import encode_prompt, prompt_limit, truncate  # noqa: F401 (encode_prompt: API)
 from dataplane_rl.tasks.multiturn import is_multi_turn
@@ -74,26 +75,26 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, texts: list[str], tokeniz
     # token_mask: per row, 0 over the prompt then 1 over the response, as one repeat of [0, 1] x B
     mask = np.repeat(np.tile(np.array([0, 1], np.int8), len(n)), np.stack([pl, n - pl], axis=1).ravel())  # [T]
 
-    return pa.table({
-        "input_ids": list_array(np.asarray(ids, np.int32), n, pa.int32()),
-        "input_lengths": pa.array(n),
-        "token_mask": list_array(mask, n, pa.int8()),
-        "generation_logprobs": list_array(np.asarray(glp, np.float32), n, pa.float32()),
-        "total_reward": pa.array(np.asarray(rewards, np.float32)),
-        "group_id": pa.array(np.repeat(np.asarray(job.group_ids, np.int64), G)),
-        "truncated": pa.array(trunc, type=pa.bool_()),
+    return schema_table(GRPO_SCHEMA, {  # the Arrow types are the schema's
+        "input_ids": ids,
+        "input_lengths": n,
+        "token_mask": mask,
+        "generation_logprobs": glp,
+        "total_reward": rewards,
+        "group_id": np.repeat(np.asarray(job.group_ids, np.int64), G),
+        "truncated": trunc,
         # a single turn: the prompt is turn 0, the response turn 1; no observations
-        "turn_index": list_array(mask.astype(np.int16), n, pa.int16()),
-        "num_turns": pa.array(np.ones(len(n), np.int32)),
-        "observation_tokens": pa.array(np.zeros(len(n), np.int32)),
-        "end_reason": pa.array(["length" if t else "done" for t in trunc], type=pa.string()),
-        "prompt_text": pa.array([t for t in texts for _ in range(G)], type=pa.string()),
-        "response_text": pa.array(responses, type=pa.string()),
-        "generation_policy_version": pa.array(np.asarray([min(v, default=version) for v in versions], np.int64)),
-        "token_policy_version": list_array(np.asarray(tpv, np.int32), n, pa.int32()),
-        "reward_extra_info": pa.array(extras, type=pa.string()),
+        "turn_index": mask,
+        "num_turns": np.ones(len(n)),
+        "observation_tokens": np.zeros(len(n)),
+        "end_reason": ["length" if t else "done" for t in trunc],
+        "prompt_text": [t for t in texts for _ in range(G)],
+        "response_text": responses,
+        "generation_policy_version": [min(v, default=version) for v in versions],
+        "token_policy_version": tpv,
+        "reward_extra_info": extras,
         **row_columns(task, job.prompts, G),  # data_source, extra_info, ground_truth, dataset_row
-    })
+    }, lengths=n)
 
 
 def response_rooms(prompt_ids: list[list[int]], max_new_tokens: int, max_total: int | None) -> list[int]:

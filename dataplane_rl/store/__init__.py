@@ -12,7 +12,8 @@ import importlib
 from typing import Any
 
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.store.arrow import list_array, list_array_of_rows, pad_tokens, to_numpy, token_rows, token_values
+from dataplane_rl.store.arrow import (list_array, list_array_of_rows, pad_tokens, schema_table, to_numpy, token_rows,
+                                      token_values)
 from dataplane_rl.store.base import ColumnStore, PartitionStatus
 from dataplane_rl.store.chunks import ChunkRef, PartitionMeta
 from dataplane_rl.store.memory import MemoryStore
@@ -43,5 +44,5 @@ def open_store(url_or_store: str | ColumnStore, **options: Any) -> ColumnStore:
 
 
 __all__ = ["BACKENDS", "ChunkRef", "ColumnStore", "MemoryStore", "PartitionMeta", "PartitionStatus",
-           "list_array", "list_array_of_rows", "open_store", "pad_tokens", "to_numpy",
+           "list_array", "list_array_of_rows", "open_store", "pad_tokens", "schema_table", "to_numpy",
            "token_rows", "token_values"]

@@ -77,6 +77,27 @@ def list_array_of_rows(rows, value_type: pa.DataType) -> pa.ListArray:
     return list_array(flat, [len(r) for r in rows], value_type)
 
 
+def schema_table(schema: Schema, columns: dict[str, Any], lengths=None) -> pa.Table:
+    """A table of `columns`, in their order, each in the Arrow type `schema` declares for it, from plain values:
+    a sample column from its rows' values; a token column from one sequence per row, or, given `lengths` (the
+    rows' token counts), from all rows' values flat, row after row (no array per row: cheaper, docs/benchmarks.md
+    "Store throughput"). An Arrow array is taken as it is (the put validates it)."""
+    out = {}
+    for name, values in columns.items():
+        col = schema.column(name)
+        if isinstance(values, (pa.Array, pa.ChunkedArray)):
+            out[name] = values
+        elif col.kind == "token":
+            dtype = col.value_type.to_pandas_dtype()
+            out[name] = (list_array(np.asarray(values, dtype), lengths, col.token_type) if lengths is not None else
+                         list_array_of_rows([np.asarray(v, dtype) for v in values], col.token_type))
+        elif col.dtype in ("string", "bool"):
+            out[name] = pa.array(list(values), type=col.value_type)
+        else:
+            out[name] = pa.array(np.asarray(values, col.value_type.to_pandas_dtype()), type=col.value_type)
+    return pa.table(out)
+
+
 def to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A sample column as numpy; zero-copy for one chunk of a fixed-width type. (Token columns: `token_values`,
     `token_rows`, `pad_tokens`.)"""

@@ -37,7 +37,6 @@ def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: float) -> tuple[list[dict], torch.Tensor]:
     """Forward and backward of one optimizer step's microbatches (gradients accumulate in `model`).
     Returns each microbatch's metrics (shares of the global values) and [valid, all] token slots computed."""
-    from dataplane_rl.algorithms.loss import batch_masks
     from dataplane_rl.model.logprobs import microbatch_logprobs
 
     per_mb = []
@@ -51,10 +50,10 @@ def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: flo
         used += torch.tensor([float(mb["attention_mask"].sum()), float(slots(mb))], dtype=torch.float64)
         # FSDP2 averages gradients over the D ranks; the loss carries the factor D, so the
         # reduced gradient is the global one (sum over all tokens / the global counts)
-        loss, metrics = loss_fn(lp, mb, counts) if ids is None else loss_fn(lp, mb, counts, got[2])
+        masks = loss_fn.masks(mb)  # derived once: the loss's terms and the entropy below share them
+        loss, metrics = loss_fn(lp, mb, counts, got[2] if ids is not None else None, masks=masks)
         loss.backward()
-        valid = batch_masks(mb, loss_fn.seq_logprob_error_threshold)[0]  # [b, t]: the loss's own derived mask
-        metrics["entropy"] = (ent * valid).sum() / max(counts.tokens, 1)  # this mb's share, like the loss's
+        metrics["entropy"] = (ent * masks.valid).sum() / max(counts.tokens, 1)  # this mb's share, like the loss's
         per_mb.append(metrics)
     return per_mb, used
 
