@@ -19,7 +19,7 @@ class DistillationConfig(StrictScalars):
 
     enabled: bool = Field(False, description="Train on the KL to the teacher's top-k (NeMo-RL's distillation); the train workers load the teacher and write its columns in the log-prob pass.")
     teacher: Optional[str] = Field(None, description="The teacher: a local Hugging Face folder (e.g. a run's exported policy/, `dataplane-rl export`) whose tokenizer has the student's vocabulary. Required when enabled.")
-    topk_logits_k: int = Field(64, ge=1, description="k: the teacher's most likely tokens stored per position (NeMo-RL's default 64; verl 32); at most the vocabulary size, and equal to the shape the schema declares for the teacher columns.")
+    topk_logits_k: int = Field(64, ge=1, description="k: the teacher's most likely tokens stored per position (NeMo-RL's default 64; verl 32); at most the vocabulary size; the shape of the teacher columns, which the built-in schema declares as [distillation.topk_logits_k].")
     kl_type: Literal["forward", "reverse", "mixed"] = Field("forward", description="forward: KL(teacher || student); reverse: KL(student || teacher); mixed: mixed_kl_weight * forward + (1 - mixed_kl_weight) * reverse. All over the teacher's top-k, both distributions renormalised there (NeMo-RL's loss_fn.kl_type with zero_outside_topk=false).")
     mixed_kl_weight: float = Field(0.5, ge=0.0, le=1.0, description="kl_type=mixed only: the forward KL's weight (NeMo-RL's loss_fn.mixed_kl_weight).")
     kl_loss_weight: float = Field(1.0, ge=0.0, description="Weight of the distillation KL in the loss: loss = kl_loss_weight * KL + task_loss_weight * GRPO loss.")

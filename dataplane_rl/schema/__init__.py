@@ -208,9 +208,9 @@ class Schema(BaseModel):
             ) from None
 
     def require_shape(self, name: str, shape: Sequence[int], because: str) -> None:
-        """Raise SchemaError unless token column `name` holds `shape` per token. A run calls it before it
-        starts, with `because` the setting that wants that shape ('distillation.topk_logits_k=32'): a
-        schema file fixes each shape, so another one is another schema file (data_plane.schema)."""
+        """Raise SchemaError unless token column `name` holds `shape` per token. A run calls it on its bound
+        schema before it starts, with `because` the setting that wants that shape ('distillation.topk_logits_k=32'):
+        a shape that names the setting always holds; one a schema file writes as a number must equal it."""
         col = self.column(name)
         want = tuple(int(d) for d in shape)
         if col.kind != "token" or col.shape != want:
