@@ -61,3 +61,28 @@ def test_a_row_is_as_old_as_its_oldest_token():
     t = rollout_columns(job, gens, [[1, 2]], ["a"], Tok(), Task(), 2, 3, Retries(0), versions=[[3, 4, 5], []])
     assert t.column("token_policy_version").to_pylist() == [[-1, -1, 3, 4, 5], [-1, -1]]
     assert t.column("generation_policy_version").to_pylist() == [3, 3]
+
+
+def test_schema_table_takes_every_type_from_the_schema():
+    """The rollout's tables (single- and multi-turn) come from plain values through store.schema_table: each
+    column gets the Arrow type schema/grpo.yaml declares, token columns from one sequence per row or flat with the
+    lengths alike, and an unknown column is the schema's error naming it."""
+    import pytest
+
+    from dataplane_rl.errors import SchemaError
+    from dataplane_rl.schema import GRPO_SCHEMA
+    from dataplane_rl.store import schema_table
+
+    values = {"input_ids": [[1, 2], [3]], "input_lengths": [2, 1], "token_mask": [[0, 1], [1]],
+              "generation_logprobs": [[0.0, -0.5], [-1.25]], "total_reward": [1, 0], "group_id": [7, 7],
+              "truncated": [True, False], "end_reason": ["length", "done"]}
+    t = schema_table(GRPO_SCHEMA, values)
+    assert t.column_names == list(values)
+    assert [f.type for f in t.schema] == [GRPO_SCHEMA.column(n).arrow_type for n in values]
+    GRPO_SCHEMA.check(t)  # every value, length and type as declared
+    flat = schema_table(GRPO_SCHEMA, {"input_ids": [1, 2, 3], "generation_logprobs": np.array([0.0, -0.5, -1.25])},
+                        lengths=[2, 1])
+    assert flat.column("input_ids").equals(t.column("input_ids"))
+    assert flat.column("generation_logprobs").to_pylist() == [[0.0, -0.5], [-1.25]]
+    with pytest.raises(SchemaError, match="no column 'input_idz'.*did you mean 'input_ids'"):
+        schema_table(GRPO_SCHEMA, {"input_idz": [[1]]})

@@ -181,7 +181,7 @@ class Schema(BaseModel):
 
     @cached_property
     def bindings(self) -> dict:
-        """The schemas `bind` made from this one, by their values (a run binds once per process, a store per put)."""
+        """The schemas `bind` made from this one, by their values: a config validation, a run and a store bind often."""
         return {}
 
     @cached_property
