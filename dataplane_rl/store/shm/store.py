@@ -55,6 +55,7 @@ from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, layout, split_key
 from dataplane_rl.store.shm.arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, Arena, MiB
 from dataplane_rl.store.shm.catalog import Log, ShmCatalog
+from dataplane_rl.store.shm.commit import ShmCommit
 from dataplane_rl.store.files import (
     DIR_MODE,
     check_trusted,
@@ -69,7 +70,7 @@ from dataplane_rl.store.shm.maps import Lease, Maps
 from dataplane_rl.store.shm.pool import Pool
 
 _MARKER = owners.MARKER
-_FORMAT = b"dataplane-rl shm store v4\n"  # v4: a put's columns as flat buffers, checksummed per column
+_FORMAT = b"dataplane-rl shm store v5\n"  # v5: a log per writer and claims; v4: one log, flat buffers
 _POOL = ".pool"
 _STATS = ".stats"  # each process's counters (stats.py), for `store ls`
 DEFAULT_POOL_BYTES = 1 << 30
@@ -80,7 +81,7 @@ OPTIONS = {"pool_bytes": (DEFAULT_POOL_BYTES, "bytes of dropped segments kept fo
                            "data_plane.shm.prefault_mb")}
 
 
-class ShmStore(ShmCatalog, ColumnStore):
+class ShmStore(ShmCommit, ShmCatalog, ColumnStore):
     scheme = "shm"
     # One block per put (up to the largest segment): a shard reader checksums only the pieces holding its
     # rows anyway, and gets one zero-copy slice per column instead of one per block and column.
