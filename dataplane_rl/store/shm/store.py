@@ -7,9 +7,12 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
     DIR/.owner                         the process that made it, and whether it is kept (owners.py)
     DIR/.kept                          made once by keep(): the folder outlives its run (owners.py)
     DIR/.pool/<bytes>-<hex>            segments of dropped partitions (and pre-touched ones), kept for reuse
-    DIR/<pid>/log                      the partition's meta, then each committed put's ChunkRefs, appended
-                                       (catalog.py); a header says how far it is committed;
-                                       flock'd exclusively by commit and drop
+    DIR/<pid>/log                      the partition's meta (catalog.py); flock'd shared by a commit in
+                                       flight, exclusively by a drop
+    DIR/<pid>/logs/<n>                 writer process n's committed puts' ChunkRefs, appended by it alone;
+                                       a header says how far it is committed (logs.py)
+    DIR/<pid>/claims                   a byte per cell, set by a commit under a byte-range lock of its
+                                       rows: write-once without writers taking turns (commit.py)
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
     DIR/<pid>/chunks/put-<hex>         a segment (arena.py): the blocks of one or more puts of one writer,
                                        each every column of its rows as flat buffers (chunks.py) at a
@@ -23,12 +26,12 @@ of a SIGBUS in the writer.
 A put copies each column buffer straight into the next free range of its writer's open segment of the
 partition, kept mapped (one copy, no claim, map or rename per put: arena.py); checksums go per column
 and piece, so a shard reader checksums only what it reads. It becomes visible when its record is appended
-to the partition's log under the partition lock, after re-checking that no cell is already committed; a
-writer that dies before that leaves only unreferenced bytes, freed with the partition. While it writes, a
+to its writer's own log, after claiming its cells (commit.py); a writer that dies before that leaves only
+unreferenced bytes, freed with the partition. While it writes, a
 put holds a shared flock on its segment, so a drop never pools a segment that a put still writes. A
-process keeps each log it follows open and learns of new commits from its header (one read), never by
-listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
-under the lock, so no new reader finds it, while open mappings stay readable. The file pool is in
+process keeps each log it follows open and learns of new commits from their headers (one read each),
+never by listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
+under the meta log's exclusive flock, so no new reader finds it, while open mappings stay readable. The file pool is in
 pool.py, the per-process maps and leases in maps.py.
 """
 
