@@ -169,7 +169,7 @@ class ColumnStore(Reads, ABC):
             self._share_counters(c.metrics(), final=False)
 
     def _put(self, pid: str, columns: Mapping[str, Any], rows: Any) -> int:
-        known = self._known_snapshot(pid) if pid in self._known else None
+        known = self._known_snapshot(pid) if isinstance(pid, str) and pid in self._known else None
         snap = known or self._snap(pid)
         meta, schema = snap.meta, schema_of(snap.meta)
         rows = self._rows(pid, meta, rows, unique=True)
