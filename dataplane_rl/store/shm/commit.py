@@ -37,6 +37,7 @@ from dataplane_rl.store.shm.catalog import LOGS, Log
 from dataplane_rl.store.shm.logs import Tail, empty_log
 
 _FLOCK = struct.Struct("hhqqi4x")  # Linux's struct flock: type, whence, start, len, pid (0 for OFD locks)
+_SPAN = 1 << 20  # claim bytes a commit reads in one piece; rows spread wider are read run by run
 _GONE = "was dropped while this put was writing (nothing was written)"
 
 
@@ -82,10 +83,14 @@ class ShmCommit:
         rows = refs[0].rows if len(refs) == 1 else np.concatenate([r.rows for r in refs])
         at = as_slice(rows)
         if isinstance(at, slice):  # a put of a range: the common case, no arithmetic over its rows
-            lo, hi, at = at.start, at.stop, slice(0, at.stop - at.start)
+            lo, hi = at.start, at.stop
+            runs = [(lo, hi, slice(0, hi - lo))]
         else:
             lo, hi = int(rows.min()), int(rows.max()) + 1
-            at = rows - lo
+            if (hi - lo) * len(numbers) <= _SPAN:
+                runs = [(lo, hi, rows - lo)]
+            else:  # rows scattered over a large partition: their claims, not every byte between them
+                runs = [(a, b, slice(0, b - a)) for a, b in chunks.rows_to_spans(np.sort(rows))]
         # other threads of this process share its log and descriptors
         with self._commit_lock:
             with self._os_errors(f"commit a put to partition {pid}"):
@@ -102,38 +107,45 @@ class ShmCommit:
                 start, length = lo * width, (hi - lo) * width
                 _range_lock(claims, fcntl.F_WRLCK, start, length)
                 try:
-                    self._claim_and_append(pid, log, mine, refs, claims, start, length, width, at, cols)
+                    self._claim_and_append(pid, log, mine, refs, claims, width, runs, cols)
                 finally:
                     _range_lock(claims, fcntl.F_UNLCK, start, length)
 
-    def _claim_and_append(self, pid: str, log: Log, mine: Tail, refs: list[ChunkRef], claims: int, start: int,
-                          length: int, width: int, at, cols: list[int]) -> None:
-        """Steps 2-4 of the module doc, under the range lock."""
+    def _claim_and_append(self, pid: str, log: Log, mine: Tail, refs: list[ChunkRef], claims: int, width: int,
+                          runs: list, cols: list[int]) -> None:
+        """Steps 2-4 of the module doc, under the range lock; `runs`: (first row, end row, the put's rows
+        among them) of each stretch of claims read and written."""
         what = f"commit a put to partition {pid}"
-        buf = bytearray(length)
+        parts, taken = [], False
         with self._os_errors(what):
-            os.preadv(claims, [buf], start)  # a hole (or a short file) reads as unclaimed
-        cells = np.frombuffer(buf, dtype=np.uint8).reshape(-1, width)  # [hi - lo, columns]
-        pick = (at, cols) if isinstance(at, slice) else np.ix_(at, cols)
-        if cells[pick].any():  # claimed: committed, or claimed by a put that never committed
+            for a, b, at in runs:
+                buf = bytearray((b - a) * width)
+                os.preadv(claims, [buf], a * width)  # a hole (or a short file) reads as unclaimed
+                cells = np.frombuffer(buf, dtype=np.uint8).reshape(-1, width)  # [b - a, columns]
+                pick = (at, cols) if isinstance(at, slice) else np.ix_(at, cols)
+                taken = taken or bool(cells[pick].any())
+                parts.append((a * width, buf, cells, pick))
+        if taken:  # claimed: committed, or claimed by a put that never committed
             with self._refs_lock:
                 self._follow(pid, log)
                 snap = Snapshot(log.meta, log.refs)
             err = self._conflict(snap, refs)
             if err:
                 raise err
-        before = bytes(buf)
-        cells[pick] = 1
+        before = [bytes(buf) for _, buf, _, _ in parts]
         text = chunks.refs_to_json(refs)
         with self._os_errors(what):
-            os.pwrite(claims, buf, start)
             try:
+                for start, buf, cells, pick in parts:
+                    cells[pick] = 1
+                    os.pwrite(claims, buf, start)
                 with self._refs_lock:  # a snapshot in another thread must not read our record as another's
                     mine.end = mine.append(text)
                     log.keys.update(r.key for r in refs)
                     log.refs = log.refs + list(refs)
             except BaseException:
-                os.pwrite(claims, before, start)  # not committed: the cells are free again
+                for (start, _, _, _), old in zip(parts, before):  # not committed: the cells are free again
+                    os.pwrite(claims, old, start)
                 raise
 
     def _my_log(self, log: Log) -> Tail:
