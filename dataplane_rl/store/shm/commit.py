@@ -41,9 +41,15 @@ _SPAN = 1 << 20  # claim bytes a commit reads in one piece; rows spread wider ar
 _GONE = "was dropped while this put was writing (nothing was written)"
 
 
-@lru_cache(maxsize=256)
-def _column_numbers(schema_json: str) -> dict[str, int]:
-    return {name: i for i, name in enumerate(schema_of(PartitionMeta("x", schema_json, 0)).names)}
+@lru_cache(maxsize=1024)
+def _claim_row(schema_json: str, columns: tuple[str, ...]) -> np.ndarray:
+    """[columns of the schema] uint8: 1 at a put's columns. A row of claims ANDed (a check) or ORed (a
+    claim) with it: no fancy indexing per commit."""
+    names = schema_of(PartitionMeta("x", schema_json, 0)).names
+    row = np.zeros(len(names), dtype=np.uint8)
+    row[[names.index(c) for c in columns]] = 1
+    row.flags.writeable = False
+    return row
 
 
 def _range_lock(fd: int, kind: int, start: int, length: int) -> None:
@@ -77,9 +83,8 @@ class ShmCommit:
                 log = self._logs[pid]
         if log.token != meta.token:
             raise self._not_found(pid, _GONE)
-        numbers = _column_numbers(meta.schema_json)
-        width = len(numbers)
-        cols = [numbers[c] for c in refs[0].columns]  # a put's blocks all hold its columns
+        cols = _claim_row(meta.schema_json, refs[0].columns)  # a put's blocks all hold its columns
+        width = cols.size
         rows = refs[0].rows if len(refs) == 1 else np.concatenate([r.rows for r in refs])
         at = as_slice(rows)
         if isinstance(at, slice):  # a put of a range: the common case, no arithmetic over its rows
@@ -87,7 +92,7 @@ class ShmCommit:
             runs = [(lo, hi, slice(0, hi - lo))]
         else:
             lo, hi = int(rows.min()), int(rows.max()) + 1
-            if (hi - lo) * len(numbers) <= _SPAN:
+            if (hi - lo) * width <= _SPAN:
                 runs = [(lo, hi, rows - lo)]
             else:  # rows scattered over a large partition: their claims, not every byte between them
                 runs = [(a, b, slice(0, b - a)) for a, b in chunks.rows_to_spans(np.sort(rows))]
@@ -112,7 +117,7 @@ class ShmCommit:
                     _range_lock(claims, fcntl.F_UNLCK, start, length)
 
     def _claim_and_append(self, pid: str, log: Log, mine: Tail, refs: list[ChunkRef], claims: int, width: int,
-                          runs: list, cols: list[int]) -> None:
+                          runs: list, cols: np.ndarray) -> None:
         """Steps 2-4 of the module doc, under the range lock; `runs`: (first row, end row, the put's rows
         among them) of each stretch of claims read and written."""
         what = f"commit a put to partition {pid}"
@@ -122,9 +127,8 @@ class ShmCommit:
                 buf = bytearray((b - a) * width)
                 os.preadv(claims, [buf], a * width)  # a hole (or a short file) reads as unclaimed
                 cells = np.frombuffer(buf, dtype=np.uint8).reshape(-1, width)  # [b - a, columns]
-                pick = (at, cols) if isinstance(at, slice) else np.ix_(at, cols)
-                taken = taken or bool(cells[pick].any())
-                parts.append((a * width, buf, cells, pick))
+                taken = taken or bool((cells[at] & cols).any())
+                parts.append((a * width, buf, cells, at))
         if taken:  # claimed: committed, or claimed by a put that never committed
             with self._refs_lock:
                 self._follow(pid, log)
@@ -136,8 +140,8 @@ class ShmCommit:
         text = chunks.refs_to_json(refs)
         with self._os_errors(what):
             try:
-                for start, buf, cells, pick in parts:
-                    cells[pick] = 1
+                for start, buf, cells, at in parts:
+                    cells[at] |= cols
                     os.pwrite(claims, buf, start)
                 with self._refs_lock:  # a snapshot in another thread must not read our record as another's
                     mine.end = mine.append(text)
