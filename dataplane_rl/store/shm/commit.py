@@ -14,8 +14,9 @@ is kept by the claims, DIR/<pid>/claims: a byte per cell, [num_rows, columns] ro
 
 So two puts of one cell commit one after the other, the second sees the first's claim, and a reader, who
 reads only the logs, sees a put whole or not at all. A failed append clears the claims it set; a killed
-writer's claims stay and cost the next put of those cells one exact check. A shared flock of the meta log
-keeps a drop (which takes it exclusively) from renaming the partition while a commit is in flight.
+writer's claims stay and cost the next put of those cells one exact check. A drop locks every claim byte
+(store.py `_locked`) before it renames the partition away, so it waits for the commits in flight, and a
+commit that gets its range lock after a drop finds the folder gone.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from dataplane_rl.store import chunks
 from dataplane_rl.store.arrow import schema_of
 from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot
-from dataplane_rl.store.files import flocked, open_file
+from dataplane_rl.store.files import open_file
 from dataplane_rl.store.index import as_slice
 from dataplane_rl.store.shm.catalog import LOGS, Log
 from dataplane_rl.store.shm.logs import Tail, empty_log
@@ -52,9 +53,9 @@ def _claim_row(schema_json: str, columns: tuple[str, ...]) -> np.ndarray:
     return row
 
 
-def _range_lock(fd: int, kind: int, start: int, length: int) -> None:
-    """An OFD lock (owned by the open file, not the process: two stores of one process exclude each other,
-    and closing another descriptor of the file does not let go of it) of claim bytes start..start+length."""
+def range_lock(fd: int, kind: int, start: int, length: int) -> None:
+    """Take (F_WRLCK) or let go of (F_UNLCK) an OFD lock (owned by the open file, not the process: two stores of one process exclude each other,
+    and closing another descriptor of the file does not let go of it) of claim bytes start..start+length (length 0: to the end)."""
     fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
 
 
@@ -103,18 +104,19 @@ class ShmCommit:
                     mine, claims = self._my_log(log), log.claims()
                 except FileNotFoundError:
                     raise self._not_found(pid, _GONE) from None
-            with flocked(log.fd, fcntl.LOCK_SH):
+            start, length = lo * width, (hi - lo) * width
+            range_lock(claims, fcntl.F_WRLCK, start, length)
+            try:
+                # a drop locks every claim (store.py _locked): holding ours, the folder is still this
+                # incarnation, and stays so until we let go
                 try:
                     if str(os.lstat(log.folder).st_ino) != log.token:
                         raise FileNotFoundError
                 except (FileNotFoundError, NotADirectoryError):
                     raise self._not_found(pid, _GONE) from None
-                start, length = lo * width, (hi - lo) * width
-                _range_lock(claims, fcntl.F_WRLCK, start, length)
-                try:
-                    self._claim_and_append(pid, log, mine, refs, claims, width, runs, cols)
-                finally:
-                    _range_lock(claims, fcntl.F_UNLCK, start, length)
+                self._claim_and_append(pid, log, mine, refs, claims, width, runs, cols)
+            finally:
+                range_lock(claims, fcntl.F_UNLCK, start, length)
 
     def _claim_and_append(self, pid: str, log: Log, mine: Tail, refs: list[ChunkRef], claims: int, width: int,
                           runs: list, cols: np.ndarray) -> None:
