@@ -201,3 +201,59 @@ def wait_then_check(url: str, pid: str, rows: Sequence[int], fields: Sequence[st
         assert table.column(f).to_pylist() == want[f], f"{f} differs in process {os.getpid()}"
     _done(store, url)
     return got.tolist()
+
+
+def commit_loop(url: str, pid: str, group: int, fields: Sequence[str], in_commit, done) -> None:
+    """Put groups of `group` rows, one after another, until killed; `in_commit` (a shared int) is 1 while a
+    commit is in flight, so the test can kill this process inside one, and `done` counts committed puts."""
+    store = _store(url)
+    commit = store._commit
+
+    def flagged(*args):
+        in_commit.value = 1
+        commit(*args)
+        in_commit.value = 0
+
+    store._commit = flagged
+    for g in range(store.num_rows(pid) // group):
+        rows = range(g * group, (g + 1) * group)
+        store.put(pid, grpo_columns(rows, fields), rows)
+        done.value = g + 1
+
+
+def poll_whole_groups(url: str, pids: Sequence[str], group: int, fields: Sequence[str], stop, out) -> None:
+    """Until `stop` (an Event) is set, look at each partition of `pids` that exists: the rows ready on any
+    field must be ready on every field and come in whole groups, and read back right. Puts the looks taken,
+    or what went wrong, on the queue `out`."""
+    try:
+        out.put(_poll(url, pids, group, fields, stop))
+    except BaseException as e:
+        out.put(f"reader {os.getpid()}: {e!r}")
+
+
+def _poll(url: str, pids: Sequence[str], group: int, fields: Sequence[str], stop) -> int:
+    from dataplane_rl.errors import PartitionNotFoundError
+
+    store = _store(url)
+    looks = 0
+    while not stop.is_set():
+        for pid in pids:
+            try:
+                # commits only add whole puts: a row ready on any field before is ready on all of them after
+                anyone = np.unique(np.concatenate([store.ready(pid, f) for f in fields]))
+                every = store.ready(pid, list(fields))
+            except PartitionNotFoundError:
+                continue
+            half = np.setdiff1d(anyone, every)
+            assert not half.size, f"{pid}: rows {half.tolist()} have part of a put"
+            starts = every[::group]
+            assert every.size % group == 0 and np.array_equal(every, (starts[:, None] + np.arange(group)).ravel()), \
+                f"{pid}: ready rows {every.tolist()} are not whole groups of {group}"
+            if every.size:
+                table = store.get(pid, list(fields), every)
+                want = grpo_columns(every, fields)
+                for f in fields:
+                    assert table.column(f).to_pylist() == as_lists(want[f]), f"{pid} {f} differs"
+            looks += 1
+    _done(store, url)
+    return looks
