@@ -14,17 +14,19 @@ ChunkRef's key is `<object>@<offset>`.
 
 Put: blocks are serialized straight into a registered arena (one copy), back to back, and stored with one
 put session: `batch_put_session_start` (reserve), `batch_put_from_multi_buffer_ranges` (fill from the
-arena), `batch_put_session_end` (publish), one call each for the whole put. The commit then wins the next
-refs slot r/<n> with a put session (Mooncake's only atomic put-if-absent), after checking conflicts against
-slots 0..n-1: whoever reserves slot n first is its only writer, so the slot is the commit lock and a put
-never takes `lock`. Get: refs are cached per process; a known partition is checked with one master RPC
-(`batch_is_exist` of the marker and the next slots: no data moves), a new one read with one
-`batch_get_into` (meta and the first slots); then one `get_into_ranges` reads just the chunks' byte ranges
-into a registered buffer that the returned Arrow arrays keep alive (reused once they are gone). So a put
-costs two data calls (chunks, refs) and four master RPCs, a get one data call plus one RPC or one small
-read. Keys are never listed on the data path: `/get_all_keys` over the admin HTTP port serves
-list_partitions only. A partition dropped and created again has a new <inc>: nothing of the old one (say a
-refs slot published by a commit racing the drop) is read as the new one's.
+arena), `batch_put_session_end` (publish), one call each for the whole put. The commit then appends the
+put's record at the next refs slot r/<inc>/<n> with a put session of its own (catalog.py): it aims past
+what this process already knows and reads the other writers' slots only when one of them took that slot,
+so a writer that is not contended reads nothing. A put starts from the refs this process has cached (no
+catalog read); the commit's check is the exact one. The record is not reserved together with the blocks:
+a slot reserved across the blocks' transfer would make every other writer wait for that transfer.
+Get: refs are cached per process; a known partition is checked with one master RPC (`batch_is_exist` of
+the marker and the next slots: no data moves), new slots read with one `batch_get_into`; then one
+`get_into_ranges` reads just the chunks' byte ranges into a registered buffer that the returned Arrow
+arrays keep alive (reused once they are gone). Keys are never listed on the data path: `/get_all_keys`
+over the admin HTTP port serves list_partitions only. Nothing holds a lock: a transient answer of a
+loaded store (a read's lease that ran out, a holder slow to answer, a reservation the master discarded)
+is retried within a deadline and counted in `dataplane_store_retries_total` (retry.py).
 
 Measured on the 2-core box (5.7 MB put, 2 readers of half the rows each): one object per put instead of
 one per chunk (13) stores ~30% faster and reads no slower; put sessions instead of `batch_put_from`, ~10%
@@ -41,15 +43,15 @@ Mooncake quirks (docs/mooncake_notes.md), each turned into an error or prevented
   becomes "mooncake store full", after removing what the put had written;
 - data dies with its holder: a self-started cluster is polled on every operation (`cluster.check()`),
   and TRANSFER_FAIL / OBJECT_NOT_FOUND reads name the partition, column and rows that were lost;
-- a put session left open by a dead process blocks its key: the master discards it after
-  put_start_discard_timeout_sec (30 s by default, measured), which is what breaks a dead writer's lock.
+- a put session left open by a dead process blocks its key until the next put_start of that key after
+  put_start_discard_timeout_sec (30 s by default): only a refs slot can be left so, and a commit waits for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import re
+import threading
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
@@ -59,6 +61,7 @@ import pyarrow as pa
 from dataplane_rl.errors import (
     ConfigError,
     CorruptChunkError,
+    MissingColumnError,
     PartitionExistsError,
     PartitionNotFoundError,
     StoreUnavailableError,
@@ -68,7 +71,7 @@ from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import Block, ChunkRef, PartitionMeta, Snapshot, align, layout, split_key
 from dataplane_rl.store.mooncake.buffers import Arenas, ReadPool
-from dataplane_rl.store.mooncake.catalog import PREFIX, Catalog, batches, block_object_key, inc_of
+from dataplane_rl.store.mooncake.catalog import Catalog, batches, block_object_key, inc_of
 from dataplane_rl.store.mooncake.client import (
     INVALID_PARAMS,
     MIN_SEGMENT_SIZE,
@@ -85,6 +88,7 @@ from dataplane_rl.store.mooncake.client import (
     split_address,
 )
 from dataplane_rl.store.mooncake.cluster import MooncakeCluster
+from dataplane_rl.store.mooncake.retry import READ_TRANSIENT, Retries
 
 # Blocks of one put are stored as objects of up to this size: measured, one 5.7 MB object takes ~30% less
 # time to store than 13 of ~0.5 MB (the cost per key), while a cap lets a big put spread over holders
@@ -144,7 +148,8 @@ class MooncakeStore(ColumnStore):
         self._pool = ReadPool(self._client, self._arena_bytes)
         self._arenas = Arenas(self._client)
         self._catalog = Catalog(self._client, self._pin, self._arenas, self._admin, self._check_cluster, self._error,
-                                self._not_found)
+                                self._not_found, self._counters.retry)
+        self._putting = threading.local()  # set while this thread is inside put(): see _snapshot
 
     @classmethod
     def from_url(cls, rest: str, config=None, **options: Any) -> "MooncakeStore":
@@ -207,8 +212,31 @@ class MooncakeStore(ColumnStore):
             raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it first or use a new id")
 
     def _snapshot(self, pid: str) -> Snapshot:
-        part = self._catalog.fetch(pid)
+        # A put starts from what this process knows (no read): the commit checks against every slot exactly.
+        part = self._catalog.parts.get(pid) if getattr(self._putting, "cached", False) else None
+        if part is None:
+            part = self._catalog.fetch(pid)
         return Snapshot(part.meta, part.refs)
+
+    def _put(self, pid: str, columns, rows) -> int:
+        self._putting.cached = pid in self._catalog.parts
+        try:
+            return super()._put(pid, columns, rows)
+        except PartitionNotFoundError:
+            if not self._putting.cached:
+                raise
+            self._catalog.parts.pop(pid, None)  # the cached incarnation was dropped, maybe made again: look
+            self._putting.cached = False
+            return super()._put(pid, columns, rows)
+        finally:
+            self._putting.cached = False
+
+    def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str]) -> np.ndarray:
+        try:
+            return super()._stored_lengths(snap, rows, token_cols)
+        except MissingColumnError:  # a put's cached refs may predate the lengths another writer committed
+            part = self._catalog.fetch(snap.meta.pid)
+            return super()._stored_lengths(Snapshot(part.meta, part.refs), rows, token_cols)
 
     def _list(self) -> list[str]:
         return self._catalog.list()
@@ -217,13 +245,7 @@ class MooncakeStore(ColumnStore):
         self._catalog.commit(meta, refs, lambda part: self._conflict(Snapshot(part.meta, part.refs), refs))
 
     def _drop(self, pid: str) -> None:
-        with self._catalog.locked(pid, drop=True):
-            self._catalog.fetch(pid)  # PartitionNotFoundError if unknown
-            # everything but the lock, which we hold; orphans of writers that died go too
-            n = self._client.remove_by_regex(f"^{re.escape(PREFIX + pid)}/(?!lock$).*", True)
-            if n < 0:
-                raise self._error(n, f"dropping partition {pid}")
-            self._catalog.parts.pop(pid, None)
+        self._catalog.drop(pid)  # orphans of writers that died go too: every key of the incarnation
 
     # -- blocks ----------------------------------------------------------------------------------
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
@@ -256,6 +278,18 @@ class MooncakeStore(ColumnStore):
         return refs
 
     def _put_objects(self, pid: str, objects: list[tuple[str, int, int]], refs: list[ChunkRef]) -> None:
+        """Reserve, fill and publish the objects; those a loaded store answered transiently (retry.py) are
+        put again, within the deadline."""
+        retries = None
+        while objects:
+            self._reserve(pid, objects, refs)
+            again = set(self._catalog.fill(objects, f"partition {pid} put: storing blocks"))
+            objects = [o for o in objects if o[0] in again]
+            if objects:
+                retries = retries or Retries(lambda: None, self._check_cluster)  # fill() counted them
+                retries.again(TRANSFER_FAIL, f"partition {pid} put: storing blocks")
+
+    def _reserve(self, pid: str, objects: list[tuple[str, int, int]], refs: list[ChunkRef]) -> None:
         keys = [k for k, _, _ in objects]
         codes: list[int] = []
         for s in batches(len(keys)):
@@ -272,7 +306,6 @@ class MooncakeStore(ColumnStore):
             raise self._error(code, f"partition {pid} put rows {rows}: {len(refs)} blocks "
                                     f"({sum(n for _, _, n in objects)} bytes, columns {cols}) could not be stored, "
                                     "so nothing was written")
-        self._catalog.fill(objects, f"partition {pid} put: storing blocks")
 
     def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
         try:  # an interrupt that lands just after the commit must not delete committed blocks
@@ -295,20 +328,31 @@ class MooncakeStore(ColumnStore):
             by_object.setdefault(split_key(r.key)[0], []).append(i)
         codes = [0] * len(refs)
         groups = list(by_object.items())
+        retries = self._catalog.retries()
         for s in batches(len(groups)):
-            part = groups[s]
-            got = self._client.get_into_ranges(
-                [base], [[k for k, _ in part]], [[[offsets[i] for i in idx] for _, idx in part]],
-                [[[split_key(refs[i].key)[1] for i in idx] for _, idx in part]],
-                [[[refs[i].nbytes for i in idx] for _, idx in part]])
-            for (_, idx), results in zip(part, got[0]):
-                for i, c in zip(idx, results):
-                    codes[i] = c
+            self._read_ranges(base, groups[s], refs, offsets, codes, retries, pid)
         bad = [(r, c) for r, c in zip(refs, codes) if c < 0]
         if bad:
             self._read_failed(pid, bad)
         # size/checksum mismatches are reported by the base's check of each payload
         return [pa.foreign_buffer(base + o, c, base=lease) for o, c in zip(offsets, codes)]
+
+    def _read_ranges(self, base: int, part, refs: list[ChunkRef], offsets: list[int], codes: list[int],
+                     retries: Retries, pid: str) -> None:
+        """One get_into_ranges of these objects' ranges; read again while a range's answer is transient."""
+        while True:
+            got = self._client.get_into_ranges(
+                [base], [[k for k, _ in part]], [[[offsets[i] for i in idx] for _, idx in part]],
+                [[[split_key(refs[i].key)[1] for i in idx] for _, idx in part]],
+                [[[refs[i].nbytes for i in idx] for _, idx in part]])
+            slow = None
+            for (_, idx), results in zip(part, got[0]):
+                for i, c in zip(idx, results):
+                    codes[i] = c
+                    slow = c if c in READ_TRANSIENT else slow
+            if slow is None:
+                return
+            retries.again(slow, f"partition {pid}: reading stored blocks {part[0][0]}..")
 
     def _read_failed(self, pid: str, bad: list[tuple[ChunkRef, int]]) -> None:
         ref, code = next((b for b in bad if b[1] == TRANSFER_FAIL), bad[0])
