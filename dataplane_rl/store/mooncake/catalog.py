@@ -337,8 +337,8 @@ class Catalog:
                 raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
             part = self.fetch(pid)  # another writer's commit: read it (and any after it)
             if part.puts == n:  # reserved, not yet published: its writer is filling it, or died (the master frees it)
-                # waiting, not a retry of an error: not counted
-                retries = retries or Retries(lambda: None, self._check, self.lock_timeout_s)
+                # waiting, not a retry of an error: not counted; polled often, as its record is filled in a call
+                retries = retries or Retries(lambda: None, self._check, self.lock_timeout_s, 0.01)
                 retries.again(OBJECT_ALREADY_EXISTS, f"partition {pid}: refs key {key} stays reserved "
                                                      "(a writer died inside its commit?); retry the put later")
 

@@ -33,8 +33,8 @@ class Retries:
     StoreUnavailableError once the deadline has passed."""
 
     def __init__(self, count: Callable[[], None], check: Callable[[str], None],
-                 deadline_s: float = RETRY_DEADLINE_S) -> None:
-        self._count, self._check, self._deadline_s = count, check, deadline_s
+                 deadline_s: float = RETRY_DEADLINE_S, max_delay_s: float = _MAX_DELAY_S) -> None:
+        self._count, self._check, self._deadline_s, self._max_delay = count, check, deadline_s, max_delay_s
         self._t0: float | None = None
         self._delay = _FIRST_DELAY_S
         self.tries = 0
@@ -51,4 +51,4 @@ class Retries:
         self._count()
         self.tries += 1
         time.sleep(self._delay)
-        self._delay = min(2 * self._delay, _MAX_DELAY_S)
+        self._delay = min(2 * self._delay, self._max_delay)
