@@ -258,6 +258,15 @@ class Catalog:
                 return True
             probe = min(2 * probe, _MAX_PROBE)  # every key asked for was there: there may be many more
 
+    def _catch_up(self, pid: str, part: Part) -> None:
+        """Read the slots from part.puts on straight away, in one batched read each round (a missing one
+        answers at once): after losing a slot there is at least one to read, so no RPC asks first."""
+        self._check(f"partition {pid}")
+        probe = _PROBE
+        while self._take_refs(part, self.get_small([refs_key(pid, part.inc, k)
+                                                    for k in range(part.puts, part.puts + probe)])) == probe:
+            probe = min(2 * probe, _MAX_PROBE)
+
     @staticmethod
     def _take_refs(part: Part, values: list[bytes | None]) -> int:
         """Add the values of refs keys part.puts, part.puts+1, ... up to the first missing one; how many."""
@@ -335,7 +344,7 @@ class Catalog:
                 return
             if code == OBJECT_NOT_FOUND:
                 raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
-            part = self.fetch(pid)  # another writer's commit: read it (and any after it)
+            self._catch_up(pid, part)  # another writer's commit: read it (and any after it)
             if part.puts == n:  # reserved, not yet published: its writer is filling it, or died (the master frees it)
                 # waiting, not a retry of an error: not counted; polled often, as its record is filled in a call
                 retries = retries or Retries(lambda: None, self._check, self.lock_timeout_s, 0.01)
