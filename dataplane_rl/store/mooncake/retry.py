@@ -21,8 +21,9 @@ from dataplane_rl.errors import StoreUnavailableError
 from dataplane_rl.store.mooncake.client import LEASE_EXPIRED, TRANSFER_FAIL, error_name
 
 READ_TRANSIENT = frozenset({LEASE_EXPIRED, TRANSFER_FAIL})
-# Longer than the master's client_ttl (10 s) plus a put_start_discard_timeout_sec (30 s): a slow store
-# makes a call slower, and a dead holder turns into OBJECT_NOT_FOUND within it.
+# Longer than the master's client_ttl (10 s by default; 60 s in a cluster the store starts) plus a
+# put_start_discard_timeout_sec (30 s): a slow store makes a call slower, and a dead holder's keys turn into
+# OBJECT_NOT_FOUND within it.
 RETRY_DEADLINE_S = 120.0
 _FIRST_DELAY_S, _MAX_DELAY_S = 0.001, 0.25
 

@@ -95,6 +95,11 @@ from dataplane_rl.store.mooncake.retry import READ_TRANSIENT, Retries
 # (Mooncake never splits an object across segments) and fits the smallest segment Mooncake allows.
 PACK_BYTES = MIN_SEGMENT_SIZE
 CLIENT_ARENA_BYTES = 32 << 20
+# The master takes a holder that has not sent a heartbeat for client_ttl seconds for dead and unmounts its
+# segment: every key in it is gone. A holder starved of CPU on a loaded node can miss 10 s (the default;
+# suspected in a bench run at load average 108, where every partition vanished at once), so a cluster this
+# store starts waits longer. A killed holder is still named at once (cluster.check() polls the processes).
+OWN_CLUSTER_CLIENT_TTL_S = 60
 _TRANSPORT_DEFAULTS = {k: p.default for k, p in inspect.signature(connect_client).parameters.items()
                        if k in ("protocol", "device_name", "metadata_server", "local_hostname")}
 
@@ -124,6 +129,7 @@ class MooncakeStore(ColumnStore):
                          "metadata_server": config.metadata_server, "local_hostname": config.local_hostname}
         if self._owns_cluster:
             cluster = MooncakeCluster(config.num_holders, config.global_segment_size_mb << 20,
+                                      client_ttl_s=OWN_CLUSTER_CLIENT_TTL_S,
                                       **{k: v for k, v in transport.items() if k != "local_hostname"}).start()
         self.cluster = cluster
         if cluster is not None:
