@@ -42,7 +42,7 @@ def test_writer_killed_mid_commit_no_reader_sees_half_a_put(cluster_of):
     each kill (a refs slot a killed writer had reserved is freed by the master, here after 2 s)."""
     cluster = cluster_of(extra_master_flags=("--put_start_discard_timeout_sec=2", "--put_start_release_timeout_sec=10"))
     store = open_store(cluster.url)
-    group_rows, groups = 2, 600  # 2-row puts: a put's time is mostly its commit
+    group_rows, groups = 2, 4000  # 2-row puts: a put's time is mostly its commit
     store.create_partition("p", "grpo", group_rows * groups)
     ctx = mp.get_context("spawn")
     stop, out = ctx.Value("b", 0, lock=False), ctx.Queue()
@@ -73,8 +73,8 @@ def test_writer_killed_mid_commit_no_reader_sees_half_a_put(cluster_of):
             first = mine[done.value + 1]
         steady_before = steady_done.value
         deadline = time.monotonic() + 120
-        while steady_done.value < steady_before + 5:  # the steady writer commits after the last kill
-            assert steady.is_alive(), f"the steady writer failed (exit code {steady.exitcode})"
+        while steady_done.value < min(steady_before + 5, groups // 2):  # it commits after the last kill
+            assert steady.is_alive() or steady.exitcode == 0, f"the steady writer failed (exit code {steady.exitcode})"
             assert time.monotonic() < deadline, "no commit in 120 s after the last kill"
             time.sleep(0.005)
         stop.value = 1

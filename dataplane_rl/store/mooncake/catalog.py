@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dataplane_rl.errors import CorruptChunkError
+from dataplane_rl.errors import CorruptChunkError, StoreUnavailableError
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, refs_to_json
 from dataplane_rl.store.mooncake.buffers import Arenas
 from dataplane_rl.store.mooncake.client import (
@@ -104,6 +104,7 @@ class Catalog:
                  retried: Callable[[], None]) -> None:
         self._client, self._pin, self._arenas, self._admin = client, pin, arenas, admin
         self._check, self._error, self._not_found, self._retried = check, error, not_found, retried
+        self.client, self.pin, self.check, self.error, self.not_found = client, pin, check, error, not_found
         self.parts: dict[str, Part] = {}
         self.lock_timeout_s = RETRY_DEADLINE_S  # how long a commit waits for a slot another writer reserved
 
@@ -119,9 +120,8 @@ class Catalog:
             codes = self._client.batch_get_into(keys, [buf.ptr + i * _SLOT for i in range(len(keys))],
                                                 [_SLOT] * len(keys))
             slow = next((c for c in codes if c in READ_TRANSIENT), None)
-            if slow is None:
+            if slow is None or not retries.again(slow, f"reading catalog keys {keys[0]}.."):
                 break
-            retries.again(slow, f"reading catalog keys {keys[0]}..")
         out: list[bytes | None] = []
         for i, (key, code) in enumerate(zip(keys, codes)):
             if code >= 0:
@@ -141,7 +141,8 @@ class Catalog:
         buf = self._arenas.get("catalog", size)
         retries = self.retries()
         while (code := self._client.batch_get_into([key], [buf.ptr], [size])[0]) in READ_TRANSIENT:
-            retries.again(code, f"reading catalog key {key}")
+            if not retries.again(code, f"reading catalog key {key}"):
+                break
         if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return None
         if code < 0:
@@ -172,10 +173,11 @@ class Catalog:
         lost = self.fill([(key, buf.ptr, len(data))], f"writing catalog key {key}")
         return OBJECT_ALREADY_EXISTS if lost else OK
 
-    def fill(self, items: list[tuple[str, int, int]], what: str) -> list[str]:
-        """Fill and publish keys reserved by batch_put_session_start ((key, address, size) each). Returns
-        the keys whose transfer failed transiently or whose reservation the master discarded: revoked,
-        not published, to be put again. Any other failure revokes every key not yet published and raises."""
+    def fill(self, items: list[tuple[str, int, int]], what: str, last: str | None = None) -> list[str]:
+        """Fill and publish keys reserved by batch_put_session_start ((key, address, size) each); `last`
+        is published only after all the others were (else revoked). Returns the keys whose transfer failed
+        transiently or whose reservation the master discarded: revoked, not published, to be put again.
+        Any other failure revokes every key not yet published and raises."""
         keys = [k for k, _, _ in items]
         ended: set[str] = set()
         again: list[str] = []
@@ -192,10 +194,15 @@ class Catalog:
             if again:
                 with contextlib.suppress(Exception):
                     self._client.batch_put_session_revoke(again)
-            todo = [k for k in keys if k not in set(again)]
-            for s in batches(len(todo)):
-                codes = self._client.batch_put_session_end(todo[s])
-                for k, c in zip(todo[s], codes):
+            todo = [k for k in keys if k not in set(again) and k != last]
+            rounds = [todo[s] for s in batches(len(todo))] + ([[last]] if last is not None and last not in again else [])
+            for part in rounds:
+                if part == [last] and again:  # a block did not make it: the record must not be seen
+                    self._client.batch_put_session_revoke([last])
+                    again.append(last)
+                    break
+                codes = self._client.batch_put_session_end(part)
+                for k, c in zip(part, codes):
                     if c == OK:
                         ended.add(k)
                     elif c == OBJECT_NOT_FOUND:  # the master discarded our reservation: nothing published
@@ -258,7 +265,18 @@ class Catalog:
                 return True
             probe = min(2 * probe, _MAX_PROBE)  # every key asked for was there: there may be many more
 
-    def _catch_up(self, pid: str, part: Part) -> None:
+    def record(self, pid: str, part: Part, refs: list[ChunkRef]) -> tuple[str, bytes]:
+        """The key of the slot after the last one known, and the record of `refs` to put there."""
+        payload = json.dumps({"inc": part.inc, "refs": json.loads(refs_to_json(refs))}).encode()
+        return refs_key(pid, part.inc, part.puts), payload
+
+    def appended(self, part: Part, n: int, refs: list[ChunkRef]) -> None:
+        """Our record went into slot n: add it to what this process knows."""
+        if part.puts == n:
+            part.refs = part.refs + list(refs)
+            part.puts += 1
+
+    def catch_up(self, pid: str, part: Part) -> None:
         """Read the slots from part.puts on straight away, in one batched read each round (a missing one
         answers at once): after losing a slot there is at least one to read, so no RPC asks first."""
         self._check(f"partition {pid}")
@@ -292,7 +310,8 @@ class Catalog:
         marker = marker_key(meta.pid, inc)
         retries = self.retries()
         while self.put_if_absent(marker, b"1") != OK:  # a fresh key: only a discarded reservation lands here
-            retries.again(OBJECT_NOT_FOUND, f"partition {meta.pid}: writing catalog key {marker}")
+            if not retries.again(OBJECT_NOT_FOUND, f"partition {meta.pid}: writing catalog key {marker}"):
+                raise self._error(OBJECT_NOT_FOUND, f"partition {meta.pid}: writing catalog key {marker}")
         code = None
         try:
             code = self.put_if_absent(meta_key(meta.pid), text)
@@ -338,18 +357,18 @@ class Catalog:
             key = refs_key(pid, inc, n)
             code = self.put_if_absent(key, payload, must_exist=marker_key(pid, inc))
             if code == OK:
-                if part.puts == n:
-                    part.refs = part.refs + list(refs)
-                    part.puts += 1
+                self.appended(part, n, refs)
                 return
             if code == OBJECT_NOT_FOUND:
                 raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
-            self._catch_up(pid, part)  # another writer's commit: read it (and any after it)
+            self.catch_up(pid, part)  # another writer's commit: read it (and any after it)
             if part.puts == n:  # reserved, not yet published: its writer is filling it, or died (the master frees it)
                 # waiting, not a retry of an error: not counted; polled often, as its record is filled in a call
                 retries = retries or Retries(lambda: None, self._check, self.lock_timeout_s, 0.01)
-                retries.again(OBJECT_ALREADY_EXISTS, f"partition {pid}: refs key {key} stays reserved "
-                                                     "(a writer died inside its commit?); retry the put later")
+                if not retries.again(OBJECT_ALREADY_EXISTS, f"partition {pid}"):
+                    raise StoreUnavailableError(f"partition {pid}: refs key {key} stayed reserved for "
+                                                f"{self.lock_timeout_s:.0f}s (a writer died inside its commit, and "
+                                                "the master has not freed it?); retry the put later")
 
     def list(self) -> list[str]:
         self._check("listing partitions")

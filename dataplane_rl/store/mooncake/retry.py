@@ -9,7 +9,8 @@ What a loaded machine answers that a retry fixes (mooncake-store's client and ma
   each retry, so a dead holder is named at once; a client by URL learns it when the keys vanish.
 - OBJECT_NOT_FOUND (-704) when ending a put session (put sessions are ours alone): the master discarded the
   reservation (put_start_discard_timeout_sec); nothing was published, so the put is made again.
-Anything else is an error at once (store.py's `_error` names it).
+Anything else is an error at once, and so is a transient answer past the deadline (store.py's `_error`
+names it).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from dataplane_rl.errors import StoreUnavailableError
-from dataplane_rl.store.mooncake.client import LEASE_EXPIRED, TRANSFER_FAIL, error_name
+from dataplane_rl.store.mooncake.client import LEASE_EXPIRED, TRANSFER_FAIL
 
 READ_TRANSIENT = frozenset({LEASE_EXPIRED, TRANSFER_FAIL})
+# A dead holder answers TRANSFER_FAIL too, for client_ttl, to a client that cannot poll its processes:
+# retry it only this long, then the caller's error names the lost block.
+TRANSFER_FAIL_RETRY_S = 15.0
 # Longer than the master's client_ttl (10 s by default; 60 s in a cluster the store starts) plus a
 # put_start_discard_timeout_sec (30 s): a slow store makes a call slower, and a dead holder's keys turn into
 # OBJECT_NOT_FOUND within it.
@@ -29,9 +32,10 @@ _FIRST_DELAY_S, _MAX_DELAY_S = 0.001, 0.25
 
 
 class Retries:
-    """One call's retries: `again(code, what)` after each transient answer counts it (`count()`), checks the
-    cluster (`check(what)` raises if a process of it died), sleeps a growing delay, and raises
-    StoreUnavailableError once the deadline has passed."""
+    """One call's retries: `again(code, what)` after each transient answer checks the cluster (`check(what)`
+    raises if a process of it died) and, before the deadline, counts it (`count()`), sleeps a growing delay
+    and returns True; past the deadline it returns False and the caller raises its own error, which names
+    what failed."""
 
     def __init__(self, count: Callable[[], None], check: Callable[[str], None],
                  deadline_s: float = RETRY_DEADLINE_S, max_delay_s: float = _MAX_DELAY_S) -> None:
@@ -40,16 +44,16 @@ class Retries:
         self._delay = _FIRST_DELAY_S
         self.tries = 0
 
-    def again(self, code: int, what: str) -> None:
+    def again(self, code: int, what: str) -> bool:
         now = time.monotonic()
         if self._t0 is None:
             self._t0 = now
         self._check(what)
-        if now - self._t0 > self._deadline_s:
-            raise StoreUnavailableError(f"{what}: Mooncake kept answering {error_name(code)} for "
-                                        f"{self._deadline_s:.0f}s ({self.tries} retries); is the store overloaded "
-                                        "or a holder stuck? check the master's log")
+        limit = min(self._deadline_s, TRANSFER_FAIL_RETRY_S) if code == TRANSFER_FAIL else self._deadline_s
+        if now - self._t0 > limit:
+            return False
         self._count()
         self.tries += 1
         time.sleep(self._delay)
         self._delay = min(2 * self._delay, self._max_delay)
+        return True

@@ -71,13 +71,12 @@ from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import Block, ChunkRef, PartitionMeta, Snapshot, align, layout, split_key
 from dataplane_rl.store.mooncake.buffers import Arenas, ReadPool
-from dataplane_rl.store.mooncake.catalog import Catalog, batches, block_object_key, inc_of
+from dataplane_rl.store.mooncake.catalog import Catalog, batches, block_object_key, inc_of, marker_key
 from dataplane_rl.store.mooncake.client import (
     INVALID_PARAMS,
     MIN_SEGMENT_SIZE,
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
-    OK,
     RPC_FAIL,
     TRANSFER_FAIL,
     connect_client,
@@ -88,6 +87,7 @@ from dataplane_rl.store.mooncake.client import (
     split_address,
 )
 from dataplane_rl.store.mooncake.cluster import MooncakeCluster
+from dataplane_rl.store.mooncake.puts import Record, put_objects
 from dataplane_rl.store.mooncake.retry import READ_TRANSIENT, Retries
 
 # Blocks of one put are stored as objects of up to this size: measured, one 5.7 MB object takes ~30% less
@@ -248,7 +248,28 @@ class MooncakeStore(ColumnStore):
         return self._catalog.list()
 
     def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen=None) -> None:
-        self._catalog.commit(meta, refs, lambda part: self._conflict(Snapshot(part.meta, part.refs), refs))
+        """Store the blocks _store laid out in this thread's arena and commit them, in the same calls when
+        the next slot is free (puts.py): first read what other writers committed since (one call, nothing
+        if none) and check against it; else store the blocks alone and commit the long way."""
+        pending, self._putting.pending = getattr(self._putting, "pending", None), None
+        conflict = lambda part: self._conflict(Snapshot(part.meta, part.refs), refs)  # noqa: E731
+        cat, pid = self._catalog, meta.pid
+        if pending is not None and pending[0] is refs:
+            part = cat.known(pid, meta.token)
+            if part.inc != meta.token:
+                raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
+            cat.catch_up(pid, part)
+            err = conflict(part)
+            if err:
+                raise err
+            n = part.puts
+            key, payload = cat.record(pid, part, refs)
+            buf = self._arenas.get("record", len(payload))
+            buf.array[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            if put_objects(cat, pid, pending[1], refs, Record(key, marker_key(pid, part.inc), buf.ptr, len(payload))):
+                cat.appended(part, n, refs)
+                return
+        cat.commit(meta, refs, conflict)
 
     def _drop(self, pid: str) -> None:
         self._catalog.drop(pid)  # orphans of writers that died go too: every key of the incarnation
@@ -256,8 +277,7 @@ class MooncakeStore(ColumnStore):
     # -- blocks ----------------------------------------------------------------------------------
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
         """Serialize every block straight into this thread's registered arena (one copy), packed into
-        objects of up to PACK_BYTES, then store all objects as put sessions (hard-pinned): reserve, fill
-        and publish, one call each for the whole put."""
+        objects of up to PACK_BYTES; _commit stores them (hard-pinned put sessions) with the record."""
         groups: list[list[int]] = [[]]  # block indices per object
         size = 0
         for i, block in enumerate(blocks):
@@ -280,38 +300,9 @@ class MooncakeStore(ColumnStore):
                 block, at = blocks[i], start + off
                 digests = chunks.write_block(arena.array[at:at + block.nbytes], block)
                 refs.append(ChunkRef.of(block, f"{key}@{off}", digests))
-        self._put_objects(meta.pid, [(key, arena.ptr + start, end) for key, start, end, _ in plans], refs)
+        # stored by _commit, in the same calls as the commit record: nothing is stored before the commit
+        self._putting.pending = (refs, [(key, arena.ptr + start, end) for key, start, end, _ in plans])
         return refs
-
-    def _put_objects(self, pid: str, objects: list[tuple[str, int, int]], refs: list[ChunkRef]) -> None:
-        """Reserve, fill and publish the objects; those a loaded store answered transiently (retry.py) are
-        put again, within the deadline."""
-        retries = None
-        while objects:
-            self._reserve(pid, objects, refs)
-            again = set(self._catalog.fill(objects, f"partition {pid} put: storing blocks"))
-            objects = [o for o in objects if o[0] in again]
-            if objects:
-                retries = retries or Retries(lambda: None, self._check_cluster)  # fill() counted them
-                retries.again(TRANSFER_FAIL, f"partition {pid} put: storing blocks")
-
-    def _reserve(self, pid: str, objects: list[tuple[str, int, int]], refs: list[ChunkRef]) -> None:
-        keys = [k for k, _, _ in objects]
-        codes: list[int] = []
-        for s in batches(len(keys)):
-            codes += self._client.batch_put_session_start(keys[s], [n for _, _, n in objects[s]], self._pin)
-        bad = [c for c in codes if c != OK]
-        if bad:
-            held = [k for k, c in zip(keys, codes) if c == OK]
-            with contextlib.suppress(Exception):
-                for s in batches(len(held)):
-                    self._client.batch_put_session_revoke(held[s])
-            code = next((c for c in bad if c == NO_AVAILABLE_HANDLE), bad[0])
-            cols = ", ".join(refs[0].columns) if refs else ""
-            rows = format_rows(np.unique(np.concatenate([r.rows for r in refs]))) if refs else ""
-            raise self._error(code, f"partition {pid} put rows {rows}: {len(refs)} blocks "
-                                    f"({sum(n for _, _, n in objects)} bytes, columns {cols}) could not be stored, "
-                                    "so nothing was written")
 
     def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
         try:  # an interrupt that lands just after the commit must not delete committed blocks
@@ -356,9 +347,8 @@ class MooncakeStore(ColumnStore):
                 for i, c in zip(idx, results):
                     codes[i] = c
                     slow = c if c in READ_TRANSIENT else slow
-            if slow is None:
+            if slow is None or not retries.again(slow, f"partition {pid}: reading stored blocks {part[0][0]}.."):
                 return
-            retries.again(slow, f"partition {pid}: reading stored blocks {part[0][0]}..")
 
     def _read_failed(self, pid: str, bad: list[tuple[ChunkRef, int]]) -> None:
         ref, code = next((b for b in bad if b[1] == TRANSFER_FAIL), bad[0])
@@ -369,7 +359,12 @@ class MooncakeStore(ColumnStore):
         if len(bad) > 1:
             what += f" (and {len(bad) - 1} more block(s))"
         self._check_cluster(what)
-        part = self._catalog.fetch(pid)  # PartitionNotFoundError if dropped meanwhile
+        try:
+            part = self._catalog.fetch(pid)  # PartitionNotFoundError if dropped meanwhile
+        except PartitionNotFoundError:
+            if pid not in self._catalog.list():  # dropped; else its catalog keys died with a holder too
+                raise
+            raise CorruptChunkError(f"{what}: data died with its holder or was removed; regenerate the step") from None
         if part.inc != inc_of(ref.key):
             raise self._not_found(pid, "was dropped while reading")
         if missing:
