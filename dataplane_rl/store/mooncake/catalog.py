@@ -5,14 +5,13 @@
     dprl/<pid>/r/<inc>/<n>       the n-th committed put: {"inc", "refs": [ChunkRef...]}; put-if-absent
     dprl/<pid>/c/<inc>/<id>      blocks of one put (store.py)
 
-A commit appends the next refs slot r/<inc>/<n> with a put session (Mooncake's only atomic
-put-if-absent), aiming at the slot after the last one this process knows and checking conflicts only
-against what it knows: it reads nothing first. If another writer took that slot, the answer (-705) says
-so; then, and only then, it reads the slots it has not seen (one master RPC to find them, one batched read),
-re-checks conflicts and aims at the next. A slot is held only while its small record is filled and
-published (two calls), never across a transfer of data or a lock; one whose writer died before
-publishing is freed by the master when the next writer asks for it after put_start_discard_timeout_sec,
-so a commit waits for it (slower, not an error, within RETRY_DEADLINE_S).
+A put's record normally goes into the next slot in the same calls as its blocks (puts.py), after this
+process has read the slots it had not seen (`catch_up`). If another writer took that slot, `commit`
+appends the long way: reserve the slot after the last one known (put-if-absent, with the marker check);
+on -705 read the slots missed, re-check conflicts, aim at the next. A slot reserved alone is held only
+while its small record is filled and published (two calls), never across a lock; one whose writer died
+before publishing is freed by the master when the next writer asks for it after
+put_start_discard_timeout_sec, so a commit waits for it (slower, not an error, within RETRY_DEADLINE_S).
 
 Refs are cached per process; a known partition is checked with one master RPC (`batch_is_exist` of the
 marker and the next slots: no data moves). Every key of an incarnation has <inc> in its name, so a

@@ -12,14 +12,13 @@ catalog's (catalog.py), and `dprl/<pid>/c/<inc>/<id>`, the blocks of one put (up
 every column of the put for a row block as flat buffers (chunks.py), at a 64-byte-aligned offset; a
 ChunkRef's key is `<object>@<offset>`.
 
-Put: blocks are serialized straight into a registered arena (one copy), back to back, and stored with one
-put session: `batch_put_session_start` (reserve), `batch_put_from_multi_buffer_ranges` (fill from the
-arena), `batch_put_session_end` (publish), one call each for the whole put. The commit then appends the
-put's record at the next refs slot r/<inc>/<n> with a put session of its own (catalog.py): it aims past
-what this process already knows and reads the other writers' slots only when one of them took that slot,
-so a writer that is not contended reads nothing. A put starts from the refs this process has cached (no
-catalog read); the commit's check is the exact one. The record is not reserved together with the blocks:
-a slot reserved across the blocks' transfer would make every other writer wait for that transfer.
+Put: blocks are serialized straight into a registered arena (one copy), back to back. The commit reads
+what other writers committed since this process last looked (one batched read; nothing when there is
+nothing), checks conflicts, and stores blocks and commit record together (puts.py): one
+`batch_put_session_start` reserves every block object and the next refs slot r/<inc>/<n>, one
+`batch_put_from_multi_buffer_ranges` fills them, one `batch_put_session_end` publishes the blocks and a
+second the record. If another writer took the slot, the blocks go alone and the record takes the next free
+slot (catalog.py). A put starts from the refs this process has cached (no catalog read before it).
 Get: refs are cached per process; a known partition is checked with one master RPC (`batch_is_exist` of
 the marker and the next slots: no data moves), new slots read with one `batch_get_into`; then one
 `get_into_ranges` reads just the chunks' byte ranges into a registered buffer that the returned Arrow
