@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -88,6 +89,8 @@ class Part:
     meta: PartitionMeta
     puts: int = 0
     refs: list[ChunkRef] = field(default_factory=list)  # of puts 0..puts-1, in order; only ever appended
+    # threads of one process read and append slots of the same partition (a put's commit, a wait)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def inc(self) -> str:
@@ -260,7 +263,7 @@ class Catalog:
             if there[0] != 1:
                 return False
             new = next((i for i, c in enumerate(there[1:]) if c != 1), probe)
-            if new == 0 or self._take_refs(part, self.get_small(keys[1:1 + new])) < probe:
+            if new == 0 or self._take_refs(part, n, self.get_small(keys[1:1 + new])) < probe:
                 return True
             probe = min(2 * probe, _MAX_PROBE)  # every key asked for was there: there may be many more
 
@@ -271,34 +274,41 @@ class Catalog:
 
     def appended(self, part: Part, n: int, refs: list[ChunkRef]) -> None:
         """Our record went into slot n: add it to what this process knows."""
-        if part.puts == n:
-            part.refs = part.refs + list(refs)
-            part.puts += 1
+        with part.lock:
+            if part.puts == n:
+                part.refs = part.refs + list(refs)
+                part.puts += 1
 
     def catch_up(self, pid: str, part: Part) -> None:
         """Read the slots from part.puts on straight away, in one batched read each round (a missing one
         answers at once): after losing a slot there is at least one to read, so no RPC asks first."""
         self._check(f"partition {pid}")
         probe = _PROBE
-        while self._take_refs(part, self.get_small([refs_key(pid, part.inc, k)
-                                                    for k in range(part.puts, part.puts + probe)])) == probe:
+        while True:
+            first = part.puts
+            if self._take_refs(part, first, self.get_small([refs_key(pid, part.inc, k)
+                                                            for k in range(first, first + probe)])) < probe:
+                return
             probe = min(2 * probe, _MAX_PROBE)
 
     @staticmethod
-    def _take_refs(part: Part, values: list[bytes | None]) -> int:
-        """Add the values of refs keys part.puts, part.puts+1, ... up to the first missing one; how many."""
-        for i, v in enumerate(values):
-            if v is None:
-                return i
-            try:
-                doc = json.loads(v)
-                part.refs = part.refs + [ChunkRef.from_json(d) for d in doc["refs"]]
-            except (KeyError, ValueError, TypeError) as e:  # e.g. refs of the IPC-block format (before v4)
-                raise CorruptChunkError(f"partition {part.meta.pid}: commit {part.puts} is not in this dataplane-rl's "
-                                        f"format ({e!r}); it was written by another version: drop the partition "
-                                        "and regenerate the step") from None
-            part.puts += 1
-        return len(values)
+    def _take_refs(part: Part, first: int, values: list[bytes | None]) -> int:
+        """Add the values of refs keys first, first+1, ... up to the first missing one, skipping those
+        another thread added meanwhile; how many were there."""
+        there = next((i for i, v in enumerate(values) if v is None), len(values))
+        with part.lock:
+            for k, v in enumerate(values[:there], start=first):
+                if k != part.puts:
+                    continue  # another thread of this process took it already
+                try:
+                    doc = json.loads(v)
+                    part.refs = part.refs + [ChunkRef.from_json(d) for d in doc["refs"]]
+                except (KeyError, ValueError, TypeError) as e:  # e.g. refs of the IPC-block format (before v4)
+                    raise CorruptChunkError(f"partition {part.meta.pid}: commit {part.puts} is not in this "
+                                            f"dataplane-rl's format ({e!r}); it was written by another version: "
+                                            "drop the partition and regenerate the step") from None
+                part.puts += 1
+        return there
 
     def create(self, meta: PartitionMeta) -> bool:
         """Publish a new partition's meta; False if the id is taken. The marker goes first, so every
