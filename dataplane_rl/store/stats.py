@@ -18,7 +18,7 @@ from dataplane_rl.errors import DataPlaneError, PartitionNotFoundError
 
 PREFIX = "dataplane_store_"
 COUNTERS = ("puts_total", "put_bytes_total", "put_seconds_total", "gets_total", "get_bytes_total",
-            "get_seconds_total")
+            "get_seconds_total", "retries_total")  # retries: transient backend answers tried again
 REFUSALS = PREFIX + "refusals_total"
 FLUSH_EVERY_S = 1.0  # how often a process writes its counters where other processes can add them up
 
@@ -46,6 +46,10 @@ class Counters:
             v[f"{op}s_total"] += 1
             v[f"{op}_bytes_total"] += nbytes
             v[f"{op}_seconds_total"] += seconds
+
+    def retry(self) -> None:
+        with self._lock:
+            self.values["retries_total"] += 1
 
     def refused(self, error: BaseException) -> None:
         cause = cause_of(error)
