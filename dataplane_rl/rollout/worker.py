@@ -42,7 +42,7 @@ class Pending:
     G: int
     jobs: list[RolloutJob]     # job i runs on rollout actor i
     futures: list
-    version: int = 0           # the weights the jobs were sent after (driver/recovery.py sends them again with these)
+    version: int = 0           # the weights the jobs were sent after (faults/rollout_actors.py sends them again with these)
 
 
 def rollout_columns(job: RolloutJob, gens, prompt_ids, texts: list[str], tokenizer, task, G: int, version: int,
@@ -248,7 +248,7 @@ class RolloutWorker:
         return table, receipt
 
     def reopen_store(self, url: str | None) -> None:
-        """Open the run's store again at `url` (the driver replaced a store that lost a holder: driver/restart.py).
+        """Open the run's store again at `url` (the driver replaced a store that lost a holder: faults/restart.py).
         The old client is dropped without close(): its master may be gone, and the client's close would wait on it."""
         from dataplane_rl.columns.actor_io import ActorIO
 

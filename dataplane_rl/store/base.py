@@ -47,6 +47,7 @@ from dataplane_rl.errors import (
 from dataplane_rl.schema import Schema, load_schema
 from dataplane_rl.store import stats
 from dataplane_rl.store.arrow import arrow_types, flatten, schema_of, to_arrow
+from dataplane_rl.store.capabilities import Capabilities
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, NotFinite, PartitionMeta, Snapshot, make_blocks
 from dataplane_rl.store.index import RowIndex, as_slice, overlap
 from dataplane_rl.store.reads import Reads
@@ -60,7 +61,7 @@ MAX_ROWS = 1 << 26
 KNOWN_PARTITIONS = 64
 
 
-class ColumnStore(Reads, ABC):
+class ColumnStore(Reads, Capabilities, ABC):
     """A partitioned, write-once column store. Subclasses implement the `_`-prefixed storage hooks."""
 
     scheme: str = ""
@@ -244,7 +245,8 @@ class ColumnStore(Reads, ABC):
         every one; a damaged one is counted, not raised), and the backend's space (shm: the arena's capacity,
         allocated, pooled and free bytes)."""
         self._check_open()
-        return stats.of_store(self, partitions)
+        return stats.of_store(self, partitions, lambda: stats.add(self._other_counters(), self._counters.metrics()),
+                              self._gauges)
 
     def status(self, pid: str) -> PartitionStatus:
         self._check_open()

@@ -97,11 +97,11 @@ class PartitionStatus:
         return all(self.rows_written.get(f, 0) == self.num_rows for f in fields)
 
 
-def of_store(store, partitions: Iterable[str] | None = None) -> dict[str, float]:
-    """`ColumnStore.stats()`: the counters (this process's, plus those other processes shared), the cells and
-    bytes of the live `partitions` (default: every one), and the backend's gauges. A damaged partition is
+def of_store(store, partitions: Iterable[str] | None, counters, gauges) -> dict[str, float]:
+    """`ColumnStore.stats()`: `counters()` (this process's, plus those other processes shared), the cells and
+    bytes of the live `partitions` (default: every one), and the backend's `gauges()`. A damaged partition is
     counted in `damaged_partitions`, not raised: one bad partition must not hide the rest (`store ls`)."""
-    out = add(store._other_counters(), store._counters.metrics())
+    out = counters()
     cells = free = used = damaged = 0
     parts = store.list_partitions() if partitions is None else list(partitions)
     for pid in parts:
@@ -118,5 +118,5 @@ def of_store(store, partitions: Iterable[str] | None = None) -> dict[str, float]
     p = PREFIX
     out.update({p + "partitions": len(parts), p + "cells_used": cells, p + "cells_free": free,
                 p + "used_bytes": used, p + "damaged_partitions": damaged})
-    out.update(store._gauges())
+    out.update(gauges())
     return out

@@ -185,6 +185,19 @@ class MooncakeStore(ColumnStore):
         self._catalog.lock_timeout_s = value
 
     # -- errors ----------------------------------------------------------------------------------
+    def processes(self) -> list[dict]:
+        c = self.cluster
+        return [] if c is None or c.master is None else (
+            [{"process": "master", "pid": c.master.pid, "node": c.host}]
+            + [{"process": "holder", "index": h.index, "pid": h.pid, "node": c.host} for h in c.holders])
+
+    def dead_processes(self) -> list[str] | None:
+        return None if self.cluster is None else self.cluster.dead()
+
+    def stop_processes(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+
     def _check_cluster(self, where: str) -> None:
         """A self-started cluster is polled (µs): a dead holder is named at once, not after a slow read."""
         if self.cluster is None:
