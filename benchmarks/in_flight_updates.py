@@ -78,8 +78,9 @@ def summary(run_dir: Path, wall: float) -> dict:
         "steps": n,
         "reward_last_quarter": statistics.fmean(m["train/reward"] for m in last),
         "final_validation": val[-1] if val else None,
-        "in_flight_refits": int(sum(col("async/in_flight_refits"))),
-        "mixed_version_samples": int(sum(col("async/mixed_version_samples"))),
+        "in_flight_refits": int(sum(col("async/in_flight_refits"))) if col("async/in_flight_refits") else None,
+        "mixed_version_samples": (int(sum(col("async/mixed_version_samples")))
+                                  if col("async/mixed_version_samples") else None),
         "token_age_mean": statistics.fmean(col("async/token_age_mean")) if col("async/token_age_mean") else None,
         "staleness_mean": statistics.fmean(col("async/staleness_mean")),
         "staleness_max": int(max(col("async/staleness_max"))),
