@@ -10,7 +10,7 @@ def get_all(futures: list, timeout: float | None = None) -> list:
     waits for it in a collective, it waits for rank 0 first. A rank killed on a live node closes its
     connections and gloo fails rank 0 at once; a node that vanishes closes nothing, and rank 0 waits out
     gloo's timeout (10 minutes) before the death would be seen. Here every call is checked as it finishes
-    (driver/restart.py then kills the ranks left waiting). `timeout` bounds the whole wait (GetTimeoutError)."""
+    (faults/restart.py then kills the ranks left waiting). `timeout` bounds the whole wait (GetTimeoutError)."""
     import time
 
     import ray

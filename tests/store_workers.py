@@ -203,3 +203,110 @@ def wait_then_check(url: str, pid: str, rows: Sequence[int], fields: Sequence[st
         assert table.column(f).to_pylist() == want[f], f"{f} differs in process {os.getpid()}"
     _done(store, url)
     return got.tolist()
+
+
+def commit_loop(url: str, pid: str, group: int, fields: Sequence[str], in_commit, done) -> None:
+    """Put groups of `group` rows, one after another, until killed; `in_commit` (a shared int) is 1 while a
+    commit is in flight, so the test can kill this process inside one, and `done` counts committed puts."""
+    store = _store(url)
+    commit = store._commit
+
+    def flagged(*args):
+        in_commit.value = 1
+        commit(*args)
+        in_commit.value = 0
+
+    store._commit = flagged
+    for g in range(store.num_rows(pid) // group):
+        rows = range(g * group, (g + 1) * group)
+        store.put(pid, grpo_columns(rows, fields), rows)
+        done.value = g + 1
+
+
+def poll_whole_groups(url: str, pids: Sequence[str], group: int, fields: Sequence[str], stop, out) -> None:
+    """Until `stop` (an Event) is set, look at each partition of `pids` that exists: the rows ready on any
+    field must be ready on every field and come in whole groups, and read back right. Puts the looks taken,
+    or what went wrong, on the queue `out`."""
+    try:
+        out.put(_poll(url, pids, group, fields, stop))
+    except BaseException as e:
+        out.put(f"reader {os.getpid()}: {e!r}")
+
+
+def _poll(url: str, pids: Sequence[str], group: int, fields: Sequence[str], stop) -> int:
+    from dataplane_rl.errors import PartitionNotFoundError
+
+    store = _store(url)
+    looks = 0
+    while not stop.is_set():
+        for pid in pids:
+            try:
+                # commits only add whole puts: a row ready on any field before is ready on all of them after
+                anyone = np.unique(np.concatenate([store.ready(pid, f) for f in fields]))
+                every = store.ready(pid, list(fields))
+            except PartitionNotFoundError:
+                continue
+            half = np.setdiff1d(anyone, every)
+            assert not half.size, f"{pid}: rows {half.tolist()} have part of a put"
+            starts = every[::group]
+            assert every.size % group == 0 and np.array_equal(every, (starts[:, None] + np.arange(group)).ravel()), \
+                f"{pid}: ready rows {every.tolist()} are not whole groups of {group}"
+            if every.size:
+                table = store.get(pid, list(fields), every)
+                want = grpo_columns(every, fields)
+                for f in fields:
+                    assert table.column(f).to_pylist() == as_lists(want[f]), f"{pid} {f} differs"
+            looks += 1
+    _done(store, url)
+    return looks
+
+
+def put_groups(url: str, pid: str, groups: Sequence[int], group_rows: int, done) -> None:
+    """Put each of `groups` (rows g*group_rows...) with every rollout field in one put; `done` (a shared
+    int) counts the puts that returned. Runs until killed or done."""
+    store = _store(url)
+    for g in groups:
+        rows = range(g * group_rows, (g + 1) * group_rows)
+        store.put(pid, grpo_columns(rows, ROLLOUT_FIELDS), rows)
+        done.value += 1
+
+
+def watch_commits(url: str, pid: str, group_rows: int, stop, out) -> None:
+    """Until `stop` is set: look at the partition over and over and check that every put is whole: each
+    rollout field written on the same rows, whole groups only, and those rows read back as written.
+    Puts (looks, what it saw wrong) on the queue `out`."""
+    store = _store(url)
+    looks, wrong = 0, []
+    while not stop.value or looks == 0:
+        try:
+            written = store.status(pid).rows_written
+            counts = {f: written[f] for f in ROLLOUT_FIELDS}
+            if len(set(counts.values())) != 1 or counts["input_ids"] % group_rows:
+                wrong.append(f"look {looks}: rows written per field {counts}")
+            rows = store.ready(pid, ROLLOUT_FIELDS)
+            if len(rows):
+                table = store.get(pid, ROLLOUT_FIELDS, rows)
+                want = grpo_columns(rows, ROLLOUT_FIELDS)
+                bad = [f for f in ROLLOUT_FIELDS if table.column(f).to_pylist() != as_lists(want[f])]
+                if bad:
+                    wrong.append(f"look {looks}: fields {bad} of rows {rows[:3]}.. differ")
+        except Exception as e:  # e.g. a committed block that is not there: half a put
+            wrong.append(f"look {looks}: {type(e).__name__}: {e}")
+        looks += 1
+    out.put((looks, wrong))
+
+
+def bench_worker(conn, barrier, fail: bool) -> None:
+    """A `bench store` worker (store_procs.serve) whose every call fails with a store error, or answers."""
+    from dataplane_rl.bench.store_procs import serve
+    from dataplane_rl.errors import StoreUnavailableError
+
+    def setup():
+        def handle(msg) -> dict:
+            if fail:
+                raise StoreUnavailableError("partition bench-00000 put: Mooncake answered LEASE_EXPIRED(-707)\n"
+                                            "a second line the report leaves out")
+            return {"bytes": 0}
+        return handle, lambda: None
+
+    serve(conn, barrier, setup)

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def bench(*args):
     p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "bench", *args], capture_output=True,
@@ -167,3 +169,19 @@ def test_a_bad_json_or_plot_target_is_refused_before_the_benchmark_runs(tmp_path
         assert p.stderr.startswith(f"error: ConfigError: bench store {opt} {target}") and says in p.stderr, p.stderr
     assert sorted(x.name for x in (tmp_path / "s").iterdir() if not x.name.startswith(".")) == []
 
+
+
+def test_a_failed_bench_worker_is_one_line_naming_worker_backend_and_error(capfd):
+    """A worker's error reaches the bench as one line (no traceback, no EOFError from its pipe), and its
+    peers, stopped by the broken barrier, are not what it names."""
+    from dataplane_rl.bench.store_procs import Pool, WorkerFailed
+    from store_workers import bench_worker
+
+    pool = Pool("mooncake", bench_worker, [(False,), (True,), (False,)], bench_worker, [(False,)])
+    pool.ready()
+    with pytest.raises(WorkerFailed) as failed:
+        pool.ask_all(pool.writers, ("round",))
+    pool.abort()
+    assert str(failed.value) == ("mooncake writer 1: StoreUnavailableError: partition bench-00000 put: "
+                                 "Mooncake answered LEASE_EXPIRED(-707)")
+    assert "Traceback" not in capfd.readouterr().err

@@ -274,9 +274,9 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(straight, failing_saver,
     run_dir = tmp_path / "crash"
     shutil.copytree(straight[0], run_dir)
     manager = CheckpointManager(run_dir / "checkpoints")
-    trainer = types.SimpleNamespace(workers=[failing_saver], rollout=[])
+    fleet = types.SimpleNamespace(call_ranks=lambda method, *args: ray.get(getattr(failing_saver, method).remote(*args)))
     with pytest.raises(ray.exceptions.RayTaskError, match="middle of the save"):
-        manager.save(trainer, 6, "")
+        manager.save(fleet, 6, "")
     # a failed save removes what it wrote (a full disk needs the room back); a killed driver's stays behind
     assert not (run_dir / "checkpoints" / ".step_000006.tmp").exists(), "the failed save left its partial folder"
     partial = run_dir / "checkpoints" / ".step_000006.tmp" / "train"

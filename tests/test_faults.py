@@ -50,34 +50,35 @@ def test_a_replacement_runs_each_unfinished_job_with_the_weights_it_was_sent_wit
     """Async GRPO: a job sent with weights 1 waits behind a stopped actor while the trainer moves on to weights 2;
     the actor is SIGKILLed. Its replacement loads weights 1 for that job (the rows equal the ones a live actor
     wrote for the same prompts with weights 1), then weights 2, and the run goes on."""
-    from dataplane_rl.driver.trainer import GRPOTrainer
+    from dataplane_rl.driver.fleet import Fleet
+    from dataplane_rl.driver.step import grpo_step
 
     cfg = load_config(None, ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=3",
                              "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2",
                              "generation.max_new_tokens=4", "generation.num_workers=2", "data_plane.enabled=true",
                              "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
                              f"logger.run_dir={tmp_path / 'run'}"])
-    t = GRPOTrainer(cfg)
+    t = Fleet(cfg)
     try:
         t.start()
         t.rollouts.send_ahead(0)
-        t.step(1)  # weights 1 go to the actors, step 3 is sent with them
+        grpo_step(t, cfg, 1)  # weights 1 go to the actors, step 3 is sent with them
         prompts = t.task.prompts(cfg.grpo.seed, 9, 0, 2)
         t.rollouts.collect(t.rollouts.send("ref", 9, 0, prompts, 2))  # both actors, weights 1
-        victim = t.recovery.pids[1]
+        victim = t.rollout_pids[1]
         os.kill(victim, signal.SIGSTOP)
         try:
             t.rollouts.send("again", 9, 0, prompts, 2)  # queued behind the stop, sent with weights 1
-            t.step(2)  # weights 2 queued behind it too
+            grpo_step(t, cfg, 2)  # weights 2 queued behind it too
         finally:
             os.kill(victim, signal.SIGKILL)
         t.rollouts.collect(t.rollouts.open["again"])
         assert t.store.get("again", ROLLOUT).equals(t.store.get("ref", ROLLOUT))
         assert set(t.store.get("again", ["generation_policy_version"]).column(0).to_pylist()) == {1}
-        assert (t.recovery.restarts, t.recovery.redispatched) == (1, 1) and t.recovery.pids[1] != victim
-        m, _ = t.step(3)  # the replacement holds weights 2 now; step 3 was generated before the kill
+        assert (t.ledger.actor_restarts, t.ledger.redispatched) == (1, 1) and t.rollout_pids[1] != victim
+        m, _ = grpo_step(t, cfg, 3)  # the replacement holds weights 2 now; step 3 was generated before the kill
         assert m["rollout/actor_restarts_total"] == 1 and m["rollout/rows_regenerated_total"] == 2
-        assert len(t.recovery.faults) == 1 and t.recovery.faults[0]["where"]["pid"] == victim
+        assert len(t.ledger.faults) == 1 and t.ledger.faults[0]["where"]["pid"] == victim
     finally:
         t.close()
 
@@ -168,15 +169,16 @@ def test_a_failed_group_is_left_out_and_replaced_then_the_budget_stops_the_run(t
     import ray
     from ray import cloudpickle  # Ray's own copy pickles the calls
 
-    from dataplane_rl.driver.data_faults import DataFailureError
-    from dataplane_rl.driver.trainer import GRPOTrainer
+    from dataplane_rl.faults.data import DataFailureError
+    from dataplane_rl.driver.fleet import Fleet
+    from dataplane_rl.driver.step import grpo_step
 
     cloudpickle.register_pickle_by_value(sys.modules[Flaky.__module__])  # the actors cannot import the tests folder
     cfg = load_config(None, ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
                              "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2",
                              "generation.max_new_tokens=4", "data_plane.enabled=true", "task.name=count",
                              "fault_tolerance.max_failed_groups=1", f"logger.run_dir={tmp_path / 'run'}"])
-    t = GRPOTrainer(cfg)
+    t = Fleet(cfg)
     try:
         t.start()
         bad = [t.task.prompts(cfg.grpo.seed, 1, 0, 2)[1], t.task.prompts(cfg.grpo.seed, 2, 0, 2)[0]]
@@ -185,17 +187,17 @@ def test_a_failed_group_is_left_out_and_replaced_then_the_budget_stops_the_run(t
             actor.task = Flaky(actor.task, bad, times=None)
 
         ray.get([a.__ray_call__.remote(break_reward) for a in t.rollout])
-        m, samples = t.step(1)
+        m, samples = grpo_step(t, cfg, 1)
         assert m["train/generation_rounds"] == 2 and m["rollout/failed_groups_total"] == 1
         assert m["rollout/data_retries_total/reward"] == 2 * 2  # the group's 2 rows, each tried 1 + 2 times
         assert {s["sample_id"].split("/")[0] for s in samples} == {"step-000001", "step-000001-r1"}
         assert not [s for s in samples if s["prompt"] == bad[0]] and all(np.isfinite([s["total_reward"] for s in samples]))
-        [fault] = t.recovery.faults
+        [fault] = t.ledger.faults
         assert fault["where"] == {"task": "count", "partition": "step-000001", "group": 1}, fault
         with pytest.raises(DataFailureError, match=r"step 2: task 'count' group 0 \(partition step-000002\): its "
                                                    r"reward call raised ZeroDivisionError: division by zero on each of 3 "
                                                    r"tries .*max_failed_groups=1"):
-            t.step(2)
+            grpo_step(t, cfg, 2)
     finally:
         t.close()
 
@@ -204,13 +206,13 @@ def test_a_dead_train_rank_is_named_with_its_node_and_the_key_that_would_have_sa
     """SIGKILL to train rank 1 of 2 (its PID from actors.json) after step 1, checkpointing off: one line names the
     rank, its PID and node and checkpointing.enabled; the rank's last output is in RUN_DIR/faults/. Rank 0's
     collective fails too when the dead rank's connection closes: the line names the dead rank (found by asking the
-    ranks: driver/restart.py), not rank 0's gloo error."""
+    ranks: faults/restart.py), not rank 0's gloo error."""
     import json
     import threading
     import time
 
     from dataplane_rl.driver.loop import train
-    from dataplane_rl.driver.train_faults import TrainRankError
+    from dataplane_rl.faults.train_ranks import TrainRankError
 
     run_dir = tmp_path / "run"
     killed = []
@@ -268,30 +270,32 @@ def test_calls_to_several_ranks_fail_at_the_first_that_fails_not_in_list_order(r
 
 
 def test_a_restart_past_its_budget_or_without_a_checkpoint_ends_the_run_with_its_error(tmp_path):
-    """driver/restart.py's refusals (the decision alone; the recoveries themselves are tested with real kills in
+    """faults/restart.py's refusals (the decision alone; the recoveries themselves are tested with real kills in
     test_async_grpo.py): a dead holder whose rows cannot be made again in the step needs a checkpoint, and
     fault_tolerance.max_restarts=N stops the N+1-th restart with the error the first would have stopped with."""
     from types import SimpleNamespace
 
-    from dataplane_rl.driver.restart import Fault, RunRestarts
+    from dataplane_rl.faults.kinds import FaultKind
+    from dataplane_rl.faults.restart import Fault, RunRestarts
+    from dataplane_rl.run.ledger import FaultLedger
     from dataplane_rl.errors import StoreUnavailableError
 
     def trainer(ahead, trained):
         return SimpleNamespace(rollouts=SimpleNamespace(ahead=ahead), trained=trained)
 
-    holder = Fault("store holder died", {"store": "mooncake://127.0.0.1:1"}, "Mooncake holder 1 (pid 7) exited", None,
+    holder = Fault(FaultKind.STORE_HOLDER_DIED, {"store": "mooncake://127.0.0.1:1"}, "Mooncake holder 1 (pid 7) exited", None,
                    "Mooncake holder 1 (pid 7) exited with code -9")
-    r = RunRestarts(load_config(None, ["checkpointing.enabled=false"]), tmp_path, None)
+    r = RunRestarts(load_config(None, ["checkpointing.enabled=false"]), tmp_path, None, FaultLedger())
     assert r.refusal(trainer(None, False), holder, 2, None) is None  # sync, before the optimizer steps: regenerated
     assert r.refusal(trainer(None, True), holder, 2, None, step_trained=True) is None  # the step returned: goes on
     for t in (trainer(1, False), trainer(None, True)):  # async rows, or the weights already stepped
         err = r.refusal(t, holder, 2, None)
         assert isinstance(err, StoreUnavailableError) and "step 2: Mooncake holder 1 (pid 7)" in str(err)
         assert "checkpointing.enabled=true would have let the run resume" in str(err)
-    r = RunRestarts(load_config(None, ["checkpointing.enabled=true", "fault_tolerance.max_restarts=1"]), tmp_path, None)
+    r = RunRestarts(load_config(None, ["checkpointing.enabled=true", "fault_tolerance.max_restarts=1"]), tmp_path, None, FaultLedger())
     assert r.refusal(trainer(1, False), holder, 3, 2) is None  # resumes from checkpoint 2
     assert "no checkpoint was saved yet" in str(r.refusal(trainer(1, False), holder, 1, None))
-    r.store_restarts = 1
+    r.ledger.store_restarts = 1
     err = r.refusal(trainer(None, False), holder, 4, 2)
     assert "fault_tolerance.max_restarts=1: the run restarted 1 time(s) already" in str(err)
 

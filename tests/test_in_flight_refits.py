@@ -190,7 +190,6 @@ def test_multi_turn_refit_between_turns():
 
 @pytest.mark.parametrize("overrides, says", [
     (["grpo.async_grpo.in_flight_weight_updates=true"], "needs grpo.async_grpo.enabled=true"),
-    ([*IN_FLIGHT, "generation.backend=vllm"], "generation.backend=hf only"),
     ([*ASYNC, "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true"], "in_flight_weight_updates=true"),
 ])
 def test_in_flight_updates_are_refused_where_they_cannot_work(overrides, says):

@@ -1,6 +1,6 @@
 """The package's layout (docs/development.md): rooms in layers, no import upward or in a circle, no file over ~400
 lines, one-line docstrings. Every import counts, also one inside a function: a lazy import is still a dependency.
-And every citation in the code and docs can be followed from a clone: no document outside the repository, no
+No module reads another object's private names (`x._name` with x not self or cls). And every citation in the code and docs can be followed from a clone: no document outside the repository, no
 file path, page anchor or docs/architecture.md section that does not exist."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ LAYERS = [
     {"checkpoint"},
     {"train"},
     {"run"},
+    {"faults"},
     {"driver"},
     {"bench", "cli"},
 ]
@@ -140,6 +141,80 @@ def test_module_is_small_and_says_what_it_is(name):
     assert doc and doc.strip(), f"{path.relative_to(PKG.parent)} has no module docstring"
 
 
+# ---- private names: an object's `_name` is read by that object (self, cls, super()) only --------------------
+# Names that look private but are a library's public interface, anywhere.
+PUBLIC_UNDERSCORE = {
+    "_replace", "_asdict", "_fields", "_make",  # collections.namedtuple's documented methods
+    "_exit",  # os._exit: the documented exit without cleanup (a forked child, a supervisor)
+}
+# Reads of a library's internals that have no public equivalent: (module, expression) -> why.
+PRIVATE_READS = {
+    ("dataplane_rl.faults.train_ranks", "w._actor_id"):
+        "Ray's ActorHandle has no public id; RayActorError names the dead actor only by that id's hex",
+    ("dataplane_rl.faults.train_ranks", "getattr(ray, '_private')"):
+        "Ray has no public way to its node's log folder, where a dead rank's last output is",
+    ("dataplane_rl.faults.train_ranks", "getattr(getattr(ray, '_private').worker, '_global_node', None)"):
+        "the same: the node object that knows the log folder",
+    ("dataplane_rl.run.private_ray", "worker._global_node"): "Ray's node object: the processes it started",
+    ("dataplane_rl.hosts", "lib._ZN8mooncake12globalConfigEv"): "a C++ symbol of Mooncake's library, found by ctypes",
+    ("dataplane_rl.train.fsdp", "getattr(model, '_no_split_modules', None)"):
+        "Hugging Face's models name their blocks to shard only there (what accelerate's FSDP wrapping reads too)",
+}
+
+
+def private_reads(text: str, where: str, name: str) -> list[str]:
+    """Every `x._name` (and getattr(x, "_name")) in module `name` (source `text`) where x is not self, cls or
+    super(), not a module of the same room imported by name, and not allowed above."""
+    tree = ast.parse(text)
+    mods, room = modules(), room_of(name)
+    own = set()  # names bound to a dataplane_rl module of the same room: its private helpers are the room's own
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            own |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name in mods and room_of(a.name) == room
+                    and (a.asname or "." not in a.name)}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dataplane_rl"):
+            own |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in mods
+                    and room_of(f"{node.module}.{a.name}") == room}
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            attr, owner = node.attr, node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            attr, owner = node.args[1].value, node.args[0]
+        else:
+            continue
+        if not attr.startswith("_") or attr.startswith("__") and attr.endswith("__") or attr in PUBLIC_UNDERSCORE:
+            continue
+        if isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or owner.id in own):
+            continue
+        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+            continue
+        if (name, ast.unparse(node)) not in PRIVATE_READS:
+            bad.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def test_no_module_reads_another_objects_private_names():
+    """An object's private names are its own: another object asks through a public method or attribute (the Fleet's
+    interface, the store protocol's capabilities), or the exception is listed in PRIVATE_READS with its reason."""
+    bad = [b for name, path in modules().items()
+           for b in private_reads(path.read_text(), str(path.relative_to(PKG.parent)), name)]
+    assert not bad, ("reads of another object's private names; add a public method or attribute to the owner "
+                     "instead:\n" + "\n".join(bad))
+
+
+def test_private_read_check_finds_what_it_should():
+    """The checker itself: reads through another object are found; self, super(), a library's public underscore
+    names and a same-room module's private helper pass."""
+    text = ("import os\nfrom dataplane_rl.driver import rollouts\n"
+            "def f(self, fleet, store):\n"
+            "    self._a, super()._b(), os._exit, rollouts._helper, fleet.rollout._c, self.p._replace()\n"
+            "    return store._gauges(), getattr(fleet, '_refits'), fleet._groups[0], getattr(self, '_x')\n")
+    found = sorted(b.split(": ", 1)[1] for b in private_reads(text, "driver/example.py", "dataplane_rl.driver.example"))
+    assert found == ["fleet._groups", "fleet.rollout._c", "getattr(fleet, '_refits')", "store._gauges"], found
+
+
 # ---- citations: the code and docs cite only what a clone of the repository holds ----------------------------
 ROOT = PKG.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
@@ -150,7 +225,7 @@ TEXT = {".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".c", ""}
 # paths in the text (RUN_DIR/trace.json, runs/latest/..., a library's own files) are not citations of ours
 CITABLE = set(READ) | {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"}
 # a document outside the repository: the old design's section numbers, the workspace's shared folders
-OUTSIDE = re.compile(r"DESIGN\s*§|(?<![\w.])\.\./shared\b|\bshared[/]research\b")
+OUTSIDE = re.compile(r"DESIGN\s*§|(?<![\w.])\.\./shared\b|\bshared[/]research\b|(?<![\w.])/work[/]\w")
 # a relative file path: never part of a URL or of a longer path (what precedes it is no word, '/', '.', ':')
 PATH = re.compile(r"(?<![\w./:@~$-])((?:\.\./)*(?:[\w.-]+/)+[\w.-]*\w\.(?:md|py|yaml|yml|sh|toml|json|c|parquet|png))"
                   r"(?![\w/])(?:#([\w-]+))?")

@@ -111,12 +111,12 @@ def test_create_partition_and_commit_on_a_full_filesystem(tmpfs):
         # whole, and nothing of it is visible
         store.put("p", grpo_columns([0], ["total_reward"]), [0])
         fill(tmpfs)
-        size = os.path.getsize(tmpfs / "s" / "p" / "log")
+        size = os.path.getsize(tmpfs / "s" / "p" / "logs" / "0")
         with pytest.raises(StoreFullError, match="cannot commit a put to partition p"):
             for row in range(1, 64):  # each record ~0.2 kB: the log's last page (4 KiB) is full within 20 puts
                 store.put("p", {"total_reward": np.ones(1, np.float32) * row}, [row])
         assert row > 1, "the log's page ran out at once: this test's puts did not reach the log"
-        assert os.path.getsize(tmpfs / "s" / "p" / "log") <= -(-size // 4096) * 4096
+        assert os.path.getsize(tmpfs / "s" / "p" / "logs" / "0") <= -(-size // 4096) * 4096
         other = open_store(store.url)  # what another process sees: the rows before the failed put, no more
         assert other.ready("p", "total_reward").tolist() == list(range(row))
         other.close()
@@ -171,7 +171,8 @@ def shm():
 
 
 def log_of(store) -> Path:
-    return store.path / "p" / "log"
+    """The log of the store's one writer: its puts' records."""
+    return store.path / "p" / "logs" / "0"
 
 
 def reopen(store):
@@ -215,6 +216,8 @@ def test_truncated_log_and_meta_are_corrupt(shm):
     with pytest.raises(CorruptChunkError, match=rf"shm metadata {f} is damaged \({len(data) - 7} bytes, the header says"):
         other.get("p", ["total_reward"])
     other.close()
+    f = log_of(shm).parent.parent / "log"  # the meta's log
+    data = f.read_bytes()
     f.write_bytes(data.replace(b'"num_rows": 8', b'"num_rows": 9'))
     other = reopen(shm)
     with pytest.raises(CorruptChunkError, match=rf"{f} at 64 is damaged"):

@@ -168,3 +168,80 @@ def test_writer_killed_mid_put_leaves_nothing_partial(shared, backend):
         shared.get("p", ["input_ids"], rest)
     shared.put("p", grpo_columns(rest, ROLLOUT_FIELDS), rest)  # the killed put's cells are still free
     assert_rows(shared, "p", rest, ROLLOUT_FIELDS)
+
+
+def test_writer_killed_mid_commit_is_never_seen_half(tmp_path):
+    """kill -9 a real shm writer at random points inside its commits (claims set, record written, end moved)
+    while two reader processes poll: no reader ever sees part of a put, the partition stays readable, the
+    dead writer's last put is all there or all absent, and putting its groups again succeeds for the absent
+    ones and is refused (write-once) for the rest, whatever claims the dead writer left behind."""
+    import random
+    import signal
+    import time
+
+    from dataplane_rl.errors import DuplicateWriteError
+    from dataplane_rl.store import open_store
+    from store_workers import commit_loop, poll_whole_groups
+
+    store = open_store(f"shm://{tmp_path}/s")
+    group, groups, fields = 2, 400, ["input_lengths", "input_ids", "total_reward"]
+    pids = [f"k-{i}" for i in range(30)]
+    ctx = mp.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    readers = [ctx.Process(target=poll_whole_groups, args=(store.url, pids, group, fields, stop, out))
+               for _ in range(2)]
+    rng = random.Random(47)
+    inside = 0
+    try:
+        for r in readers:
+            r.start()
+        for pid in pids:
+            store.create_partition(pid, "grpo", group * groups)
+            in_commit, done = ctx.Value("i", 0, lock=False), ctx.Value("i", 0, lock=False)
+            proc = ctx.Process(target=commit_loop, args=(store.url, pid, group, fields, in_commit, done))
+            proc.start()
+            try:
+                deadline = time.monotonic() + 120
+                want = rng.randint(3, 60)  # some whole puts first, then a commit at random
+                while done.value < want or not in_commit.value:
+                    assert proc.is_alive(), f"the writer died on its own (exit code {proc.exitcode})"
+                    assert time.monotonic() < deadline, "the writer made no progress in 120 s"
+                pause = time.perf_counter() + rng.uniform(0, 100e-6)  # a random point of the commit
+                while time.perf_counter() < pause:
+                    pass
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(60)
+            finally:
+                if proc.is_alive():
+                    proc.kill()
+            assert proc.exitcode == -signal.SIGKILL
+            inside += in_commit.value  # still 1: it died inside the commit
+            committed = done.value
+            ready = store.ready(pid, fields)
+            assert all(store.ready(pid, f).tolist() == ready.tolist() for f in fields)
+            whole = ready.size // group
+            assert ready.tolist() == list(range(whole * group)) and whole in (committed, committed + 1), \
+                (pid, committed, ready.tolist())
+            assert_rows(store, pid, range(whole * group), fields)
+            for g in range(max(0, whole - 2), min(groups, whole + 2)):  # the dead writer's last puts, and the next
+                rows = range(g * group, (g + 1) * group)
+                if g < whole:
+                    with pytest.raises(DuplicateWriteError, match=f"partition {pid} column"):
+                        store.put(pid, grpo_columns(rows, fields), rows)
+                else:
+                    store.put(pid, grpo_columns(rows, fields), rows)
+                assert_rows(store, pid, rows, fields)
+            if inside >= 3:
+                break
+        stop.set()
+        looks = [out.get(timeout=120) for _ in readers]
+        assert all(isinstance(n, int) and n > 0 for n in looks), looks
+    finally:
+        stop.set()
+        for r in readers:
+            r.join(60)
+            if r.is_alive():
+                r.kill()
+        store.close()
+    print(f"kills inside a commit: {inside} of {pids.index(pid) + 1}")
+    assert inside >= 1, "no kill landed inside a commit"

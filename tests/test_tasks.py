@@ -99,7 +99,7 @@ def test_math_task_reward_on_the_sample_file():
 def test_a_task_without_held_out_prompts_is_refused_before_the_start():
     from dataplane_rl.config import load_config
     from dataplane_rl.tasks import register_task
-    from dataplane_rl.driver.loop import GRPOTrainer
+    from dataplane_rl.driver.loop import Fleet
 
     class NoHeldOut:
         name = "no_held_out"
@@ -113,7 +113,7 @@ def test_a_task_without_held_out_prompts_is_refused_before_the_start():
     register_task("no_held_out", lambda path=None: NoHeldOut())
     try:
         with pytest.raises(ConfigError, match=r"no_held_out.*val_prompts.*grpo.val_period=0"):
-            GRPOTrainer(load_config(None, ["task.name=no_held_out"]))
-        GRPOTrainer(load_config(None, ["task.name=no_held_out", "grpo.val_period=0"]))  # no validation: fine
+            Fleet(load_config(None, ["task.name=no_held_out"]))
+        Fleet(load_config(None, ["task.name=no_held_out", "grpo.val_period=0"]))  # no validation: fine
     finally:
         TASKS.pop("no_held_out")

@@ -17,7 +17,7 @@ import pytest
 
 from dataplane_rl.trace import TraceFile, Tracer, read_trace
 
-# the phases every step of a GRPO run shows, per kind of process (driver/trainer.py, rollout/ and train/worker.py)
+# the phases every step of a GRPO run shows, per kind of process (driver/step.py, rollout/ and train/worker.py)
 DRIVER_PHASES = {"step", "collect_groups", "wait_for_rollouts", "advantages", "logprobs", "train", "refit", "train_data"}
 ROLLOUT_PHASES = {"rollout_job", "generate", "load_weights"}
 RANK_PHASES = {"logprobs", "train", "forward_backward", "gather_weights"}

@@ -17,7 +17,7 @@ import torch
 from dataplane_rl.config import load_config
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.rollout.engine import make_engine
-from dataplane_rl.rollout.generation import sample_seed
+from dataplane_rl.rollout.generation import Generation, sample_seed
 
 pytestmark = pytest.mark.vllm
 
@@ -146,11 +146,17 @@ def test_grpo_run_with_vllm_on_the_data_plane(tmp_path, ray_session):
         assert m["train/positive_nll_loss"] > 0, m
         assert m["train/logprob_mismatch"] < 1e-4, m
         assert m["data_plane/enabled"] is True and m["timing/refit"] > 0
-    # the run exported its final policy; vLLM serves it as policy.model in a new run
-    again = train(load_config(None, [*SMALL, "generation.backend=vllm", "grpo.max_num_steps=1",
+    # the run exported its final policy; vLLM serves it as policy.model in a new run, this one async with in-flight
+    # weight updates (the threaded actor, the engine driven step by step); at age 0 each step's rows are the
+    # previous weights' and no refit can come while they generate, so the log-probs are still the trainer's
+    again = train(load_config(None, [*SMALL, "generation.backend=vllm", "grpo.max_num_steps=2",
+                                     "grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=0",
+                                     "grpo.async_grpo.in_flight_weight_updates=true",
                                      f"policy.model={run_dir / 'policy'}", f"logger.run_dir={tmp_path / 'again'}"]))
     assert again["status"] == "completed"
-    assert again["final_metrics"]["train/logprob_mismatch"] < 1e-4
+    m = again["final_metrics"]
+    assert m["train/logprob_mismatch"] < 1e-4
+    assert m["async/in_flight_refits"] == 0 and m["async/token_age_max"] == 0 and m["async/mixed_version_samples"] == 0
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -202,3 +208,65 @@ def test_multi_turn_episodes_on_vllm_are_token_in_token_out(engine, tiny):
         m = torch.tensor(e.mask, dtype=torch.bool)
         assert (lp[m] - torch.tensor(e.logprobs)[m]).abs().max() < 1e-4
         assert all(x == 0.0 for x, k in zip(e.logprobs, e.mask) if not k)
+
+
+class RefitBeforeStep:
+    """The engine's step, unchanged, except that before step n (n in `at`) another thread offers a refit to the
+    engine's slot (as the rollout actor's refit thread would): it parks, and lands before the next step."""
+
+    def __init__(self, engine, at: dict[int, dict]) -> None:
+        self.engine, self.step, self.at, self.calls = engine, engine.llm.llm_engine.step, at, 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls in self.at:
+            import threading
+
+            t = threading.Thread(target=self.engine.slot.offer, args=(self.at[self.calls], self.calls))
+            t.start()
+            t.join()
+        return self.step()
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute-kv-cache", "keep-kv-cache"])
+def test_in_flight_refit_lands_between_engine_steps(engine, tiny, recompute):
+    """grpo.async_grpo.in_flight_weight_updates on vLLM: a refit offered during step 3 lands before step 4, so each
+    sample's first 3 tokens are version 0's and the rest the refit's (recorded per token). With the KV cache
+    recomputed (the requests sent again) every token's log-prob is its version's weights'; kept, the tokens before
+    the refit still are. After the generation the engine serves the new weights, prefix cache reset."""
+    from dataplane_rl.model.load import load_model
+
+    folder, tok, model = tiny
+    prompts, seeds = prompts_and_seeds(tok)
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(2)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in old.items()}
+    updated = load_model(folder, torch.device("cpu"))
+    updated.load_state_dict(new)
+    engine.in_flight, engine.recompute_kv_cache = True, recompute
+    refits = engine.slot.in_flight_refits
+    engine.llm.llm_engine.step = RefitBeforeStep(engine, {3: new})
+    try:
+        gens = engine.generate(prompts, seeds, 8, 1.0, 0)
+        del engine.llm.llm_engine.step  # the instance attribute: the class's step again
+        assert engine.slot.version == 3 and engine.slot.in_flight_refits == refits + 1
+        long = [(p, g) for p, g in zip(prompts, gens) if len(g.tokens) > 3]
+        assert long, "no sample outlived the refit"
+        for p, g in zip(prompts, gens):
+            assert g.versions == [0] * min(3, len(g.tokens)) + [3] * (len(g.tokens) - 3)
+        before = [(p, Generation(g.tokens[:3], g.logprobs[:3], True)) for p, g in zip(prompts, gens)]
+        assert mean_abs_diff(model, *zip(*before)) < 1e-4
+        after = [(p + g.tokens[:3], Generation(g.tokens[3:], g.logprobs[3:], True)) for p, g in long]
+        if recompute:
+            assert mean_abs_diff(updated, *zip(*after)) < 1e-4
+            assert mean_abs_diff(model, *zip(*after)) > 1e-2, "the tokens after the refit match the old weights"
+        else:  # the new weights over the old weights' keys and values: no one version's log-probs
+            assert mean_abs_diff(updated, *zip(*after)) > 1e-6
+        # the next generation serves the refit's weights: no prefix-cache block of the old ones is reused
+        assert mean_abs_diff(updated, prompts, engine.generate(prompts, seeds, 8, 1.0, 0)) < 1e-4
+    finally:
+        engine.llm.llm_engine.__dict__.pop("step", None)
+        engine.in_flight, engine.recompute_kv_cache = False, False
+        engine.load_weights(old)  # and the prefix cache reset
+        engine.slot.version = 0
+    assert mean_abs_diff(model, prompts, engine.generate(prompts, seeds, 8, 1.0, 0)) < 1e-4

@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from dataplane_rl.bench.store_fit import fit_all, observations, targets
-from dataplane_rl.bench.store_procs import Pool, serve
+from dataplane_rl.bench.store_procs import Pool, WorkerFailed, serve
 from dataplane_rl.bench.store_refs import fresh_page_ceiling, raw_mooncake, ref_pool
 from dataplane_rl.bench.store_report import plot, print_profiles, table
 from dataplane_rl.bench.store_small import small_calls
@@ -372,7 +372,11 @@ def run_args(args) -> int:
     work = Workload(args.samples, args.min_len, args.max_len, writers, args.readers,
                     getattr(args, "group_size", default_group_size()), args.repeats, sizes,
                     getattr(args, "fit_repeats", 3), args.small_repeats, profile, getattr(args, "topk", 0))
-    res = run(backends, work, log=lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        res = run(backends, work, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except WorkerFailed as e:  # one line naming the worker, its backend and the error: no traceback
+        print(f"error: bench store: {e}", file=sys.stderr)
+        return 1
     print(table(res))
     if profile:
         print_profiles(res, work)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -12,11 +14,35 @@ SLACK = 24 * 2**20  # private memory a reader may grow by beyond its copies of i
 BARRIER_S = 300  # a worker waits this long at most for its peers (a dead peer breaks the barrier sooner)
 
 
+class WorkerFailed(RuntimeError):
+    """A benchmark worker failed: one line naming the worker (backend and role) and its error."""
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
 def serve(conn, barrier, setup: Callable[[], tuple[Callable, Callable]], profile: str = "") -> None:
     """A worker's life: `setup()` gives (handle, close); each message but None is handled after the other
     workers of the role reach the barrier (except ("rows", ...) asks, served alone) and answered with
     handle's dict; None ends it with ("bye", its memory with the peak). With `profile`, the
-    handled calls run under cProfile, dumped there at the end."""
+    handled calls run under cProfile, dumped there at the end. An error ends the worker with exit code 1
+    after it sends ("failed", the error in one line) and breaks the barrier, so its peers stop too."""
+    try:
+        _serve(conn, barrier, setup, profile)
+    except Exception as e:  # the parent prints it as one line naming this worker: no traceback
+        failed = ("failed", one_line(e) if not isinstance(e, threading.BrokenBarrierError)
+                  else "stopped: a peer failed (BrokenBarrierError)")
+        try:
+            barrier.abort()
+            conn.send(failed)
+        except Exception:
+            pass
+        sys.exit(1)
+
+
+def _serve(conn, barrier, setup: Callable[[], tuple[Callable, Callable]], profile: str) -> None:
     handle, close = setup()
     prof = None
     if profile:
@@ -39,16 +65,24 @@ def serve(conn, barrier, setup: Callable[[], tuple[Callable, Callable]], profile
     conn.send(("bye", memory()))
 
 
-def recv(conn, procs, timeout: float = 300):
-    """The next message from a worker, or an error if none comes in `timeout` s or a worker died."""
+def recv(conn, procs, timeout: float = 300, who: str = "a benchmark worker"):
+    """The next message from worker `who`; WorkerFailed, in one line, if it failed, if none comes in
+    `timeout` s or if a worker died without a word."""
     deadline = time.monotonic() + timeout
     while not conn.poll(0.2):
         dead = [p for p in procs if not p.is_alive()]
-        if dead:
-            raise RuntimeError(f"benchmark {dead[0].name} exited with {dead[0].exitcode} (its traceback is above)")
+        if dead and not conn.poll(0):
+            raise WorkerFailed(f"{dead[0].name} exited with code {dead[0].exitcode}"
+                               f"{' (killed)' if (dead[0].exitcode or 0) < 0 else ''}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"no answer from a benchmark worker in {timeout:g} s")
-    return conn.recv()
+            raise WorkerFailed(f"{who}: no answer in {timeout:g} s")
+    try:
+        msg = conn.recv()
+    except (EOFError, OSError):
+        raise WorkerFailed(f"{who} closed its pipe without an answer") from None
+    if isinstance(msg, tuple) and msg and msg[0] == "failed":
+        raise WorkerFailed(f"{who}: {msg[1]}")
+    return msg
 
 
 class Pool:
@@ -79,8 +113,8 @@ class Pool:
             p.start()
 
     def ready(self) -> None:
-        for c in self.conns:
-            msg = recv(c, self.procs, 120)
+        for c, role in zip(self.conns, self.roles):
+            msg = recv(c, self.procs, 120, f"{self.label} {role}")
             if msg[0] != "ready":
                 raise RuntimeError(f"{self.label}: a benchmark worker failed to start")
             self.start_mem.append(msg[1])
@@ -89,7 +123,10 @@ class Pool:
         """Send msg to each of conns and gather their answers; with `track`, note what each one held."""
         for c in conns:
             c.send(msg)
-        out = [recv(c, self.procs) for c in conns]
+        try:
+            out = [recv(c, self.procs, who=f"{self.label} {self.roles[self.conns.index(c)]}") for c in conns]
+        except WorkerFailed as e:
+            raise self._first_failure(e) from None
         for c, o in zip(conns, out if track else []):
             i = self.conns.index(c)
             self.held[i] = max(self.held[i], o.get("bytes", 0))
@@ -97,22 +134,33 @@ class Pool:
             self.round_rss[i] = max(self.round_rss[i], o.get("mem", {}).get("rss", 0))
         return out
 
+    def _first_failure(self, seen: WorkerFailed) -> WorkerFailed:
+        """The failure that broke the barrier, rather than a peer's that stopped on it (`seen`, if it is one)."""
+        if "a peer failed" not in str(seen):
+            return seen
+        for c, role in zip(self.conns, self.roles):
+            try:
+                msg = c.recv() if c.poll(1) else None
+            except (EOFError, OSError):
+                continue
+            if isinstance(msg, tuple) and msg[0] == "failed" and "a peer failed" not in msg[1]:
+                return WorkerFailed(f"{self.label} {role}: {msg[1]}")
+        return seen
+
     def ask(self, i: int, msg) -> dict:
         """Reader i alone (no barrier): a ("rows", ...) request of the small calls, whose memory is not a round's."""
         return self.ask_all([self.readers[i]], msg, track=False)[0]
 
     def abort(self) -> None:
-        """Stop every worker after an error, which stays the one raised: a worker's failure is only printed."""
+        """Stop every worker after an error, which stays the one raised (the others are not printed)."""
         try:
             self.close()
-        except RuntimeError as e:
-            import sys
-
-            print(f"[bench] {e}", file=sys.stderr)
+        except RuntimeError:
+            pass
 
     def close(self) -> list[dict[str, Any]]:
         """Stop every worker; each one's role, exit status and memory (MB). Raises if one did not exit 0."""
-        ends = []
+        ends, failed = [], []
         for c in self.conns:
             try:
                 c.send(None)
@@ -121,7 +169,12 @@ class Pool:
         for c in self.conns:  # each its own: a worker that said bye may be gone while the next closes its store
             try:
                 msg = c.recv() if c.poll(60) else ("late",)
+                while not isinstance(msg, tuple) and c.poll(5):  # an answer not read before an error
+                    msg = c.recv()
+                msg = msg if isinstance(msg, tuple) else ("late",)
                 ends.append(msg[1] if msg[0] == "bye" else {})
+                if msg[0] == "failed" and "BrokenBarrierError" not in msg[1]:
+                    failed.append(f"{self.label} {self.roles[len(ends) - 1]}: {msg[1]}")
             except (EOFError, OSError):  # died without its bye: its exit status says how
                 ends.append({})
         for p in self.procs:
@@ -134,9 +187,9 @@ class Pool:
             start = self.start_mem[i] if i < len(self.start_mem) else {}
             out.append(process_memory(role, p.exitcode, start, end, self.held[i], self.peak_anon[i], self.round_rss[i],
                                       self.private))
-        bad = [f"{self.label} {o['role']} exited with {o['exitcode']}" for o in out if o["exitcode"] != 0]
+        bad = failed or [f"{self.label} {o['role']} exited with code {o['exitcode']}" for o in out if o["exitcode"] != 0]
         if bad:
-            raise RuntimeError("; ".join(bad) + " (its traceback is above)")
+            raise WorkerFailed("; ".join(bad))
         return out
 
 

@@ -30,10 +30,10 @@ def _done(receipts: list[dict]) -> list:
     return [ray.put((None, r)) for r in receipts]
 
 
-def save_ahead(trainer, folder: Path) -> list[dict]:
+def save_ahead(fleet, folder: Path) -> list[dict]:
     """Wait for every round sent ahead, write its rollout columns under `folder`; the schedule entries."""
-    r = getattr(trainer, "rollouts", None)
-    if r is None or not r.pending:
+    r = fleet.rollouts
+    if not r.pending:
         return []
     (folder / "partitions").mkdir(mode=0o700)
     entries = []
@@ -44,7 +44,7 @@ def save_ahead(trainer, folder: Path) -> list[dict]:
         failed = [row for receipt in receipts for row in receipt.get("failed_rows", ())]  # never written
         size = sum(len(j.prompts) for j in p.jobs) * p.G
         written = np.setdiff1d(np.arange(size), failed) if failed else None
-        table = trainer.store.get(p.pid, r.fields, written)
+        table = fleet.store.get(p.pid, r.fields, written)
         rel = f"partitions/{p.pid}.arrow"
         _write(folder / rel, table)
         entries.append({"pid": p.pid, "step": p.step, "G": p.G, "rows": table.num_rows, "file": rel,
@@ -84,12 +84,12 @@ def check_partitions(folder: Path, entries: list) -> None:
         raise CheckpointError(f"{folder}/driver.json: not a checkpoint's schedule ({type(err).__name__}: {err})") from None
 
 
-def restore_ahead(trainer, folder: Path, entries: list) -> None:
+def restore_ahead(fleet, folder: Path, entries: list) -> None:
     """Put the saved rounds into this run's store and schedule them for their steps."""
     for e in entries:
         table = _read(folder, e)
-        trainer.store.create_partition(e["pid"], trainer.schema, e.get("size", e["rows"]))
+        fleet.store.create_partition(e["pid"], fleet.schema, e.get("size", e["rows"]))
         written = np.asarray(e["written"], np.int64) if "written" in e else np.arange(e["rows"])  # failed groups: not
-        write(trainer.store, [(e["pid"], written)], table)
+        write(fleet.store, [(e["pid"], written)], table)
         jobs = [RolloutJob(**j) for j in e["jobs"]]
-        trainer.rollouts.pending[e["step"]] = Pending(e["pid"], e["step"], e["G"], jobs, _done(e["receipts"]))
+        fleet.rollouts.put_ahead(Pending(e["pid"], e["step"], e["G"], jobs, _done(e["receipts"])))

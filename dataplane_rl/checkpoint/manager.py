@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from dataplane_rl import trace
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.checkpoint.files import CheckpointError, damage, dcp_load, read_dcp_metadata, read_json, write_manifest
-from dataplane_rl.ray_calls import get_all
 from dataplane_rl.rng import RNGState
 
 _NAME = re.compile(r"^step_(\d{6,})$")
@@ -108,10 +107,9 @@ class CheckpointManager:
         return driver
 
     @trace.traced("checkpoint")
-    def save(self, trainer, step: int, config_yaml: str) -> Path:
+    def save(self, fleet, step: int, config_yaml: str) -> Path:
+        """Save every process's state through `fleet`'s interface (driver/fleet.py) as checkpoint `step`."""
         import json
-
-        import ray
 
         from dataplane_rl.checkpoint.ahead import save_ahead
 
@@ -122,10 +120,10 @@ class CheckpointManager:
         tmp = self.root / f".{final.name}.tmp"
         try:
             tmp.mkdir(mode=0o700)
-            get_all([w.save_checkpoint.remote(str(tmp / "train")) for w in trainer.workers])  # a dead rank: at once
+            fleet.call_ranks("save_checkpoint", str(tmp / "train"))  # a dead rank: at once
             driver = {"step": step, "rng": RNGState().state_dict(),
-                      "rollout_rng": trainer.recovery.on_all(f"step {step}: checkpoint", "rng_state"),
-                      "ahead": save_ahead(trainer, tmp)}
+                      "rollout_rng": fleet.call_rollouts(f"step {step}: checkpoint", "rng_state"),
+                      "ahead": save_ahead(fleet, tmp)}
             (tmp / DRIVER).write_text(json.dumps(driver))
             (tmp / "config.yaml").write_text(config_yaml)
             write_manifest(tmp, step)  # last: a folder without it is incomplete
@@ -148,9 +146,9 @@ class CheckpointManager:
         return final
 
     @trace.traced("checkpoint_load")
-    def load(self, trainer, path: Path, driver: dict | None = None) -> int:
+    def load(self, fleet, path: Path, driver: dict | None = None) -> int:
         """Restore every process from `path` (verified by find) and refit the rollout actors with its weights;
-        returns its step. `--resume` and an in-run resume (driver/restart.py) both come here. Rollout actors
+        returns its step. `--resume` and an in-run resume (faults/restart.py) both come here. Rollout actors
         beyond the saving run's number keep their seeded RNG: generation is seeded per sample, so no number
         depends on it."""
         import ray
@@ -158,13 +156,12 @@ class CheckpointManager:
         from dataplane_rl.checkpoint.ahead import restore_ahead
 
         driver = driver if driver is not None else self.check(path)
-        get_all([w.load_checkpoint.remote(str(path / "train")) for w in trainer.workers])
+        fleet.call_ranks("load_checkpoint", str(path / "train"))
         RNGState().load_state_dict(driver["rng"])
-        ray.get([a.set_rng_state.remote(s) for a, s in zip(trainer.rollout, driver["rollout_rng"])])
-        restore_ahead(trainer, path, driver.get("ahead", []))  # async: the rounds generated ahead
-        trainer.version = int(driver["step"])
-        trainer.refit()
-        return trainer.version
+        ray.get([a.set_rng_state.remote(s) for a, s in zip(fleet.rollout, driver["rollout_rng"])])
+        restore_ahead(fleet, path, driver.get("ahead", []))  # async: the rounds generated ahead
+        fleet.resume_at(int(driver["step"]))  # the rollout actors get the checkpoint's weights
+        return int(driver["step"])
 
     def prune(self) -> None:
         if self.keep_top_k is None:

@@ -45,7 +45,7 @@ class ActorIO:
         return None
 
     def emit_missing(self, pid: str, rows: np.ndarray, table: pa.Table) -> tuple[pa.Table | None, int]:
-        """A retried job's columns (driver/recovery.py): on, put only the cells of `rows` its first attempt did
+        """A retried job's columns (faults/rollout_actors.py): on, put only the cells of `rows` its first attempt did
         not commit (cells are written once), by column; returns (table or None as emit does, rows written)."""
         if self.store is None:
             return table, table.num_rows

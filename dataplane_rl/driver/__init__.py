@@ -1,1 +1,1 @@
-"""The driver process: the GRPO loop and trainer, rollout scheduling, the data-plane switch, placement, validation."""
+"""The driver process: the GRPO loop, the Fleet of processes and the step, rollout scheduling, the data-plane switch, placement, validation."""

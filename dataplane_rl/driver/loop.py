@@ -1,7 +1,8 @@
-"""The GRPO run (docs/architecture.md §4): the run folder, checkpoints, signals and the step loop around GRPOTrainer.
+"""The GRPO run (docs/architecture.md §4): the Run (folder, loggers, Ray, fault ledger), its Fleet, checkpoints,
+signals and the step loop.
 
 One loop for every mode: the data plane on or off (driver/transport.py), sync or async GRPO
-(driver/rollouts.py); the step's phases are GRPOTrainer's (driver/trainer.py).
+(driver/rollouts.py); the step's phases are driver/step.py's functions of (fleet, config, step).
 """
 
 from __future__ import annotations
@@ -17,19 +18,21 @@ from dataplane_rl.errors import ConfigError, DataPlaneError
 from dataplane_rl.driver import validation
 from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
 from dataplane_rl.checkpoint.export import export_hf
-from dataplane_rl.run.loggers import MetricLoggers
 from dataplane_rl.run.reaper import deferred_sigint
 from dataplane_rl.run.preempt import LOST, TERMINATING, RayLost, StopSignals
-from dataplane_rl.driver.rollouts import RolloutActorError, RolloutWaitError
 from dataplane_rl.run.folder import RunDir
+from dataplane_rl.run.run import Run
+from dataplane_rl.faults.kinds import FaultKind, RolloutActorError
+from dataplane_rl.faults.restart import RunRestarts
+from dataplane_rl.faults.train_ranks import train_rank_error
+from dataplane_rl.driver.rollouts import RolloutWaitError
 from dataplane_rl.driver.step_io import DynamicSamplingError
-from dataplane_rl.driver.trainer import GRPOTrainer
+from dataplane_rl.driver.fleet import Fleet
+from dataplane_rl.driver.step import grpo_step
 from dataplane_rl.driver.preflight import open_run_store, preflight
-from dataplane_rl.driver.train_faults import train_rank_error
-from dataplane_rl.driver.restart import RunRestarts
 
-__all__ = ["DynamicSamplingError", "GRPOTrainer", "NonFiniteError", "RolloutActorError", "RolloutWaitError", "StepProgress", "check_finite",
-           "open_run_store", "preflight", "train"]
+__all__ = ["DynamicSamplingError", "Fleet", "NonFiniteError", "RolloutActorError", "RolloutWaitError", "StepProgress",
+           "check_finite", "grpo_step", "open_run_store", "preflight", "train"]
 
 
 class StepProgress:
@@ -56,7 +59,7 @@ class StepProgress:
                   file=self.file or sys.stderr, flush=True)
 
     def rewind(self, done: int) -> None:
-        """Back to `done` steps (an in-run resume from the checkpoint of step `done`: driver/restart.py)."""
+        """Back to `done` steps (an in-run resume from the checkpoint of step `done`: faults/restart.py)."""
         self.done = self.bar.n = done
         self.bar.refresh()
 
@@ -77,14 +80,14 @@ def check_finite(metrics: dict) -> None:
                                  "Lower policy.learning_rate or policy.max_grad_norm, or check the rewards")
 
 
-def ray_lost(stop: StopSignals, trainer) -> bool:
+def ray_lost(stop: StopSignals, run: Run | None) -> bool:
     """After a SIGTERM: whether Ray's processes went with it (a signal to the whole process group); if so,
     neither the handler nor close() may wait on Ray any more."""
     if stop.ray_lost or (stop.signum in TERMINATING and stop.ray_going()):
         stop.ray_lost = True
         LOST.set()
-        if trainer is not None:
-            trainer.ray_lost = True
+        if run is not None:
+            run.ray.lost = True
     return stop.ray_lost
 
 
@@ -97,8 +100,6 @@ def train(cfg: Config, resume: bool = False) -> dict:
     SIGTERM/SIGHUP/SIGINT end the current step, checkpoint (when checkpointing is on) and return status
     'interrupted' with the signal's number in summary["signal"].
     """
-    import ray
-
     start = saved = None
     if resume:  # refused before the folder is opened, so a refusal leaves the run's summary as it was
         start = CheckpointManager.for_config(cfg).find()  # its bytes verified against its manifest
@@ -106,155 +107,211 @@ def train(cfg: Config, resume: bool = False) -> dict:
             raise ConfigError(f"--resume: the latest checkpoint is step {step_of(start)}, past grpo.max_num_steps="
                               f"{cfg.grpo.max_num_steps}; raise grpo.max_num_steps to continue the run")
         saved = CheckpointManager.for_config(cfg).check(start)  # every file parsed, no code run, before Ray
-    run = RunDir(cfg.logger.run_dir, overwrite=cfg.logger.overwrite, resume=resume)
+    run = Run(RunDir(cfg.logger.run_dir, overwrite=cfg.logger.overwrite, resume=resume))
     if cfg.logger.run_dir is None:  # the fresh runs/<time> folder: record it, so --resume and the checkpoints find it
         cfg = cfg.model_copy(deep=True)
         cfg.logger.run_dir = str(run.path)
-    ckpt = CheckpointManager.for_config(cfg)
-    config_yaml = dump_config(cfg)
-    trainer = loggers = timeline = None
-    status, error, bar = "failed", None, None
-    stop = StopSignals()
+    loop = RunLoop(cfg, run, start)
     try:
-        with stop:
-            trainer = GRPOTrainer(cfg)
-            trainer.start()
-            stop.install()  # ray.init replaced the SIGTERM handler
-            if trainer._ray_started:
-                stop.watch_ray()
-            first = 1
-            if start is not None:
-                run.resume_from(config_yaml, step_of(start))
-                first = ckpt.load(trainer, start, saved) + 1
-                left = cfg.grpo.max_num_steps - first + 1
-                print(f"resumed {run.path} from its checkpoint of step {first - 1}; "
-                      + (f"steps {first}-{cfg.grpo.max_num_steps} to go" if left else "no steps left to run"),
-                      file=sys.stderr, flush=True)
-            else:
-                run.begin(config_yaml)
-            if cfg.logger.trace_max_events:  # the run's timeline, appended once a step (docs/trace.md)
-                timeline = trace.TraceFile(run.path / "trace.json", cfg.logger.trace_max_events, resume=start is not None)
-
-            def attach(t) -> None:
-                """Wire a trainer to the run folder (again after an in-run resume: driver/restart.py)."""
-                run.record_store(t.store_url)
-                if cfg.logger.save_rollouts:
-                    t.rollouts_dir = run.path / "rollouts"
-                    t.rollouts_dir.mkdir(exist_ok=True)
-                t.recovery.record(run.path)  # actors.json: each rollout actor's node and PID
-                # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
-                # checkpoint (checkpoint/ahead.py), so this sends none of them again
-                t.rollouts.send_ahead(t.version)
-
-            attach(trainer)
-            restarts = RunRestarts(cfg, run.path, ckpt)
-            print(f"run folder {run.path}" + (f"; store {trainer.store_url} (dataplane-rl store ls {run.path})"
-                                              if trainer.store_url else ""), file=sys.stderr, flush=True)
-            # after the start: a run refused before it touches nothing in the folder
-            loggers = MetricLoggers(cfg.logger, run.path, cfg.model_dump(mode="json", by_alias=True))
-            if cfg.grpo.val_at_start and first == 1:
-                start_metrics = {"step": 0, **validation.validate(trainer, 0)}
-                run.log_validation(start_metrics)
-                loggers.log(start_metrics, 0)
-            last = cfg.grpo.max_num_steps
-            bar = StepProgress(last, enabled=cfg.logger.progress, initial=first - 1, every=cfg.logger.log_every_n_steps)
-            done = first - 1  # the last step finished
-            saved_step = first - 1 if start is not None else None  # the latest checkpoint's step
-            step = first
-            trained = None  # the step under way once trainer.step returned: [metrics, samples, logged]
-            while step <= last:
-                step_started = time.perf_counter()
-                try:
-                    if trained is None:
-                        with trace.span("step", step=step):
-                            metrics, samples = trainer.step(step)
-                        check_finite(metrics)
-                        trained = [metrics, samples, False]
-                    metrics, samples, logged = trained
-                    if not logged:
-                        if validation.due(cfg.grpo, step):
-                            metrics.update(validation.validate(trainer, step))
-                        restarts.mark(metrics)
-                        run.log_step(metrics, samples)
-                        loggers.log(metrics, step)
-                        bar.step_done(metrics)
-                        trained[2] = True
-                    if cfg.checkpointing.enabled and (step % cfg.checkpointing.save_period == 0 or step == last
-                                                      or stop.requested):
-                        ckpt.save(trainer, step, config_yaml)
-                        saved_step, restarts.saved_at = step, time.perf_counter()
-                except Exception as e:  # noqa: BLE001 - a dead train rank or store holder is survived; others raise
-                    if isinstance(e, RayLost) or ray_lost(stop, trainer):
-                        raise  # Ray went with a signal to the whole group: nothing to ask it any more
-                    fault = restarts.classify(trainer, e)
-                    if fault is None:
-                        dead = train_rank_error(trainer, e, step, run.path, saved_step)  # a rank's death, told
-                        if dead is None:
-                            raise
-                        raise dead from None
-                    refused = restarts.refusal(trainer, fault, step, saved_step, trained is not None)
-                    if refused is not None:
-                        raise refused from None
-                    if fault.what == "store holder died" and restarts.can_regenerate(trainer, trained is not None):
-                        # a step whose training is done goes on from where it was (validation, logging, saving)
-                        restarts.swap_store(trainer, fault, step, step_started, trained is not None)
-                        run.record_store(trainer.store_url)
-                    else:
-                        trainer, step = restarts.resume(trainer, fault, step, attach)
-                        trained = None
-                        bar.rewind(step - 1)
-                    continue
-                trained = None
-                if timeline is not None:  # after the checkpoint: a kill leaves its span in the file
-                    timeline.write(trace.take())
-                done = step
-                if stop.requested and step < last:
-                    break
-                step += 1
-            if stop.requested and done < last:
-                status, error = "interrupted", signal.Signals(stop.signum).name
-            else:
-                if trainer.policy_ref is None:
-                    trainer.refit()
-                export_hf(ray.get(trainer.policy_ref), trainer.model_folder, run.path / "policy")
-                status = "completed"
+        with loop.stop:
+            first = loop.open(saved)
+            loop.steps(first)
+            loop.end()
     except KeyboardInterrupt:
-        status, error = "interrupted", "KeyboardInterrupt"
+        loop.status, loop.error = "interrupted", "KeyboardInterrupt"
         raise
     except BaseException as e:
         # a SIGTERM to the whole process group stopped Ray too: RayLost, or an actor's death seen first.
         # Stop now, without waiting on Ray, as the interrupted run it is (exit 143 all the same)
-        if isinstance(e, RayLost) or ray_lost(stop, trainer):
-            sent = signal.Signals(stop.signum).name if stop.signum else "SIGTERM"
-            status, error = "interrupted", f"{sent} to the process group: Ray's processes stopped with the driver"
+        if isinstance(e, RayLost) or ray_lost(loop.stop, run):
+            sent = signal.Signals(loop.stop.signum).name if loop.stop.signum else "SIGTERM"
+            loop.status, loop.error = "interrupted", f"{sent} to the process group: Ray's processes stopped with the driver"
         else:
-            error = run.record_error(e)
+            loop.error = run.folder.record_error(e)
             raise
     finally:
-        if bar is not None:
-            bar.close()
-        if loggers is not None:
-            loggers.close()
+        summary = loop.close()
+    return summary
+
+
+class RunLoop:
+    """One `train`: the Run, the Fleet of the moment and the steps between; each method one stage of it."""
+
+    def __init__(self, cfg: Config, run: Run, start) -> None:
+        self.cfg, self.run, self.start = cfg, run, start  # start: the checkpoint a --resume continues from
+        self.ckpt = CheckpointManager.for_config(cfg)
+        self.config_yaml = dump_config(cfg)
+        self.fleet: Fleet | None = None
+        self.timeline = self.bar = None
+        self.status, self.error = "failed", None
+        self.stop = StopSignals()
+        self.restarts = RunRestarts(cfg, run.path, self.ckpt, run.ledger, self.new_fleet)
+        self.saved_step: int | None = None  # the latest checkpoint's step
+        self.done = 0  # the last step finished
+
+    def new_fleet(self) -> Fleet:
+        return Fleet(self.cfg, self.run.ray, self.run.ledger)
+
+    def open(self, saved) -> int:
+        """Start the fleet (and Ray), restore a --resume's checkpoint, open the loggers; the first step to run."""
+        cfg, run = self.cfg, self.run
+        self.fleet = self.new_fleet()
+        self.fleet.start()
+        self.stop.install()  # ray.init replaced the SIGTERM handler
+        if run.ray.started:
+            self.stop.watch_ray()
+        first = 1
+        if self.start is not None:
+            run.folder.resume_from(self.config_yaml, step_of(self.start))
+            first = self.ckpt.load(self.fleet, self.start, saved) + 1
+            left = cfg.grpo.max_num_steps - first + 1
+            print(f"resumed {run.path} from its checkpoint of step {first - 1}; "
+                  + (f"steps {first}-{cfg.grpo.max_num_steps} to go" if left else "no steps left to run"),
+                  file=sys.stderr, flush=True)
+            self.saved_step = first - 1
+        else:
+            run.folder.begin(self.config_yaml)
+        if cfg.logger.trace_max_events:  # the run's timeline, appended once a step (docs/trace.md)
+            self.timeline = trace.TraceFile(run.path / "trace.json", cfg.logger.trace_max_events,
+                                            resume=self.start is not None)
+        self.attach(self.fleet)
+        self.run.ledger.saved_at = time.perf_counter()
+        fleet = self.fleet
+        print(f"run folder {run.path}" + (f"; store {fleet.store_url} (dataplane-rl store ls {run.path})"
+                                          if fleet.store_url else ""), file=sys.stderr, flush=True)
+        run.open_loggers(cfg)  # after the start: a run refused before it touches nothing in the folder
+        if cfg.grpo.val_at_start and first == 1:
+            start_metrics = {"step": 0, **validation.validate(fleet, 0)}
+            run.folder.log_validation(start_metrics)
+            run.loggers.log(start_metrics, 0)
+        self.bar = StepProgress(cfg.grpo.max_num_steps, enabled=cfg.logger.progress, initial=first - 1,
+                                every=cfg.logger.log_every_n_steps)
+        return first
+
+    def attach(self, fleet: Fleet) -> None:
+        """Wire a fleet to the run folder (again after an in-run resume: faults/restart.py)."""
+        self.run.folder.record_store(fleet.store_url)
+        if self.cfg.logger.save_rollouts:
+            fleet.rollouts_dir = self.run.path / "rollouts"
+            fleet.rollouts_dir.mkdir(exist_ok=True)
+        fleet.recovery.record(self.run.path)  # actors.json: each rollout actor's node and PID
+        # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
+        # checkpoint (checkpoint/ahead.py), so this sends none of them again
+        fleet.rollouts.send_ahead(fleet.version)
+
+    def steps(self, first: int) -> None:
+        """Steps `first`..grpo.max_num_steps, each trained, logged and checkpointed; a fault the run survives runs
+        the step (or the steps since the last checkpoint) again."""
+        step, last = first, self.cfg.grpo.max_num_steps
+        self.done = first - 1  # the last step finished
+        trained = None  # the step under way once grpo_step returned: [metrics, samples, logged]
+        while step <= last:
+            step_started = time.perf_counter()
+            try:
+                if trained is None:
+                    with trace.span("step", step=step):
+                        metrics, samples = grpo_step(self.fleet, self.cfg, step)
+                    check_finite(metrics)
+                    trained = [metrics, samples, False]
+                if not trained[2]:
+                    self.log(step, trained[0], trained[1])
+                    trained[2] = True
+                self.checkpoint(step)
+            except Exception as e:  # noqa: BLE001 - a dead train rank or store holder is survived; others raise
+                step, trained = self.survive(e, step, step_started, trained)
+                continue
+            trained = None
+            if self.timeline is not None:  # after the checkpoint: a kill leaves its span in the file
+                self.timeline.write(trace.take())
+            self.done = step
+            if self.stop.requested and step < last:
+                break
+            step += 1
+
+    def log(self, step: int, metrics: dict, samples: list) -> None:
+        if validation.due(self.cfg.grpo, step):
+            metrics.update(validation.validate(self.fleet, step))
+        self.run.ledger.mark(metrics)
+        self.run.folder.log_step(metrics, samples)
+        self.run.loggers.log(metrics, step)
+        self.bar.step_done(metrics)
+
+    def checkpoint(self, step: int) -> None:
+        c = self.cfg.checkpointing
+        if c.enabled and (step % c.save_period == 0 or step == self.cfg.grpo.max_num_steps or self.stop.requested):
+            self.ckpt.save(self.fleet, step, self.config_yaml)
+            self.saved_step, self.run.ledger.saved_at = step, time.perf_counter()
+
+    def survive(self, e: Exception, step: int, step_started: float, trained) -> tuple[int, list | None]:
+        """Recover from a step's failure (faults/restart.py), or raise the error the run stops with; the step to
+        run next and what of it is done."""
+        fleet, restarts = self.fleet, self.restarts
+        if isinstance(e, RayLost) or ray_lost(self.stop, self.run):
+            raise e  # Ray went with a signal to the whole group: nothing to ask it any more
+        fault = restarts.classify(fleet, e)
+        if fault is None:
+            dead = train_rank_error(fleet, e, step, self.run.path, self.saved_step)  # a rank's death, told
+            if dead is None:
+                raise e
+            raise dead from None
+        refused = restarts.refusal(fleet, fault, step, self.saved_step, trained is not None)
+        if refused is not None:
+            raise refused from None
+        if fault.what is FaultKind.STORE_HOLDER_DIED and restarts.can_regenerate(fleet, trained is not None):
+            # a step whose training is done goes on from where it was (validation, logging, saving)
+            restarts.swap_store(fleet, fault, step, step_started, trained is not None)
+            self.run.folder.record_store(fleet.store_url)
+            return step, trained
+        self.fleet, step = restarts.resume(fleet, fault, step, self.attach)
+        self.bar.rewind(step - 1)
+        return step, None
+
+    def end(self) -> None:
+        """The run's status; a completed run's policy exported."""
+        import ray
+
+        fleet, last = self.fleet, self.cfg.grpo.max_num_steps
+        if self.stop.requested and self.done < last:
+            self.status, self.error = "interrupted", signal.Signals(self.stop.signum).name
+            return
+        if fleet.policy_ref is None:
+            fleet.refit()
+        export_hf(ray.get(fleet.policy_ref), fleet.model_folder, self.run.path / "policy")
+        self.status = "completed"
+
+    def close(self) -> dict:
+        """Close the loggers, the fleet and Ray, then write summary.json and release the folder; the summary."""
+        run, fleet = self.run, self.fleet
+        if self.bar is not None:
+            self.bar.close()
+        run.close_loggers()
         try:
-            if trainer is not None:
-                ray_lost(stop, trainer)  # a step that ended anyway: close() must not wait on a dead Ray either
-                trainer.close()
+            if fleet is not None:
+                ray_lost(self.stop, run)  # a step that ended anyway: close() must not wait on a dead Ray either
+                fleet.close()
         finally:
             try:
-                # a second Ctrl-C here would cut summary.json or reward.png short (one landed inside matplotlib's
-                # import and the run exited 1): held back until the folder is complete, then raised
-                with deferred_sigint():
-                    summary = run.finish(status, error, {"run_dir": str(run.path), "signal": stop.signum,
-                                                         "nodes": trainer.nodes if trainer else {},
-                                                         "faults": trainer.recovery.faults if trainer else [],
-                                                         "store_url": trainer.store_url if trainer else None,
-                                                         "kept_store_url": trainer.kept_store_url if trainer else None})
-                    if timeline is not None:  # the checkpoints' and the close's spans, the actors' last events
-                        try:
-                            timeline.close(trace.take())
-                        except OSError as e:  # a full disk: the run's end is in summary.json; say what is missing
-                            print(f"warning: {timeline.path} is missing the run's last events: {e.strerror or e}",
-                                  file=sys.stderr, flush=True)
+                run.ray.stop()
             finally:
-                run.close()
-    return summary
+                summary = self.finish()
+        return summary
+
+    def finish(self) -> dict:
+        run, fleet = self.run, self.fleet
+        try:
+            # a second Ctrl-C here would cut summary.json or reward.png short (one landed inside matplotlib's
+            # import and the run exited 1): held back until the folder is complete, then raised
+            with deferred_sigint():
+                summary = run.folder.finish(self.status, self.error, {
+                    "run_dir": str(run.path), "signal": self.stop.signum, "nodes": fleet.nodes if fleet else {},
+                    "faults": run.ledger.faults, "store_url": fleet.store_url if fleet else None,
+                    "kept_store_url": fleet.kept_store_url if fleet else None})
+                if self.timeline is not None:  # the checkpoints' and the close's spans, the actors' last events
+                    try:
+                        self.timeline.close(trace.take())
+                    except OSError as e:  # a full disk: the run's end is in summary.json; say what is missing
+                        print(f"warning: {self.timeline.path} is missing the run's last events: {e.strerror or e}",
+                              file=sys.stderr, flush=True)
+        finally:
+            run.folder.close()
+        return summary

@@ -23,26 +23,22 @@ class RolloutWaitError(DataPlaneError, TimeoutError):
     """A step's rollout groups did not all arrive within grpo.async_grpo.wait_timeout_s."""
 
 
-class RolloutActorError(DataPlaneError, RuntimeError):
-    """A rollout actor died; the rows it owed never arrive."""
-
-
 class Rollouts:
     """Sends generation rounds to the rollout actors and takes them back whole, through the transport."""
 
-    def __init__(self, trainer) -> None:
-        self.t = trainer
-        a = trainer.cfg.grpo.async_grpo
+    def __init__(self, fleet) -> None:
+        self.fleet = fleet  # driver/fleet.py: the actors, the store, the transport, the recoveries
+        a = fleet.cfg.grpo.async_grpo
         self.ahead = a.max_trajectory_age_steps if a.enabled else None  # None: sync, nothing sent ahead
         self.timeout = a.wait_timeout_s
         self.pending: dict[int, Pending] = {}  # step -> its round-0 batch, sent ahead (async)
-        self.open: dict[str, Pending] = {}  # every round sent and not yet collected, in send order (driver/recovery.py)
-        self.fields = [c.name for c in trainer.schema.columns if c.writer == "rollout"]
+        self.open: dict[str, Pending] = {}  # every round sent and not yet collected, in send order (faults/rollout_actors.py)
+        self.fields = [c.name for c in fleet.schema.columns if c.writer == "rollout"]
 
     # -- sending ------------------------------------------------------------------------------------
     def send(self, pid: str, step: int, round_: int, prompts: list, G: int, group_offset: int = 0,
              validation: bool = False) -> Pending:
-        t = self.t
+        t = self.fleet
         t.store.create_partition(pid, t.schema, len(prompts) * G)
         splits = np.array_split(np.arange(len(prompts)), len(t.rollout))
         jobs = [RolloutJob(pid, step, round_, int(s[0]) * G, (s + group_offset).tolist(), [prompts[i] for i in s],
@@ -52,19 +48,27 @@ class Rollouts:
         return p
 
     def send_round(self, step: int, round_: int) -> Pending:
-        g = self.t.cfg.grpo
+        g = self.fleet.cfg.grpo
         pid = f"step-{step:06d}" if round_ == 0 else f"step-{step:06d}-r{round_}"
-        prompts = self.t.sampler.draw(g.seed, step, round_, g.num_prompts_per_step)
+        prompts = self.fleet.sampler.draw(g.seed, step, round_, g.num_prompts_per_step)
         return self.send(pid, step, round_, prompts, g.num_generations_per_prompt)
 
     def send_ahead(self, version: int) -> None:
         """Async: with weights `version` just sent, send every step that may use them: k <= version+1+age."""
         if self.ahead is None:
             return
-        last = min(version + 1 + self.ahead, self.t.cfg.grpo.max_num_steps)
+        last = min(version + 1 + self.ahead, self.fleet.cfg.grpo.max_num_steps)
         for k in range(version + 1, last + 1):
             if k not in self.pending:
                 self.pending[k] = self.send_round(k, 0)
+
+    def put_ahead(self, p: Pending) -> None:
+        """Schedule round `p`, whose rows are in the store already, for its step (a checkpoint's: checkpoint/ahead.py)."""
+        self.pending[p.step] = p
+
+    def forget(self) -> None:
+        """The store that held every round in flight is gone (faults/restart.py): none of them will arrive."""
+        self.open, self.pending = {}, {}
 
     def first_round(self, step: int) -> Pending:
         return self.pending.pop(step, None) or self.send_round(step, 0)
@@ -74,23 +78,23 @@ class Rollouts:
     def collect(self, p: Pending, io=None) -> list[dict]:
         """Block until every row of the round is in the store (store.wait, in slices that check the actors
         are alive), land it (data plane off) and return the receipts. A timeout names step and groups; a
-        dead actor is replaced and its unfinished jobs run again (driver/recovery.py), within the budget."""
+        dead actor is replaced and its unfinished jobs run again (faults/rollout_actors.py), within the budget."""
         from ray.exceptions import RayActorError
 
         t0 = time.perf_counter()
         rows = [np.arange(j.row_start, j.row_start + len(j.prompts) * p.G) for j in p.jobs]
         while True:
             try:
-                receipts = self.t.transport.collect(p.pid, list(zip(rows, p.futures)), self.fields, self.timeout)
+                receipts = self.fleet.transport.collect(p.pid, list(zip(rows, p.futures)), self.fields, self.timeout)
                 break
             except StoreTimeoutError:
                 raise RolloutWaitError(self._missing(p)) from None
             except RayActorError as e:
-                self.t.recovery.survive(e, f"step {p.step}: waiting for partition {p.pid}")
+                self.fleet.recovery.survive(e, f"step {p.step}: waiting for partition {p.pid}")
         self.open.pop(p.pid, None)
         for i, r in enumerate(receipts):  # job i ran on rollout actor i (send), or on its replacement in slot i
             trace.absorb(r.pop("trace", None), f"rollout-{i}")
-        self.t.recovery.collected(receipts)
+        self.fleet.recovery.collected(receipts)
         if io is not None:
             for r in receipts:
                 io.add(r)
@@ -98,7 +102,7 @@ class Rollouts:
         return receipts
 
     def _missing(self, p: Pending) -> str:
-        done = set(self.t.store.ready(p.pid, self.fields).tolist())
+        done = set(self.fleet.store.ready(p.pid, self.fields).tolist())
         groups = [gid for j in p.jobs for i, gid in enumerate(j.group_ids)
                   if not set(range(j.row_start + i * p.G, j.row_start + (i + 1) * p.G)) <= done]
         return (f"step {p.step}: partition {p.pid} groups {format_rows(groups)} not complete after {self.timeout:g} s "
@@ -109,7 +113,7 @@ class Rollouts:
         """Drop the partitions sent ahead that no step took (best effort: the store may be gone)."""
         for p in self.pending.values():
             try:
-                self.t.store.drop_partition(p.pid)
+                self.fleet.store.drop_partition(p.pid)
             except Exception:  # noqa: BLE001 - closing after a failure: the store or partition may be gone
                 pass
         self.pending, self.open = {}, {}

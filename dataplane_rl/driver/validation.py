@@ -31,28 +31,28 @@ def due(grpo_cfg, step: int) -> bool:
 
 
 @trace.traced("validation")
-def validate(trainer, step: int) -> dict:
+def validate(fleet, step: int) -> dict:
     """validation/reward (mean), validation/reward/<data_source> (verl's val-core), validation/accuracy (share of
-    reward 1.0), validation/num_samples and timing/validation of the current policy; `trainer` is a started
-    GRPOTrainer."""
-    g = trainer.cfg.grpo
+    reward 1.0), validation/num_samples and timing/validation of the current policy; `fleet` is a started
+    Fleet (driver/fleet.py)."""
+    g = fleet.cfg.grpo
     t0 = time.perf_counter()
-    prompts = trainer.sampler.val(g.max_val_samples)
+    prompts = fleet.sampler.val(g.max_val_samples)
     rewards, sources = [], []
     for start in range(0, len(prompts), g.val_batch_size):
         chunk = prompts[start:start + g.val_batch_size]
         pid = f"val-{step:06d}-{start // g.val_batch_size}"
         # group ids are the prompts' global indices: distinct sample seeds when val_temperature > 0
-        receipts = trainer.rollout_round(pid, step, 0, chunk, G=1, group_offset=start, validation=True)
+        receipts = fleet.rollout_round(pid, step, 0, chunk, G=1, group_offset=start, validation=True)
         # a prompt whose reward failed on every try has no row (rollout/retries.py): scored on the others
         failed = [r for receipt in receipts for r in receipt.get("failed_rows", ())]
         try:
-            table = trainer.store.get(pid, ["total_reward", "data_source"],
+            table = fleet.store.get(pid, ["total_reward", "data_source"],
                                       np.setdiff1d(np.arange(len(chunk)), failed) if failed else None)
             rewards.append(to_numpy(table.column("total_reward")).astype(np.float64))
             sources += table.column("data_source").to_pylist()
         finally:
-            trainer.store.drop_partition(pid)
+            fleet.store.drop_partition(pid)
     r = np.concatenate(rewards) if rewards else np.zeros(0)
     per_source = {k.replace("train/reward/", "validation/reward/", 1): v for k, v in source_rewards(r, sources).items()}
     return {

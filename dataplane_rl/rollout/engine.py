@@ -4,12 +4,10 @@ default; `make_engine` picks the engine `generation.backend` names.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from dataplane_rl import trace
 from dataplane_rl.rollout.generation import Generation, GenerationEngine
+from dataplane_rl.rollout.refit_slot import RefitSlot
 
 
 class HFEngine:
@@ -19,8 +17,8 @@ class HFEngine:
     token comes from the same forward pass, at the temperature-scaled full distribution (what the trainer
     recomputes), not the top-k/top-p renormalised one. temperature=0 decodes greedily (validation).
 
-    In-flight weight updates (grpo.async_grpo.in_flight_weight_updates): `offer` hands it a refit from another
-    thread; during a generation the refit waits in a slot and the decode loop loads it before its next forward,
+    In-flight weight updates (grpo.async_grpo.in_flight_weight_updates): `slot.offer` hands it a refit from another
+    thread; during a generation the refit waits in the slot and the decode loop loads it before its next forward,
     so the tokens after it are sampled from the new weights. Each token records the version whose forward gave
     its logits. recompute_kv_cache: that forward runs over prompt + tokens so far (the KV cache rebuilt under
     the new weights, so every log-prob is exactly its version's); else it feeds only the last token and keeps
@@ -33,57 +31,14 @@ class HFEngine:
         self.pad = pad_token_id
         self.device = next(model.parameters()).device
         self.recompute_kv_cache = recompute_kv_cache
-        self.version = 0  # the loaded weights' version, recorded on every sampled token
-        self.in_flight_refits = 0  # refits loaded while a generation was under way
-        self._lock = threading.Condition()  # guards _pending, _generating and version against the refit thread
-        self._pending: tuple | None = None  # (state_dict, version) offered during a generation, not yet loaded
-        self._generating = False
+        self.slot = RefitSlot(self.load_weights)  # in-flight refits (rollout/refit_slot.py)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict)
 
-    def offer(self, state_dict: dict[str, torch.Tensor], version: int) -> bool:
-        """A refit from another thread: loaded at once between generations (True), else parked for the decode
-        loop's next step (False); a newer refit replaces a parked one that has not landed yet."""
-        with self._lock:
-            if not self._generating:
-                self.model.load_state_dict(state_dict)
-                self.version = version
-                self._lock.notify_all()  # a job waiting for these weights (wait_for_version)
-                return True
-            self._pending = (state_dict, version)
-            return False
-
-    def wait_for_version(self, version: int, timeout_s: float) -> bool:
-        """Block until the loaded weights are at least `version` (a refit sent before a job can reach the actor's
-        refit thread after the job reached its generate thread); False after timeout_s."""
-        with self._lock:
-            return self._lock.wait_for(lambda: self.version >= version, timeout=timeout_s)
-
-    def _land(self, inside: bool = True) -> bool:
-        """Load the parked refit, if any; True when the weights changed. Called by the generating thread only.
-        inside: between two decode steps, so later tokens use it (counted in in_flight_refits, traced)."""
-        if self._pending is None:  # only offer() sets it, and only this thread clears it: no lock to look
-            return False
-        with self._lock, trace.span("refit_in_generation" if inside else "refit_after_generation",
-                                    version=self._pending[1]):  # where it landed, in the trace
-            state_dict, version = self._pending
-            self._pending = None
-            self.model.load_state_dict(state_dict)
-            self.version = version
-            self.in_flight_refits += inside
-            self._lock.notify_all()
-        return True
-
     def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0):
-        with self._lock:
-            self._generating = True
-        try:
+        with self.slot.generating():
             return self._generate(prompts, seeds, max_new_tokens, temperature, top_k, top_p)
-        finally:
-            self._land(inside=False)  # one that arrived too late for any token: the next generation uses it
-            with self._lock:
-                self._generating = False
 
     @torch.no_grad()
     def _generate(self, prompts, seeds, max_new_tokens, temperature, top_k, top_p):
@@ -101,7 +56,7 @@ class HFEngine:
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
         logits, past = out.logits[:, -1], out.past_key_values  # [B, V]
-        version = self.version  # of the weights that computed `logits`
+        version = self.slot.version  # of the weights that computed `logits`
         seq = ids  # [B, P+t] every token fed so far: what a KV-cache recompute runs over
         tokens: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
@@ -138,7 +93,7 @@ class HFEngine:
             if self.recompute_kv_cache:
                 seq = torch.cat([seq, nxt[:, None].to(self.device)], dim=1)  # [B, P+t]
             # the last step's forward feeds no sampled token: a refit then lands after the generation
-            if step < max_new_tokens - 1 and self._land() and self.recompute_kv_cache:
+            if step < max_new_tokens - 1 and self.slot.land() and self.recompute_kv_cache:
                 pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P+t] the positions the cache was built with
                 out = self.model(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=True)
                 pos = pos[:, -1:]  # [B, 1]
@@ -147,7 +102,7 @@ class HFEngine:
                 out = self.model(input_ids=nxt[:, None].to(self.device), attention_mask=attn, position_ids=pos,
                                  past_key_values=past, use_cache=True)
             logits, past = out.logits[:, -1], out.past_key_values
-            version = self.version
+            version = self.slot.version
         return [Generation(tokens[i], logps[i], truncated=not (tokens[i] and tokens[i][-1] == self.eos),
                            versions=vers[i]) for i in range(B)]
 
@@ -171,7 +126,10 @@ def make_engine(cfg, model_folder, tokenizer) -> GenerationEngine:
     if gen.backend == "vllm":
         from dataplane_rl.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_folder, gen, tokenizer.eos_token_id, seed=cfg.grpo.seed)
+        a = cfg.grpo.async_grpo
+        return VLLMEngine(model_folder, gen, tokenizer.eos_token_id, seed=cfg.grpo.seed,
+                          in_flight=a.in_flight_weight_updates,
+                          recompute_kv_cache=a.recompute_kv_cache_after_weight_updates)
     if gen.backend == "hf":
         from dataplane_rl.model.load import load_model, pick_device
 

@@ -4,7 +4,7 @@ A task's reward function or environment is user code; an exception from it is re
 `fault_tolerance.max_data_retries` times (the calls are pure: the same prompt and response, or actions, each
 time). One that still fails fails its whole group: the job writes none of the group's rows (never an empty or
 zero-reward row) and its receipt names the group, the reason and the exception; the driver leaves the group out
-(driver/data_faults.py).
+(faults/data.py).
 """
 
 from __future__ import annotations

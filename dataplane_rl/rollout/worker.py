@@ -43,7 +43,7 @@ class Pending:
     G: int
     jobs: list[RolloutJob]     # job i runs on rollout actor i
     futures: list
-    version: int = 0           # the weights the jobs were sent after (driver/recovery.py sends them again with these)
+    version: int = 0           # the weights the jobs were sent after (faults/rollout_actors.py sends them again with these)
 
 
 def rollout_columns(job: RolloutJob, gens, prompt_ids, texts: list[str], tokenizer, task, G: int, version: int,
@@ -131,10 +131,12 @@ class RolloutWorker:
         from dataplane_rl.tasks import load_task
         from dataplane_rl.model.load import load_tokenizer
 
-        torch.set_num_threads(threads)
+        self.set_threads = torch.set_num_threads  # torch's own: vLLM's CPU worker replaces it with a no-op
+        self.set_threads(threads)
         self.cfg = Config.model_validate(cfg)
         self.tokenizer = load_tokenizer(model_folder)
         self.engine = make_engine(self.cfg, model_folder, self.tokenizer)
+        self.threads = torch.get_num_threads()  # as the engine left them (vLLM binds them)
         # task.module imported here, in this actor; a dataset mapped, not scanned: the driver draws the rows
         self.task = load_task(self.cfg.task, self.tokenizer, draws=False)
         self.prompt_limit = prompt_limit(self.cfg, model_folder)
@@ -151,7 +153,7 @@ class RolloutWorker:
     @property
     def version(self) -> int:
         """The weights' version now: the last training step whose weights the engine loaded (0: the initial)."""
-        return self.engine.version if self.in_flight else self._version
+        return self.engine.slot.version if self.in_flight else self._version
 
     @trace.traced("load_weights")
     def load_weights(self, state_dict, version: int) -> float:
@@ -161,7 +163,7 @@ class RolloutWorker:
         waits in the engine's slot for the next decode step (0 s here, its load counted in the generation)."""
         t0 = time.perf_counter()
         if self.in_flight:
-            self.engine.offer(state_dict, version)
+            self.engine.slot.offer(state_dict, version)
         else:
             self.engine.load_weights(state_dict)
             self._version = version
@@ -209,12 +211,13 @@ class RolloutWorker:
             if temperature == 0:
                 top_k, top_p = 0, 1.0
         t0 = time.perf_counter()
-        if self.in_flight and not self.engine.wait_for_version(job.weights, self.cfg.grpo.async_grpo.wait_timeout_s):
+        wait_s = self.cfg.grpo.async_grpo.wait_timeout_s
+        if self.in_flight and not self.engine.slot.wait_for_version(job.weights, wait_s):
             raise RuntimeError(f"rollout job step {job.step} round {job.round}: the refit to version {job.weights} sent "
                                f"before it did not reach this actor within grpo.async_grpo.wait_timeout_s="
-                               f"{self.cfg.grpo.async_grpo.wait_timeout_s}; the engine holds version {self.version}")
+                               f"{wait_s}; the engine holds version {self.version}")
         version = self.version  # the job's first token's; with in-flight updates later ones may be newer
-        refits = getattr(self.engine, "in_flight_refits", 0)
+        refits = self.engine.slot.in_flight_refits if self.in_flight else 0
         encoded = [self.prompt(p) for p in job.prompts]
         prompt_ids, texts = [e[0] for e in encoded], [e[1] for e in encoded]
         flat = [p for p in prompt_ids for _ in range(G)]
@@ -236,7 +239,7 @@ class RolloutWorker:
         table, rows, failures = retries.drop_failed(table, np.arange(job.row_start, job.row_start + table.num_rows))
         receipt = {"rows": table.num_rows, "generate_s": time.perf_counter() - t0, "version": version, **failures}
         if self.in_flight:  # refits that landed inside this job's generation (async/in_flight_refits)
-            receipt["in_flight_refits"] = self.engine.in_flight_refits - refits
+            receipt["in_flight_refits"] = self.engine.slot.in_flight_refits - refits
         trace.complete("generate", t0, step=job.step, round=job.round, rows=table.num_rows, validation=job.validation)
         if job.retry:
             table, receipt["rows_regenerated"] = self.io.emit_missing(job.pid, rows, table)
@@ -246,7 +249,7 @@ class RolloutWorker:
         return table, receipt
 
     def reopen_store(self, url: str | None) -> None:
-        """Open the run's store again at `url` (the driver replaced a store that lost a holder: driver/restart.py).
+        """Open the run's store again at `url` (the driver replaced a store that lost a holder: faults/restart.py).
         The old client is dropped without close(): its master may be gone, and the client's close would wait on it."""
         from dataplane_rl.columns.actor_io import ActorIO
 
@@ -268,6 +271,12 @@ def actor_class(in_flight: bool):
         return ray.remote(RolloutWorker)
 
     class InFlightRolloutWorker(RolloutWorker):
+        def generate(self, job: RolloutJob):
+            # a threaded actor runs this on its default group's thread, not __init__'s: OpenMP's thread count is
+            # per thread (Ray gives others OMP_NUM_THREADS=1), and vLLM's CPU attention checks it against its own
+            self.set_threads(self.threads)
+            return super().generate(job)
+
         @ray.method(concurrency_group="refit")
         def load_weights(self, state_dict, version: int) -> float:
             return super().load_weights(state_dict, version)

@@ -104,7 +104,7 @@ class _Steps:
         self.last: dict | None = None
 
     def add(self, m: dict) -> None:
-        """A step's line; a step logged again (run again after an in-run resume: driver/restart.py) replaces its
+        """A step's line; a step logged again (run again after an in-run resume: faults/restart.py) replaces its
         earlier line and those of the steps after it: the last line of a step is the one that counts."""
         steps = self.cols["step"]
         keep = len(steps)

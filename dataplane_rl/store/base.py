@@ -47,6 +47,7 @@ from dataplane_rl.errors import (
 from dataplane_rl.schema import Schema, load_schema
 from dataplane_rl.store import stats
 from dataplane_rl.store.arrow import arrow_types, flatten, schema_of, to_arrow
+from dataplane_rl.store.capabilities import Capabilities
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, NotFinite, PartitionMeta, Snapshot, make_blocks
 from dataplane_rl.store.index import RowIndex, as_slice, overlap
 from dataplane_rl.store.reads import Reads
@@ -60,7 +61,7 @@ MAX_ROWS = 1 << 26
 KNOWN_PARTITIONS = 64
 
 
-class ColumnStore(Reads, ABC):
+class ColumnStore(Reads, Capabilities, ABC):
     """A partitioned, write-once column store. Subclasses implement the `_`-prefixed storage hooks."""
 
     scheme: str = ""
@@ -122,6 +123,12 @@ class ColumnStore(Reads, ABC):
     def _forget(self, pid: str) -> None:
         """Drop what this process caches about `pid` (its catalog state); it is read again if needed."""
 
+    def _known_snapshot(self, pid: str) -> Snapshot | None:
+        """A put's snapshot without a catalog read, for a backend whose `_commit` checks write-once by
+        itself without reading what other writers committed (shm's claims): the put then neither reads
+        their commits nor checks against them before storing. None (the default): it does both."""
+        return None
+
     def _share_counters(self, metrics: dict[str, float], final: bool) -> None:
         """Write this process's counters where other processes of the store can add them up (shm)."""
 
@@ -167,7 +174,8 @@ class ColumnStore(Reads, ABC):
             self._share_counters(c.metrics(), final=False)
 
     def _put(self, pid: str, columns: Mapping[str, Any], rows: Any) -> int:
-        snap = self._snap(pid)
+        known = self._known_snapshot(pid) if isinstance(pid, str) and pid in self._known else None
+        snap = known or self._snap(pid)
         meta, schema = snap.meta, schema_of(snap.meta)
         rows = self._rows(pid, meta, rows, unique=True)
         where = PutWhere(pid, rows)
@@ -196,13 +204,13 @@ class ColumnStore(Reads, ABC):
         lengths = None
         if schema.length_column not in arrays:
             tokens = [n for n in arrays if by_name[n].kind == "token"]
-            if tokens:
-                lengths = self._stored_lengths(snap, rows, tokens)
+            if tokens:  # checked against the length column: what every writer committed of it
+                lengths = self._stored_lengths(self._snap(pid) if known else snap, rows, tokens)
         flat = flatten(schema, arrays, lengths)
         if flat is None:  # something may be wrong: the exact check names it (or finds nothing)
             schema.check(arrays, lengths, where=str(where)[:-1], rows=rows)
             flat = flatten(schema, arrays, lengths, validate=False)
-        err = self._conflict(snap, rows=rows, columns=list(arrays))
+        err = None if known else self._conflict(snap, rows=rows, columns=list(arrays))
         if err:
             raise err
         try:
@@ -241,7 +249,8 @@ class ColumnStore(Reads, ABC):
         every one; a damaged one is counted, not raised), and the backend's space (shm: the arena's capacity,
         allocated, pooled and free bytes)."""
         self._check_open()
-        return stats.of_store(self, partitions)
+        return stats.of_store(self, partitions, lambda: stats.add(self._other_counters(), self._counters.metrics()),
+                              self._gauges)
 
     def status(self, pid: str) -> PartitionStatus:
         self._check_open()

@@ -18,7 +18,7 @@ from dataplane_rl.errors import DataPlaneError, PartitionNotFoundError
 
 PREFIX = "dataplane_store_"
 COUNTERS = ("puts_total", "put_bytes_total", "put_seconds_total", "gets_total", "get_bytes_total",
-            "get_seconds_total")
+            "get_seconds_total", "retries_total")  # retries: transient backend answers tried again
 REFUSALS = PREFIX + "refusals_total"
 FLUSH_EVERY_S = 1.0  # how often a process writes its counters where other processes can add them up
 
@@ -46,6 +46,10 @@ class Counters:
             v[f"{op}s_total"] += 1
             v[f"{op}_bytes_total"] += nbytes
             v[f"{op}_seconds_total"] += seconds
+
+    def retry(self) -> None:
+        with self._lock:
+            self.values["retries_total"] += 1
 
     def refused(self, error: BaseException) -> None:
         cause = cause_of(error)
@@ -93,11 +97,11 @@ class PartitionStatus:
         return all(self.rows_written.get(f, 0) == self.num_rows for f in fields)
 
 
-def of_store(store, partitions: Iterable[str] | None = None) -> dict[str, float]:
-    """`ColumnStore.stats()`: the counters (this process's, plus those other processes shared), the cells and
-    bytes of the live `partitions` (default: every one), and the backend's gauges. A damaged partition is
+def of_store(store, partitions: Iterable[str] | None, counters, gauges) -> dict[str, float]:
+    """`ColumnStore.stats()`: `counters()` (this process's, plus those other processes shared), the cells and
+    bytes of the live `partitions` (default: every one), and the backend's `gauges()`. A damaged partition is
     counted in `damaged_partitions`, not raised: one bad partition must not hide the rest (`store ls`)."""
-    out = add(store._other_counters(), store._counters.metrics())
+    out = counters()
     cells = free = used = damaged = 0
     parts = store.list_partitions() if partitions is None else list(partitions)
     for pid in parts:
@@ -114,5 +118,5 @@ def of_store(store, partitions: Iterable[str] | None = None) -> dict[str, float]
     p = PREFIX
     out.update({p + "partitions": len(parts), p + "cells_used": cells, p + "cells_free": free,
                 p + "used_bytes": used, p + "damaged_partitions": damaged})
-    out.update(store._gauges())
+    out.update(gauges())
     return out

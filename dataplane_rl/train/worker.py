@@ -213,7 +213,7 @@ class TrainWorker:
         return batches, plans, extras
 
     def reopen_store(self, url: str | None) -> None:
-        """Open the run's store again at `url` (the driver replaced a store that lost a holder: driver/restart.py).
+        """Open the run's store again at `url` (the driver replaced a store that lost a holder: faults/restart.py).
         The old client is dropped without close(): its master may be gone, and the client's close would wait on it."""
         self.io = ActorIO(url)
 

@@ -1,7 +1,9 @@
 """`mooncake://`: the Mooncake distributed store as a column-store backend (docs/architecture.md §5.4).
 
     store.py    MooncakeStore: the backend hooks (blocks in, blocks out)
-    catalog.py  partition metas and committed refs as Mooncake keys, and the partition lock
+    catalog.py  partition metas and committed refs as Mooncake keys (no lock)
+    puts.py     a put's blocks and commit record, stored in the same calls
+    retry.py    transient answers of a loaded store, retried and counted
     buffers.py  registered memory: the write arena and the read landing buffers
     client.py   error codes, addresses, the admin endpoint, connect_client
     cluster.py  MooncakeCluster: a master and holder processes started here

@@ -1,30 +1,34 @@
-"""A Mooncake store's catalog: partition metas, committed refs and the partition lock, as Mooncake keys.
+"""A Mooncake store's catalog: partition metas and committed refs, as Mooncake keys. No locks.
 
-    dprl/<pid>/meta          the PartitionMeta and an incarnation id <inc>; put-if-absent
-    dprl/<pid>/i/<inc>       marker: this incarnation of the partition is live
-    dprl/<pid>/lock          lock of create and drop: a put session, never published
-    dprl/<pid>/r/<n>         the n-th committed put: {"inc", "refs": [ChunkRef...]}; put-if-absent
-    dprl/<pid>/c/<inc>/<id>  blocks of one put (store.py)
+    dprl/<pid>/meta              the PartitionMeta and an incarnation id <inc>; put-if-absent
+    dprl/<pid>/i/<inc>           marker: this incarnation of the partition is live
+    dprl/<pid>/r/<inc>/<n>       the n-th committed put: {"inc", "refs": [ChunkRef...]}; put-if-absent
+    dprl/<pid>/c/<inc>/<id>      blocks of one put (store.py)
 
-Commit wins the next refs slot r/<n> with a put session (Mooncake's only atomic put-if-absent), after
-checking conflicts against slots 0..n-1: whoever reserves slot n first is its only writer, so the slot is
-the commit lock. Refs are cached per process; a known partition is checked with one master RPC
-(`batch_is_exist` of the marker and the next slots: no data moves), a new one read with one
-`batch_get_into` (meta and the first slots). A partition dropped and created again has a new <inc>:
-nothing of the old one is read as the new one's.
+A put's record normally goes into the next slot in the same calls as its blocks (puts.py), after this
+process has read the slots it had not seen (`catch_up`). If another writer took that slot, `commit`
+appends the long way: reserve the slot after the last one known (put-if-absent, with the marker check);
+on -705 read the slots missed, re-check conflicts, aim at the next. A slot reserved alone is held only
+while its small record is filled and published (two calls), never across a lock; one whose writer died
+before publishing is freed by the master when the next writer asks for it after
+put_start_discard_timeout_sec, so a commit waits for it (slower, not an error, within RETRY_DEADLINE_S).
 
-Mooncake quirks handled here: a plain put of an existing key returns OK and keeps the old value (every
-contended key is written with a put session); a put session left open by a dead process blocks its key
-until the master discards it after put_start_discard_timeout_sec (30 s by default), which is what breaks
-a dead writer's lock.
+Refs are cached per process; a known partition is checked with one master RPC (`batch_is_exist` of the
+marker and the next slots: no data moves). Every key of an incarnation has <inc> in its name, so a
+partition dropped and created again never reads, blocks on or removes the old one's keys; create and drop
+need no lock: meta is put-if-absent, and a drop removes the marker first (a commit racing it fails its
+marker check) and meta last (so no create of the id can start before the old keys are gone).
+
+Mooncake quirk handled here: a plain put of an existing key returns OK and keeps the old value, so every
+contended key is written with a put session. Transient answers are retried (retry.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
-import time
+import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -37,7 +41,6 @@ from dataplane_rl.store.mooncake.buffers import Arenas
 from dataplane_rl.store.mooncake.client import (
     INVALID_PARAMS,
     MAX_KEYS_PER_BATCH,
-    NO_AVAILABLE_HANDLE,
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     OK,
@@ -45,14 +48,12 @@ from dataplane_rl.store.mooncake.client import (
     TRANSFER_FAIL,
     list_keys,
 )
-
-log = logging.getLogger(__name__)
+from dataplane_rl.store.mooncake.retry import READ_TRANSIENT, RETRY_DEADLINE_S, Retries
 
 PREFIX = "dprl/"
 _SLOT = 64 << 10  # bytes per catalog key in one batched read; a bigger value is re-read at its size
 _PROBE = 4  # refs keys asked for beyond the last one known, per catalog read (doubling up to _MAX_PROBE)
 _MAX_PROBE = 64
-LOCK_TIMEOUT_S = 120.0  # longer than the master's put_start_discard_timeout_sec (30 s), which frees dead locks
 
 
 def batches(n: int) -> Iterator[slice]:
@@ -69,12 +70,8 @@ def marker_key(pid: str, inc: str) -> str:
     return f"{PREFIX}{pid}/i/{inc}"
 
 
-def lock_key(pid: str) -> str:
-    return f"{PREFIX}{pid}/lock"
-
-
-def refs_key(pid: str, n: int) -> str:
-    return f"{PREFIX}{pid}/r/{n}"
+def refs_key(pid: str, inc: str, n: int) -> str:
+    return f"{PREFIX}{pid}/r/{inc}/{n}"
 
 
 def block_object_key(pid: str, inc: str) -> str:
@@ -92,6 +89,8 @@ class Part:
     meta: PartitionMeta
     puts: int = 0
     refs: list[ChunkRef] = field(default_factory=list)  # of puts 0..puts-1, in order; only ever appended
+    # threads of one process read and append slots of the same partition (a put's commit, a wait)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def inc(self) -> str:
@@ -99,20 +98,32 @@ class Part:
 
 
 class Catalog:
-    """The catalog keys of one client. `error(code, what)` and `not_found(pid, why)` build the store's errors."""
+    """The catalog keys of one client. `error(code, what)` and `not_found(pid, why)` build the store's errors;
+    `retried()` counts a transient answer that was retried."""
 
     def __init__(self, client, pin, arenas: Arenas, admin: str, check: Callable[[str], None],
-                 error: Callable[[int, str], Exception], not_found: Callable[..., Exception]) -> None:
+                 error: Callable[[int, str], Exception], not_found: Callable[..., Exception],
+                 retried: Callable[[], None]) -> None:
         self._client, self._pin, self._arenas, self._admin = client, pin, arenas, admin
-        self._check, self._error, self._not_found = check, error, not_found
+        self._check, self._error, self._not_found, self._retried = check, error, not_found, retried
+        self.client, self.pin, self.check, self.error, self.not_found = client, pin, check, error, not_found
         self.parts: dict[str, Part] = {}
-        self.lock_timeout_s = LOCK_TIMEOUT_S
+        self.lock_timeout_s = RETRY_DEADLINE_S  # how long a commit waits for a slot another writer reserved
+
+    def retries(self) -> Retries:
+        return Retries(self._retried, self._check)
 
     # -- small values ----------------------------------------------------------------------------
     def get_small(self, keys: list[str]) -> list[bytes | None]:
         """Values of small keys in one batch_get_into; None for a missing (or not yet published) key."""
         buf = self._arenas.get("catalog", len(keys) * _SLOT)
-        codes = self._client.batch_get_into(keys, [buf.ptr + i * _SLOT for i in range(len(keys))], [_SLOT] * len(keys))
+        retries = self.retries()
+        while True:
+            codes = self._client.batch_get_into(keys, [buf.ptr + i * _SLOT for i in range(len(keys))],
+                                                [_SLOT] * len(keys))
+            slow = next((c for c in codes if c in READ_TRANSIENT), None)
+            if slow is None or not retries.again(slow, f"reading catalog keys {keys[0]}.."):
+                break
         out: list[bytes | None] = []
         for i, (key, code) in enumerate(zip(keys, codes)):
             if code >= 0:
@@ -130,7 +141,10 @@ class Catalog:
         if size < 0:
             return None
         buf = self._arenas.get("catalog", size)
-        code = self._client.batch_get_into([key], [buf.ptr], [size])[0]
+        retries = self.retries()
+        while (code := self._client.batch_get_into([key], [buf.ptr], [size])[0]) in READ_TRANSIENT:
+            if not retries.again(code, f"reading catalog key {key}"):
+                break
         if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             return None
         if code < 0:
@@ -138,8 +152,9 @@ class Catalog:
         return buf.array[:code].tobytes()
 
     def put_if_absent(self, key: str, data: bytes, must_exist: str | None = None) -> int:
-        """OK; OBJECT_ALREADY_EXISTS if the key exists or is being written; OBJECT_NOT_FOUND if the key
-        `must_exist` does not (checked in the same call, at no cost: reserving an existing key fails).
+        """OK; OBJECT_ALREADY_EXISTS if the key exists or is being written (or our reservation of it was
+        discarded before we published it: nothing was); OBJECT_NOT_FOUND if the key `must_exist` does not
+        (checked in the same call, at no cost: reserving an existing key fails).
 
         Mooncake quirk: a plain put of an existing key returns OK and keeps the old value; a put session
         is its one atomic put-if-absent (another client's reservation or key: -705; our own: -600)."""
@@ -157,57 +172,82 @@ class Catalog:
             return OBJECT_ALREADY_EXISTS
         if codes[0] != OK:
             raise self._error(codes[0], f"writing catalog key {key}")
-        self.fill([(key, buf.ptr, len(data))], f"writing catalog key {key}")
-        return OK
+        lost = self.fill([(key, buf.ptr, len(data))], f"writing catalog key {key}")
+        return OBJECT_ALREADY_EXISTS if lost else OK
 
-    def fill(self, items: list[tuple[str, int, int]], what: str) -> None:
-        """Fill and publish keys reserved by batch_put_session_start ((key, address, size) each); on any
-        failure revoke every reservation not yet published and raise."""
+    def fill(self, items: list[tuple[str, int, int]], what: str, last: str | None = None) -> list[str]:
+        """Fill and publish keys reserved by batch_put_session_start ((key, address, size) each); `last`
+        is published only after all the others were (else revoked). Returns the keys whose transfer failed
+        transiently or whose reservation the master discarded: revoked, not published, to be put again.
+        Any other failure revokes every key not yet published and raises."""
         keys = [k for k, _, _ in items]
         ended: set[str] = set()
+        again: list[str] = []
         try:
             for s in batches(len(items)):
                 part = items[s]
                 wrote = self._client.batch_put_from_multi_buffer_ranges(
                     keys[s], [[p] for _, p, _ in part], [[n] for _, _, n in part], [[0]] * len(part))
-                bad = next(((w, n) for w, (_, _, n) in zip(wrote, part) if w != n), None)
-                if bad is not None:
-                    raise self._error(bad[0] if bad[0] < 0 else TRANSFER_FAIL, f"{what} ({bad[0]} of {bad[1]} bytes)")
-            for s in batches(len(items)):
-                codes = self._client.batch_put_session_end(keys[s])
-                ended.update(k for k, c in zip(keys[s], codes) if c == OK)
-                bad = next((c for c in codes if c != OK), None)
-                if bad is not None:
-                    raise self._error(bad, what)
+                for (k, _, n), w in zip(part, wrote):
+                    if w in READ_TRANSIENT:  # the same transfer engine: a holder slow to answer
+                        again.append(k)
+                    elif w != n:
+                        raise self._error(w if w < 0 else TRANSFER_FAIL, f"{what} ({w} of {n} bytes)")
+            if again:
+                with contextlib.suppress(Exception):
+                    self._client.batch_put_session_revoke(again)
+            todo = [k for k in keys if k not in set(again) and k != last]
+            rounds = [todo[s] for s in batches(len(todo))] + ([[last]] if last is not None and last not in again else [])
+            for part in rounds:
+                if part == [last] and again:  # a block did not make it: the record must not be seen
+                    self._client.batch_put_session_revoke([last])
+                    again.append(last)
+                    break
+                codes = self._client.batch_put_session_end(part)
+                for k, c in zip(part, codes):
+                    if c == OK:
+                        ended.add(k)
+                    elif c == OBJECT_NOT_FOUND:  # the master discarded our reservation: nothing published
+                        again.append(k)
+                    else:
+                        raise self._error(c, what)
+            if again:
+                self._retried()
         except BaseException:
             with contextlib.suppress(Exception):
                 left = [k for k in keys if k not in ended]
                 for s in batches(len(left)):
                     self._client.batch_put_session_revoke(left[s])
             raise
+        return again
 
     # -- partitions ------------------------------------------------------------------------------
     def fetch(self, pid: str) -> Part:
         """The partition's meta and committed refs. A known partition costs one master RPC (is its
         incarnation's marker there, and any refs key after the last known?) plus one read of new refs;
-        an unknown one, one read of the meta with the first refs keys."""
+        an unknown one, a read of the meta first."""
         if not isinstance(pid, str) or not PID.fullmatch(pid):
             raise self._not_found(pid)
         self._check(f"partition {pid}")
         part = self.parts.get(pid)
         if part is not None and self._refresh(pid, part):
             return part
-        vals = self.get_small([meta_key(pid)] + [refs_key(pid, n) for n in range(_PROBE)])
-        if vals[0] is None:
-            self.parts.pop(pid, None)
+        self.parts.pop(pid, None)
+        text = self.get_small([meta_key(pid)])[0]
+        if text is None:
             raise self._not_found(pid)
-        doc = json.loads(vals[0])
+        doc = json.loads(text)
         inc = doc.pop("incarnation")
         part = Part(PartitionMeta.from_json(json.dumps(doc), inc))
+        if not self._refresh(pid, part):  # dropped since the meta was read
+            raise self._not_found(pid)
         self.parts[pid] = part
-        if self._take_refs(part, vals[1:]) == _PROBE:
-            self._refresh(pid, part)
         return part
+
+    def known(self, pid: str, inc: str) -> Part:
+        """What this process knows of the partition, read only if it knows nothing (a commit aims past it)."""
+        part = self.parts.get(pid)
+        return part if part is not None and part.inc == inc else self.fetch(pid)
 
     def _refresh(self, pid: str, part: Part) -> bool:
         """Read the refs keys committed since this process last looked; False if the partition is gone or
@@ -215,7 +255,7 @@ class Catalog:
         probe = _PROBE
         while True:
             n = part.puts
-            keys = [marker_key(pid, part.inc)] + [refs_key(pid, k) for k in range(n, n + probe)]
+            keys = [marker_key(pid, part.inc)] + [refs_key(pid, part.inc, k) for k in range(n, n + probe)]
             there = self._client.batch_is_exist(keys)  # master only: no transfer
             bad = next((c for c in there if c < 0), None)
             if bad is not None:
@@ -223,56 +263,99 @@ class Catalog:
             if there[0] != 1:
                 return False
             new = next((i for i, c in enumerate(there[1:]) if c != 1), probe)
-            if new == 0 or self._take_refs(part, self.get_small(keys[1:1 + new])) < probe:
+            if new == 0 or self._take_refs(part, n, self.get_small(keys[1:1 + new])) < probe:
                 return True
             probe = min(2 * probe, _MAX_PROBE)  # every key asked for was there: there may be many more
 
+    def record(self, pid: str, part: Part, refs: list[ChunkRef]) -> tuple[str, bytes]:
+        """The key of the slot after the last one known, and the record of `refs` to put there."""
+        payload = json.dumps({"inc": part.inc, "refs": json.loads(refs_to_json(refs))}).encode()
+        return refs_key(pid, part.inc, part.puts), payload
+
+    def appended(self, part: Part, n: int, refs: list[ChunkRef]) -> None:
+        """Our record went into slot n: add it to what this process knows."""
+        with part.lock:
+            if part.puts == n:
+                part.refs = part.refs + list(refs)
+                part.puts += 1
+
+    def catch_up(self, pid: str, part: Part) -> None:
+        """Read the slots from part.puts on straight away, in one batched read each round (a missing one
+        answers at once): after losing a slot there is at least one to read, so no RPC asks first."""
+        self._check(f"partition {pid}")
+        probe = _PROBE
+        while True:
+            first = part.puts
+            if self._take_refs(part, first, self.get_small([refs_key(pid, part.inc, k)
+                                                            for k in range(first, first + probe)])) < probe:
+                return
+            probe = min(2 * probe, _MAX_PROBE)
+
     @staticmethod
-    def _take_refs(part: Part, values: list[bytes | None]) -> int:
-        """Add the values of refs keys part.puts, part.puts+1, ... up to the first missing one; how many."""
-        for i, v in enumerate(values):
-            doc = json.loads(v) if v is not None else None
-            if doc is None or doc["inc"] != part.inc:  # not there, or left by an earlier partition of this id
-                return i
-            try:
-                part.refs = part.refs + [ChunkRef.from_json(d) for d in doc["refs"]]
-            except (KeyError, ValueError, TypeError) as e:  # e.g. refs of the IPC-block format (before v4)
-                raise CorruptChunkError(f"partition {part.meta.pid}: commit {part.puts} is not in this dataplane-rl's "
-                                        f"format ({e!r}); it was written by another version: drop the partition "
-                                        "and regenerate the step") from None
-            part.puts += 1
-        return len(values)
+    def _take_refs(part: Part, first: int, values: list[bytes | None]) -> int:
+        """Add the values of refs keys first, first+1, ... up to the first missing one, skipping those
+        another thread added meanwhile; how many were there."""
+        there = next((i for i, v in enumerate(values) if v is None), len(values))
+        with part.lock:
+            for k, v in enumerate(values[:there], start=first):
+                if k != part.puts:
+                    continue  # another thread of this process took it already
+                try:
+                    doc = json.loads(v)
+                    part.refs = part.refs + [ChunkRef.from_json(d) for d in doc["refs"]]
+                except (KeyError, ValueError, TypeError) as e:  # e.g. refs of the IPC-block format (before v4)
+                    raise CorruptChunkError(f"partition {part.meta.pid}: commit {part.puts} is not in this "
+                                            f"dataplane-rl's format ({e!r}); it was written by another version: "
+                                            "drop the partition and regenerate the step") from None
+                part.puts += 1
+        return there
 
     def create(self, meta: PartitionMeta) -> bool:
-        """Publish a new partition's meta; False if the id is taken."""
+        """Publish a new partition's meta; False if the id is taken. The marker goes first, so every
+        published meta has its marker; meta's put-if-absent decides between two creates."""
         self._check(f"partition {meta.pid}")
         inc = uuid.uuid4().hex[:12]
         text = json.dumps({**json.loads(meta.to_json()), "incarnation": inc}).encode()
-        with self.locked(meta.pid):  # serialised with a drop of the same id
-            marker = marker_key(meta.pid, inc)
-            self.put_if_absent(marker, b"1")  # first, so every published meta has its marker
-            code = None
-            try:
-                code = self.put_if_absent(meta_key(meta.pid), text)
-            finally:
-                if code != OK:
-                    self._client.remove(marker, True)
+        marker = marker_key(meta.pid, inc)
+        retries = self.retries()
+        while self.put_if_absent(marker, b"1") != OK:  # a fresh key: only a discarded reservation lands here
+            if not retries.again(OBJECT_NOT_FOUND, f"partition {meta.pid}: writing catalog key {marker}"):
+                raise self._error(OBJECT_NOT_FOUND, f"partition {meta.pid}: writing catalog key {marker}")
+        code = None
+        try:
+            code = self.put_if_absent(meta_key(meta.pid), text)
+        finally:
+            if code != OK:
+                self._client.remove(marker, True)
         if code == OBJECT_ALREADY_EXISTS:
             return False
         self.parts[meta.pid] = Part(PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, inc))
         return True
 
+    def drop(self, pid: str) -> None:
+        """Remove the marker (commits in flight now fail their check), every key of the incarnation, then
+        the meta, unless a create of the id made a new one meanwhile (two drops racing a create)."""
+        part = self.fetch(pid)  # PartitionNotFoundError if unknown
+        inc = part.inc
+        self._client.remove(marker_key(pid, inc), True)
+        n = self._client.remove_by_regex(f"^{re.escape(PREFIX + pid)}/[rc]/{inc}/", True)
+        if n < 0:
+            raise self._error(n, f"dropping partition {pid}")
+        text = self.get_small([meta_key(pid)])[0]
+        if text is not None and json.loads(text).get("incarnation") == inc:
+            code = self._client.remove(meta_key(pid), True)
+            if code not in (OK, OBJECT_NOT_FOUND):
+                raise self._error(code, f"dropping partition {pid}")
+        self.parts.pop(pid, None)
+
     def commit(self, meta: PartitionMeta, refs: list[ChunkRef], conflict: Callable[[Part], Exception | None]) -> None:
-        """Win the next refs slot. Slot n is written put-if-absent, so the put session that reserves it
-        shuts out every other writer of slot n, and a writer aims at slot n only after reading slots
-        0..n-1, against which `conflict` checks: the reservation is the partition's commit lock, at no
-        extra call. The incarnation's marker is checked in the same call, which catches a drop meanwhile."""
+        """Append the put's record at the slot after the last one this process knows, reading nothing
+        first; on -705 (another writer's slot) read the slots not seen yet, re-check and aim at the next.
+        The incarnation's marker is checked in the same call as the reservation, which catches a drop."""
         pid, inc = meta.pid, meta.token
         payload = json.dumps({"inc": inc, "refs": json.loads(refs_to_json(refs))}).encode()
-        deadline, stuck_at = time.monotonic() + self.lock_timeout_s, -1
-        part = self.parts.get(pid)
-        if part is None or part.inc != inc:
-            part = self.fetch(pid)
+        part = self.known(pid, inc)
+        retries = None
         while True:
             if part.inc != inc:
                 raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
@@ -280,60 +363,23 @@ class Catalog:
             if err:
                 raise err
             n = part.puts
-            key = refs_key(pid, n)
+            key = refs_key(pid, inc, n)
             code = self.put_if_absent(key, payload, must_exist=marker_key(pid, inc))
             if code == OK:
-                if part.puts == n:
-                    part.refs = part.refs + list(refs)
-                    part.puts += 1
+                self.appended(part, n, refs)
                 return
             if code == OBJECT_NOT_FOUND:
                 raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
-            if stuck_at == n:  # taken on the last pass too, yet not published for this incarnation
-                left = self.get_small([key])[0]
-                if left is not None and json.loads(left)["inc"] != inc:
-                    self._client.remove(key, True)  # left by an earlier partition of this id (a drop meanwhile)
-                elif time.monotonic() > deadline:  # reserved by a writer that died inside its put session
+            self.catch_up(pid, part)  # another writer's commit: read it (and any after it)
+            if part.puts == n:  # reserved, not yet published: its writer is filling it, or died (the master frees it)
+                # waiting, not a retry of an error: not counted; polled often, as its record is filled in a call
+                retries = retries or Retries(lambda: None, self._check, self.lock_timeout_s, 0.01)
+                if not retries.again(OBJECT_ALREADY_EXISTS, f"partition {pid}"):
                     raise StoreUnavailableError(f"partition {pid}: refs key {key} stayed reserved for "
-                                                f"{self.lock_timeout_s:.0f}s; retry the put later")
-                else:
-                    time.sleep(0.002)  # another writer is publishing it
-            stuck_at = n
-            part = self.fetch(pid)  # another writer's commit: read it, re-check conflicts, aim at the next slot
+                                                f"{self.lock_timeout_s:.0f}s (a writer died inside its commit, and "
+                                                "the master has not freed it?); retry the put later")
 
     def list(self) -> list[str]:
         self._check("listing partitions")
         keys = list_keys(self._admin, PREFIX)
         return [k[len(PREFIX):-len("/meta")] for k in keys if k.endswith("/meta") and k.count("/") == 2]
-
-    @contextlib.contextmanager
-    def locked(self, pid: str, *, drop: bool = False) -> Iterator[None]:
-        """Hold the partition lock: a put session on the lock key, never published, revoked on release.
-
-        Another client's session start answers -705 (this client's, from another thread: -600), so the
-        reservation is the lock, at two master RPCs and no transfer. The master discards a session left
-        open by a dead process after put_start_discard_timeout_sec (30 s by default): stale locks break
-        themselves, with no clocks compared and no race between two breakers."""
-        key, delay = lock_key(pid), 0.0005
-        deadline = time.monotonic() + self.lock_timeout_s
-        while True:
-            code = self._client.batch_put_session_start([key], [1], self._pin)[0]
-            if code == OK:
-                break
-            if code == NO_AVAILABLE_HANDLE and drop:  # a full store must still be able to free memory
-                log.warning("partition %s: dropping without its lock (the store is full)", pid)
-                yield
-                return
-            if code not in (OBJECT_ALREADY_EXISTS, INVALID_PARAMS):
-                raise self._error(code, f"partition {pid}: taking its lock {key}")
-            if time.monotonic() > deadline:
-                raise StoreUnavailableError(f"partition {pid}: its lock {key} has been held for over "
-                                            f"{self.lock_timeout_s:.0f}s; is a writer stuck? (the master frees the lock "
-                                            "of a dead one after its put_start_discard_timeout_sec)")
-            time.sleep(delay)
-            delay = min(2 * delay, 0.02)
-        try:
-            yield
-        finally:
-            with contextlib.suppress(Exception):  # after a commit nothing may raise; a lost lock only delays others
-                self._client.batch_put_session_revoke([key])

@@ -92,6 +92,7 @@ REPLICA_IS_NOT_READY = -703  # a key whose put session has not ended: not readab
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
+LEASE_EXPIRED = -707  # a read finished after its lease: retried (retry.py)
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 

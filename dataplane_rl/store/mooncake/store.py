@@ -12,19 +12,20 @@ catalog's (catalog.py), and `dprl/<pid>/c/<inc>/<id>`, the blocks of one put (up
 every column of the put for a row block as flat buffers (chunks.py), at a 64-byte-aligned offset; a
 ChunkRef's key is `<object>@<offset>`.
 
-Put: blocks are serialized straight into a registered arena (one copy), back to back, and stored with one
-put session: `batch_put_session_start` (reserve), `batch_put_from_multi_buffer_ranges` (fill from the
-arena), `batch_put_session_end` (publish), one call each for the whole put. The commit then wins the next
-refs slot r/<n> with a put session (Mooncake's only atomic put-if-absent), after checking conflicts against
-slots 0..n-1: whoever reserves slot n first is its only writer, so the slot is the commit lock and a put
-never takes `lock`. Get: refs are cached per process; a known partition is checked with one master RPC
-(`batch_is_exist` of the marker and the next slots: no data moves), a new one read with one
-`batch_get_into` (meta and the first slots); then one `get_into_ranges` reads just the chunks' byte ranges
-into a registered buffer that the returned Arrow arrays keep alive (reused once they are gone). So a put
-costs two data calls (chunks, refs) and four master RPCs, a get one data call plus one RPC or one small
-read. Keys are never listed on the data path: `/get_all_keys` over the admin HTTP port serves
-list_partitions only. A partition dropped and created again has a new <inc>: nothing of the old one (say a
-refs slot published by a commit racing the drop) is read as the new one's.
+Put: blocks are serialized straight into a registered arena (one copy), back to back. The commit reads
+what other writers committed since this process last looked (one batched read; nothing when there is
+nothing), checks conflicts, and stores blocks and commit record together (puts.py): one
+`batch_put_session_start` reserves every block object and the next refs slot r/<inc>/<n>, one
+`batch_put_from_multi_buffer_ranges` fills them, one `batch_put_session_end` publishes the blocks and a
+second the record. If another writer took the slot, the blocks go alone and the record takes the next free
+slot (catalog.py). A put starts from the refs this process has cached (no catalog read before it).
+Get: refs are cached per process; a known partition is checked with one master RPC (`batch_is_exist` of
+the marker and the next slots: no data moves), new slots read with one `batch_get_into`; then one
+`get_into_ranges` reads just the chunks' byte ranges into a registered buffer that the returned Arrow
+arrays keep alive (reused once they are gone). Keys are never listed on the data path: `/get_all_keys`
+over the admin HTTP port serves list_partitions only. Nothing holds a lock: a transient answer of a
+loaded store (a read's lease that ran out, a holder slow to answer, a reservation the master discarded)
+is retried within a deadline and counted in `dataplane_store_retries_total` (retry.py).
 
 Measured on the 2-core box (5.7 MB put, 2 readers of half the rows each): one object per put instead of
 one per chunk (13) stores ~30% faster and reads no slower; put sessions instead of `batch_put_from`, ~10%
@@ -41,15 +42,15 @@ Mooncake quirks (docs/mooncake_notes.md), each turned into an error or prevented
   becomes "mooncake store full", after removing what the put had written;
 - data dies with its holder: a self-started cluster is polled on every operation (`cluster.check()`),
   and TRANSFER_FAIL / OBJECT_NOT_FOUND reads name the partition, column and rows that were lost;
-- a put session left open by a dead process blocks its key: the master discards it after
-  put_start_discard_timeout_sec (30 s by default, measured), which is what breaks a dead writer's lock.
+- a put session left open by a dead process blocks its key until the next put_start of that key after
+  put_start_discard_timeout_sec (30 s by default): only a refs slot can be left so, and a commit waits for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import re
+import threading
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
@@ -59,6 +60,7 @@ import pyarrow as pa
 from dataplane_rl.errors import (
     ConfigError,
     CorruptChunkError,
+    MissingColumnError,
     PartitionExistsError,
     PartitionNotFoundError,
     StoreUnavailableError,
@@ -68,13 +70,12 @@ from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import Block, ChunkRef, PartitionMeta, Snapshot, align, layout, split_key
 from dataplane_rl.store.mooncake.buffers import Arenas, ReadPool
-from dataplane_rl.store.mooncake.catalog import PREFIX, Catalog, batches, block_object_key, inc_of
+from dataplane_rl.store.mooncake.catalog import Catalog, batches, block_object_key, inc_of, marker_key
 from dataplane_rl.store.mooncake.client import (
     INVALID_PARAMS,
     MIN_SEGMENT_SIZE,
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
-    OK,
     RPC_FAIL,
     TRANSFER_FAIL,
     connect_client,
@@ -85,12 +86,19 @@ from dataplane_rl.store.mooncake.client import (
     split_address,
 )
 from dataplane_rl.store.mooncake.cluster import MooncakeCluster
+from dataplane_rl.store.mooncake.puts import Record, put_objects
+from dataplane_rl.store.mooncake.retry import READ_TRANSIENT, Retries
 
 # Blocks of one put are stored as objects of up to this size: measured, one 5.7 MB object takes ~30% less
 # time to store than 13 of ~0.5 MB (the cost per key), while a cap lets a big put spread over holders
 # (Mooncake never splits an object across segments) and fits the smallest segment Mooncake allows.
 PACK_BYTES = MIN_SEGMENT_SIZE
 CLIENT_ARENA_BYTES = 32 << 20
+# The master takes a holder that has not sent a heartbeat for client_ttl seconds for dead and unmounts its
+# segment: every key in it is gone. A holder starved of CPU on a loaded node can miss 10 s (the default;
+# suspected in a bench run at load average 108, where every partition vanished at once), so a cluster this
+# store starts waits longer. A killed holder is still named at once (cluster.check() polls the processes).
+OWN_CLUSTER_CLIENT_TTL_S = 60
 _TRANSPORT_DEFAULTS = {k: p.default for k, p in inspect.signature(connect_client).parameters.items()
                        if k in ("protocol", "device_name", "metadata_server", "local_hostname")}
 
@@ -120,6 +128,7 @@ class MooncakeStore(ColumnStore):
                          "metadata_server": config.metadata_server, "local_hostname": config.local_hostname}
         if self._owns_cluster:
             cluster = MooncakeCluster(config.num_holders, config.global_segment_size_mb << 20,
+                                      client_ttl_s=OWN_CLUSTER_CLIENT_TTL_S,
                                       **{k: v for k, v in transport.items() if k != "local_hostname"}).start()
         self.cluster = cluster
         if cluster is not None:
@@ -144,7 +153,8 @@ class MooncakeStore(ColumnStore):
         self._pool = ReadPool(self._client, self._arena_bytes)
         self._arenas = Arenas(self._client)
         self._catalog = Catalog(self._client, self._pin, self._arenas, self._admin, self._check_cluster, self._error,
-                                self._not_found)
+                                self._not_found, self._counters.retry)
+        self._putting = threading.local()  # set while this thread is inside put(): see _snapshot
 
     @classmethod
     def from_url(cls, rest: str, config=None, **options: Any) -> "MooncakeStore":
@@ -175,6 +185,19 @@ class MooncakeStore(ColumnStore):
         self._catalog.lock_timeout_s = value
 
     # -- errors ----------------------------------------------------------------------------------
+    def processes(self) -> list[dict]:
+        c = self.cluster
+        return [] if c is None or c.master is None else (
+            [{"process": "master", "pid": c.master.pid, "node": c.host}]
+            + [{"process": "holder", "index": h.index, "pid": h.pid, "node": c.host} for h in c.holders])
+
+    def dead_processes(self) -> list[str] | None:
+        return None if self.cluster is None else self.cluster.dead()
+
+    def stop_processes(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+
     def _check_cluster(self, where: str) -> None:
         """A self-started cluster is polled (µs): a dead holder is named at once, not after a slow read."""
         if self.cluster is None:
@@ -207,29 +230,66 @@ class MooncakeStore(ColumnStore):
             raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it first or use a new id")
 
     def _snapshot(self, pid: str) -> Snapshot:
-        part = self._catalog.fetch(pid)
+        # A put starts from what this process knows (no read): the commit checks against every slot exactly.
+        part = self._catalog.parts.get(pid) if getattr(self._putting, "cached", False) else None
+        if part is None:
+            part = self._catalog.fetch(pid)
         return Snapshot(part.meta, part.refs)
+
+    def _put(self, pid: str, columns, rows) -> int:
+        self._putting.cached = pid in self._catalog.parts
+        try:
+            return super()._put(pid, columns, rows)
+        except PartitionNotFoundError:
+            if not self._putting.cached:
+                raise
+            self._catalog.parts.pop(pid, None)  # the cached incarnation was dropped, maybe made again: look
+            self._putting.cached = False
+            return super()._put(pid, columns, rows)
+        finally:
+            self._putting.cached = False
+
+    def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str]) -> np.ndarray:
+        try:
+            return super()._stored_lengths(snap, rows, token_cols)
+        except MissingColumnError:  # a put's cached refs may predate the lengths another writer committed
+            part = self._catalog.fetch(snap.meta.pid)
+            return super()._stored_lengths(Snapshot(part.meta, part.refs), rows, token_cols)
 
     def _list(self) -> list[str]:
         return self._catalog.list()
 
     def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen=None) -> None:
-        self._catalog.commit(meta, refs, lambda part: self._conflict(Snapshot(part.meta, part.refs), refs))
+        """Store the blocks _store laid out in this thread's arena and commit them, in the same calls when
+        the next slot is free (puts.py): first read what other writers committed since (one call, nothing
+        if none) and check against it; else store the blocks alone and commit the long way."""
+        pending, self._putting.pending = getattr(self._putting, "pending", None), None
+        conflict = lambda part: self._conflict(Snapshot(part.meta, part.refs), refs)  # noqa: E731
+        cat, pid = self._catalog, meta.pid
+        if pending is not None and pending[0] is refs:
+            part = cat.known(pid, meta.token)
+            if part.inc != meta.token:
+                raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
+            cat.catch_up(pid, part)
+            err = conflict(part)
+            if err:
+                raise err
+            n = part.puts
+            key, payload = cat.record(pid, part, refs)
+            buf = self._arenas.get("record", len(payload))
+            buf.array[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            if put_objects(cat, pid, pending[1], refs, Record(key, marker_key(pid, part.inc), buf.ptr, len(payload))):
+                cat.appended(part, n, refs)
+                return
+        cat.commit(meta, refs, conflict)
 
     def _drop(self, pid: str) -> None:
-        with self._catalog.locked(pid, drop=True):
-            self._catalog.fetch(pid)  # PartitionNotFoundError if unknown
-            # everything but the lock, which we hold; orphans of writers that died go too
-            n = self._client.remove_by_regex(f"^{re.escape(PREFIX + pid)}/(?!lock$).*", True)
-            if n < 0:
-                raise self._error(n, f"dropping partition {pid}")
-            self._catalog.parts.pop(pid, None)
+        self._catalog.drop(pid)  # orphans of writers that died go too: every key of the incarnation
 
     # -- blocks ----------------------------------------------------------------------------------
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
         """Serialize every block straight into this thread's registered arena (one copy), packed into
-        objects of up to PACK_BYTES, then store all objects as put sessions (hard-pinned): reserve, fill
-        and publish, one call each for the whole put."""
+        objects of up to PACK_BYTES; _commit stores them (hard-pinned put sessions) with the record."""
         groups: list[list[int]] = [[]]  # block indices per object
         size = 0
         for i, block in enumerate(blocks):
@@ -252,27 +312,9 @@ class MooncakeStore(ColumnStore):
                 block, at = blocks[i], start + off
                 digests = chunks.write_block(arena.array[at:at + block.nbytes], block)
                 refs.append(ChunkRef.of(block, f"{key}@{off}", digests))
-        self._put_objects(meta.pid, [(key, arena.ptr + start, end) for key, start, end, _ in plans], refs)
+        # stored by _commit, in the same calls as the commit record: nothing is stored before the commit
+        self._putting.pending = (refs, [(key, arena.ptr + start, end) for key, start, end, _ in plans])
         return refs
-
-    def _put_objects(self, pid: str, objects: list[tuple[str, int, int]], refs: list[ChunkRef]) -> None:
-        keys = [k for k, _, _ in objects]
-        codes: list[int] = []
-        for s in batches(len(keys)):
-            codes += self._client.batch_put_session_start(keys[s], [n for _, _, n in objects[s]], self._pin)
-        bad = [c for c in codes if c != OK]
-        if bad:
-            held = [k for k, c in zip(keys, codes) if c == OK]
-            with contextlib.suppress(Exception):
-                for s in batches(len(held)):
-                    self._client.batch_put_session_revoke(held[s])
-            code = next((c for c in bad if c == NO_AVAILABLE_HANDLE), bad[0])
-            cols = ", ".join(refs[0].columns) if refs else ""
-            rows = format_rows(np.unique(np.concatenate([r.rows for r in refs]))) if refs else ""
-            raise self._error(code, f"partition {pid} put rows {rows}: {len(refs)} blocks "
-                                    f"({sum(n for _, _, n in objects)} bytes, columns {cols}) could not be stored, "
-                                    "so nothing was written")
-        self._catalog.fill(objects, f"partition {pid} put: storing blocks")
 
     def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
         try:  # an interrupt that lands just after the commit must not delete committed blocks
@@ -295,20 +337,30 @@ class MooncakeStore(ColumnStore):
             by_object.setdefault(split_key(r.key)[0], []).append(i)
         codes = [0] * len(refs)
         groups = list(by_object.items())
+        retries = self._catalog.retries()
         for s in batches(len(groups)):
-            part = groups[s]
-            got = self._client.get_into_ranges(
-                [base], [[k for k, _ in part]], [[[offsets[i] for i in idx] for _, idx in part]],
-                [[[split_key(refs[i].key)[1] for i in idx] for _, idx in part]],
-                [[[refs[i].nbytes for i in idx] for _, idx in part]])
-            for (_, idx), results in zip(part, got[0]):
-                for i, c in zip(idx, results):
-                    codes[i] = c
+            self._read_ranges(base, groups[s], refs, offsets, codes, retries, pid)
         bad = [(r, c) for r, c in zip(refs, codes) if c < 0]
         if bad:
             self._read_failed(pid, bad)
         # size/checksum mismatches are reported by the base's check of each payload
         return [pa.foreign_buffer(base + o, c, base=lease) for o, c in zip(offsets, codes)]
+
+    def _read_ranges(self, base: int, part, refs: list[ChunkRef], offsets: list[int], codes: list[int],
+                     retries: Retries, pid: str) -> None:
+        """One get_into_ranges of these objects' ranges; read again while a range's answer is transient."""
+        while True:
+            got = self._client.get_into_ranges(
+                [base], [[k for k, _ in part]], [[[offsets[i] for i in idx] for _, idx in part]],
+                [[[split_key(refs[i].key)[1] for i in idx] for _, idx in part]],
+                [[[refs[i].nbytes for i in idx] for _, idx in part]])
+            slow = None
+            for (_, idx), results in zip(part, got[0]):
+                for i, c in zip(idx, results):
+                    codes[i] = c
+                    slow = c if c in READ_TRANSIENT else slow
+            if slow is None or not retries.again(slow, f"partition {pid}: reading stored blocks {part[0][0]}.."):
+                return
 
     def _read_failed(self, pid: str, bad: list[tuple[ChunkRef, int]]) -> None:
         ref, code = next((b for b in bad if b[1] == TRANSFER_FAIL), bad[0])
@@ -319,7 +371,12 @@ class MooncakeStore(ColumnStore):
         if len(bad) > 1:
             what += f" (and {len(bad) - 1} more block(s))"
         self._check_cluster(what)
-        part = self._catalog.fetch(pid)  # PartitionNotFoundError if dropped meanwhile
+        try:
+            part = self._catalog.fetch(pid)  # PartitionNotFoundError if dropped meanwhile
+        except PartitionNotFoundError:
+            if pid not in self._catalog.list():  # dropped; else its catalog keys died with a holder too
+                raise
+            raise CorruptChunkError(f"{what}: data died with its holder or was removed; regenerate the step") from None
         if part.inc != inc_of(ref.key):
             raise self._not_found(pid, "was dropped while reading")
         if missing:

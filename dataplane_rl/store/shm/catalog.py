@@ -1,96 +1,65 @@
-"""The catalog of an shm store: one append-only log per partition (see shm.py).
+"""The catalog of an shm store: a partition's meta log, and one log per writer process (see shm.py).
 
-    DIR/<pid>/log    a header (magic, the committed end, its checksum), then framed records up to that end:
-                     record 0 the PartitionMeta, each later one the ChunkRefs of one committed put
+    DIR/<pid>/log       the PartitionMeta, written once at create (logs.py's format)
+    DIR/<pid>/logs/<n>  writer n's log: one record per committed put of that process, the ChunkRefs of its
+                        blocks; a header says how far it is committed (logs.py)
+    DIR/<pid>/claims    a byte per cell, set while or once a put of it commits (commit.py)
 
-Why a log: a refs file per put cost a new file, a rename and, in every process that followed the
-partition, a failed open per call and an open, read and close per commit. Here a reader keeps the log
-open and reads the header (one pread) to learn whether anything was committed, and the new records with
-one more; a commit writes its record past the end, then moves the end, under the partition lock. A
-writer that dies between the two leaves bytes past the end that nobody reads and the next commit
-overwrites, so a reader only ever sees whole records. A record is its length, then the xxh3 of its JSON
-and the JSON (files.framed), so a damaged log is a CorruptChunkError, never wrong rows.
+Why a log per writer: with one log, writers took turns on its flock to append, and each read the others'
+records first to re-check write-once; with 4 writers on 2 cores a put spent half its time waiting. Now a
+writer appends to its own log without a lock; write-once is kept by the claims (commit.py). A reader keeps
+every log of a partition open and learns of new commits from their headers (one pread each) and of a new
+writer from one open of the next log's name, and merges the records in the order it finds them (cells are
+written once, so any order gives the same cells). A record is its length, then the xxh3 of its JSON and the
+JSON (files.framed), so a damaged log is a CorruptChunkError, never wrong rows.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
-import struct
 import uuid
 
 from dataplane_rl.errors import CorruptChunkError, PartitionExistsError, StoreUnavailableError
 from dataplane_rl.store import chunks
-from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot, checksum
-from dataplane_rl.store.files import (
-    CHUNK_KEY,
-    DIR_MODE,
-    check_trusted,
-    create_file,
-    flocked,
-    framed,
-    open_file,
-    unframe,
-    untrusted,
-)
+from dataplane_rl.store.arrow import schema_of
+from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot
+from dataplane_rl.store.files import CHUNK_KEY, DIR_MODE, check_trusted, create_file, open_file, untrusted
+from dataplane_rl.store.shm.logs import HEAD_BYTES, Tail, _head, _record, meta_text, parse_meta
+
+__all__ = ["LOG", "Log", "ShmCatalog", "_head", "_record"]  # _head, _record: tests forge logs with them
 
 LOG = "log"
-_HEAD = struct.Struct("<8sQQ")  # magic, committed end, xxh3 of the end's 8 bytes
-_MAGIC = b"dprl-log"
-HEAD_BYTES = 64  # the first record starts here
-_LEN = struct.Struct("<I")  # a record: its framed JSON's length, then the framed JSON
-
-
-def _end_check(end: int) -> int:
-    return checksum(end.to_bytes(8, "little"))
-
-
-def _head(end: int) -> bytes:
-    return _HEAD.pack(_MAGIC, end, _end_check(end))
-
-
-def _record(text: str) -> bytes:
-    body = framed(text)
-    return _LEN.pack(len(body)) + body
-
-
-def _meta_text(meta: PartitionMeta) -> str:
-    """Record 0: a line of JSON (pid, num_rows), then the schema JSON verbatim, so a reader parses only
-    the small line and decodes the schema once per process (schema_of caches by its text)."""
-    return json.dumps({"pid": meta.pid, "num_rows": meta.num_rows}) + "\n" + meta.schema_json
-
-
-def _parse_meta(text: str, token: str) -> PartitionMeta:
-    head, _, schema_json = text.partition("\n")
-    d = json.loads(head)
-    if not schema_json.startswith("{"):
-        raise ValueError("no schema after the first line")
-    return PartitionMeta(d["pid"], schema_json, int(d["num_rows"]), token)
+LOGS = "logs"
+CLAIMS = "claims"
 
 
 class Log:
-    """One process's view of a partition incarnation: its folder and log, open (the folder's descriptor
-    names the incarnation: files opened through it are its own, even if the partition is dropped and made
-    again meanwhile), the meta, the refs read so far (a list replaced, never changed, as commits arrive:
-    snapshots handed out stay as they were) and their keys. The readers file, and the log for writing (a
-    committer's lock: an flock of it), are opened when first needed. Its files close when the last user
-    lets go of it (a commit or a lease in flight keeps it)."""
+    """One process's view of a partition incarnation: its folder, open (the folder's descriptor names the
+    incarnation: files opened through it are its own, even if the partition is dropped and made again
+    meanwhile), the meta, every writer's log it follows (`tails`, by number; `mine`: this process's own,
+    made at its first commit), the refs read so far (a list replaced, never changed, as commits arrive:
+    snapshots handed out stay as they were) and their keys. The readers file, the logs folder and the claims
+    are opened when first needed. Its files close when the last user lets go of it (a commit or a lease in
+    flight keeps it)."""
 
     def __init__(self, folder: str, dir_fd: int, token: str) -> None:
         self.folder, self.dir_fd, self.token = folder, dir_fd, token
         self.path = os.path.join(folder, LOG)
-        self.fd = self.readers_fd = self.write_fd = -1
+        self.fd = self.readers_fd = self.logs_fd = self.claims_fd = -1
         self.meta: PartitionMeta | None = None
+        self.tails: list[Tail] = []
+        self.mine: Tail | None = None
         self.refs: list[ChunkRef] = []
         self.keys: set[str] = set()
-        self.end = HEAD_BYTES  # how far this process has read
 
-    def open(self, name: str, flags: int) -> int:
-        """A file of this incarnation's folder (trusted: the user's own, private, no symlink)."""
-        fd = open_file(name, flags, folder=self.folder, dir_fd=self.dir_fd)
-        why = untrusted(os.path.join(self.folder, name), os.fstat(fd), folder=False)
+    def open(self, name: str, flags: int, logs: bool = False) -> int:
+        """A file of this incarnation's folder, or of its logs folder (trusted: the user's own, private, no
+        symlink)."""
+        dir_fd, folder = (self.logs(), os.path.join(self.folder, LOGS)) if logs else (self.dir_fd, self.folder)
+        fd = open_file(name, flags, folder=folder, dir_fd=dir_fd)
+        why = untrusted(os.path.join(folder, name), os.fstat(fd), folder=False)
         if why:
             os.close(fd)
             raise StoreUnavailableError(why)
@@ -101,42 +70,38 @@ class Log:
             self.readers_fd = self.open("readers", os.O_RDONLY)
         return self.readers_fd
 
-    def writer(self) -> int:
-        """The log opened for appending, at this process's first commit (`fd` is read-only: a read-only
-        store can still be read)."""
-        if self.write_fd < 0:
-            self.write_fd = self.open(LOG, os.O_RDWR)
-        return self.write_fd
+    def logs(self) -> int:
+        if self.logs_fd < 0:
+            fd = open_file(LOGS, os.O_RDONLY | os.O_DIRECTORY, folder=self.folder, dir_fd=self.dir_fd)
+            why = untrusted(os.path.join(self.folder, LOGS), os.fstat(fd), folder=True)
+            if why:
+                os.close(fd)
+                raise StoreUnavailableError(why)
+            self.logs_fd = fd
+        return self.logs_fd
 
-    def committed(self) -> int:
-        """The committed end, from the header. A header read while a commit rewrites it may mix the two
-        (its checksum says so): read again."""
-        for _ in range(100):
-            magic, end, check = _HEAD.unpack(os.pread(self.fd, _HEAD.size, 0).ljust(_HEAD.size, b"\0"))
-            if magic == _MAGIC and check == _end_check(end):
-                return end
-            if magic != _MAGIC:
-                break
-        raise CorruptChunkError(f"shm metadata {self.path} is damaged (no valid header); the partition cannot be "
-                                "trusted, drop it and regenerate the step")
+    def claims(self) -> int:
+        """The claims, opened for reading and writing at this process's first commit."""
+        if self.claims_fd < 0:
+            self.claims_fd = self.open(CLAIMS, os.O_RDWR)
+        return self.claims_fd
 
-    def records(self, end: int) -> list[str]:
-        """The JSON of each record from what this process has read up to `end`."""
-        data = os.pread(self.fd, end - self.end, self.end) if end > self.end else b""
-        if len(data) != end - self.end:
-            raise CorruptChunkError(f"shm metadata {self.path} is damaged ({self.end + len(data)} bytes, the header "
-                                    f"says {end}); the partition cannot be trusted, drop it and regenerate the step")
-        out, at = [], 0
-        while at < len(data):
-            n = _LEN.unpack_from(data, at)[0] if at + _LEN.size <= len(data) else -1
-            body = data[at + _LEN.size:at + _LEN.size + n] if n >= 0 else b""
-            # a cut record reads as empty: unframe names the log as damaged
-            out.append(unframe(body if len(body) == n else b"", f"{self.path} at {self.end + at}"))
-            at += _LEN.size + n
-        return out
+    def discover(self) -> None:
+        """Open the writers' logs made since this process last looked: numbered from 0, each made whole
+        before it gets its number (commit.py), so the first missing number ends the search."""
+        while True:
+            name = str(len(self.tails))
+            try:
+                fd = self.open(name, os.O_RDONLY, logs=True)
+            except FileNotFoundError:
+                return
+            self.tails.append(Tail(fd, os.path.join(self.folder, LOGS, name)))
 
     def close(self) -> None:
-        for name in ("fd", "readers_fd", "write_fd", "dir_fd"):
+        for tail in self.tails:
+            tail.close()
+        self.tails, self.mine = [], None
+        for name in ("fd", "readers_fd", "logs_fd", "claims_fd", "dir_fd"):
             fd = getattr(self, name)
             if fd >= 0:
                 setattr(self, name, -1)
@@ -156,17 +121,19 @@ class ShmCatalog:
         log = None
         try:
             with self._os_errors(f"create partition {meta.pid}"):
-                for sub in ("", "chunks"):
+                for sub in ("", "chunks", LOGS):
                     os.mkdir(os.path.join(tmp, sub), DIR_MODE)
-                record = _record(_meta_text(meta))
+                record = _record(meta_text(meta))
                 end = HEAD_BYTES + len(record)
-                for name, data in (("readers", b""), (LOG, _head(end).ljust(HEAD_BYTES, b"\0") + record)):
+                for name, data in (("readers", b""), (CLAIMS, b""), (LOG, _head(end).ljust(HEAD_BYTES, b"\0") + record)):
                     create_file(os.path.join(tmp, name), data)
+                # a byte per cell, [num_rows, columns] row-major; a hole until a put claims its cells
+                os.truncate(os.path.join(tmp, CLAIMS), meta.num_rows * len(schema_of(meta).names))
                 pdir = os.path.join(self._dir, meta.pid)
                 dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
                 log = Log(pdir, dfd, str(os.fstat(dfd).st_ino))
                 log.fd = log.open(LOG, os.O_RDONLY)
-                log.meta, log.end = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, log.token), end
+                log.meta = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, log.token)
                 try:
                     os.rename(tmp, pdir)
                 except OSError as e:
@@ -184,8 +151,8 @@ class ShmCatalog:
 
     def _snapshot(self, pid: str) -> Snapshot:
         """The meta and the committed refs: a stat of the folder (its inode is the incarnation token: a
-        partition dropped and made again is a new folder) and a read of the log's header; new records,
-        each parsed once per process, with one more read."""
+        partition dropped and made again is a new folder), a read of each writer log's header and one open
+        to find a new writer; new records, each parsed once per process, with one more read each."""
         pdir = self._pdir(pid)
         try:
             token = str(os.lstat(pdir).st_ino)
@@ -195,14 +162,13 @@ class ShmCatalog:
             log = self._logs.get(pid)
             if log is None or log.token != token:
                 log = self._logs[pid] = self._open_log(pid, pdir)
-            end = log.committed()
-            if end != log.end:
-                self._follow(pid, log, end)
+            else:
+                self._follow(pid, log)
             return Snapshot(log.meta, log.refs)
 
     def _open_log(self, pid: str, pdir: str) -> Log:
-        """First sight of a partition incarnation here: its folder, chunks folder and log must be the
-        store's own."""
+        """First sight of a partition incarnation here: its folder, chunks and logs folders and its logs
+        must be the store's own."""
         try:
             dfd = open_file(pdir, os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
@@ -216,7 +182,14 @@ class ShmCatalog:
                 if why:
                     raise StoreUnavailableError(why)
             log.fd = log.open(LOG, os.O_RDONLY)
-            self._follow(pid, log, log.committed())
+            meta = Tail(log.fd, log.path)
+            texts = meta.records(meta.committed())
+            try:
+                log.meta = parse_meta(texts[0], log.token)
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                raise CorruptChunkError(f"shm metadata {log.path} does not describe a partition ({e!r}); the "
+                                        "partition cannot be trusted, drop it and regenerate the step") from None
+            self._follow(pid, log)
         except BaseException as e:
             log.close()
             if isinstance(e, (FileNotFoundError, NotADirectoryError)):
@@ -230,31 +203,27 @@ class ShmCatalog:
             raise
         return log
 
-    def _follow(self, pid: str, log: Log, end: int) -> None:
-        """Read the records up to `end` into `log`: the meta first, then each put's refs."""
+    def _follow(self, pid: str, log: Log) -> None:
+        """Read every writer log's new records into `log` (under the refs lock)."""
+        log.discover()
         new: list[ChunkRef] = []
-        for text in log.records(end):
-            if log.meta is None:
-                try:
-                    log.meta = _parse_meta(text, log.token)
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CorruptChunkError(f"shm metadata {log.path} does not describe a partition ({e!r})") from None
+        for tail in log.tails:
+            end = tail.committed()
+            if end == tail.end:
                 continue
-            refs = self._parse_refs(log.path, text)
-            # every put writes chunks under fresh keys: a key seen twice is a copied record, whose rows would
-            # count (and read) twice
-            again = next((r.key for r in refs if r.key in log.keys), None)
-            if again is not None:
-                raise CorruptChunkError(f"shm log {log.path} repeats chunk {again} of an earlier commit of "
-                                        f"partition {pid}; the partition cannot be trusted, drop it")
-            log.keys.update(r.key for r in refs)
-            new += refs
-        if log.meta is None:
-            raise CorruptChunkError(f"shm metadata {log.path} is damaged (no partition record); the partition cannot "
-                                    "be trusted, drop it and regenerate the step")
+            for text in tail.records(end):
+                refs = self._parse_refs(tail.path, text)
+                # every put writes chunks under fresh keys: a key seen twice is a copied record, whose rows
+                # would count (and read) twice
+                again = next((r.key for r in refs if r.key in log.keys), None)
+                if again is not None:
+                    raise CorruptChunkError(f"shm log {tail.path} repeats chunk {again} of an earlier commit of "
+                                            f"partition {pid}; the partition cannot be trusted, drop it")
+                log.keys.update(r.key for r in refs)
+                new += refs
+            tail.end = end
         if new:
             log.refs = log.refs + new
-        log.end = end
 
     @staticmethod
     def _parse_refs(path: str, text: str) -> list[ChunkRef]:
@@ -267,52 +236,6 @@ class ShmCatalog:
                 raise CorruptChunkError(f"shm log {path} names chunk key {ref.key!r}, not one this store writes; "
                                         "the partition cannot be trusted, drop it")
         return refs
-
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen: list[ChunkRef] | None = None) -> None:
-        pid = meta.pid
-        with self._refs_lock:
-            log = self._logs.get(pid)
-        if log is None or log.token != meta.token:
-            self._snapshot(pid)
-            with self._refs_lock:
-                log = self._logs[pid]
-        if log.token != meta.token:
-            raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
-        # an flock of the log keeps other processes out (a drop too: it takes the same lock); the thread
-        # lock, other threads of this one, which share the descriptor
-        with self._commit_lock:
-            with self._os_errors(f"commit a put to partition {pid}"):
-                try:
-                    fd = log.writer()
-                except FileNotFoundError:
-                    raise self._not_found(pid, "was dropped while this put was writing (nothing was written)") from None
-            self._append(pid, log, fd, refs, seen)
-
-    def _append(self, pid: str, log: Log, fd: int, refs: list[ChunkRef], seen: list[ChunkRef] | None) -> None:
-        """The commit under the partition's lock: follow what others committed, check, append, move the end."""
-        with flocked(fd):
-            try:
-                if str(os.lstat(log.folder).st_ino) != log.token:
-                    raise FileNotFoundError
-            except (FileNotFoundError, NotADirectoryError):
-                raise self._not_found(pid, "was dropped while this put was writing (nothing was written)") from None
-            with self._refs_lock:
-                end = log.committed()  # under the lock: every commit so far
-                if end != log.end:
-                    self._follow(pid, log, end)
-                snap = Snapshot(log.meta, log.refs)
-            err = self._conflict(snap, refs) if snap.refs is not seen else None  # else the put's own check stands
-            if err:
-                raise err
-            record = _record(chunks.refs_to_json(refs))
-            end = log.end + len(record)
-            with self._os_errors(f"commit a put to partition {pid}"):
-                if os.pwrite(fd, record, log.end) != len(record):  # past the end: no reader looks there
-                    raise OSError(errno.ENOSPC, "short write", log.path)
-                os.pwrite(fd, _head(end), 0)  # the commit: one small write of a page that exists
-            with self._refs_lock:  # our own commit: no read back
-                log.keys.update(r.key for r in refs)
-                log.refs, log.end = snap.refs + list(refs), end
 
     def _list(self) -> list[str]:
         return [n for n in os.listdir(self._dir) if PID.fullmatch(n)]

@@ -7,9 +7,12 @@ store removes on close (unless `keep()` is called); `shm://DIR` opens (or makes)
     DIR/.owner                         the process that made it, and whether it is kept (owners.py)
     DIR/.kept                          made once by keep(): the folder outlives its run (owners.py)
     DIR/.pool/<bytes>-<hex>            segments of dropped partitions (and pre-touched ones), kept for reuse
-    DIR/<pid>/log                      the partition's meta, then each committed put's ChunkRefs, appended
-                                       (catalog.py); a header says how far it is committed;
-                                       flock'd exclusively by commit and drop
+    DIR/<pid>/log                      the partition's meta (catalog.py); flock'd by a drop
+    DIR/<pid>/logs/<n>                 writer process n's committed puts' ChunkRefs, appended by it alone;
+                                       a header says how far it is committed (logs.py)
+    DIR/<pid>/claims                   a byte per cell, set by a commit under a byte-range lock of its
+                                       rows: write-once without writers taking turns (commit.py);
+                                       locked whole by a drop
     DIR/<pid>/readers                  flock'd shared by each process still mapping this partition
     DIR/<pid>/chunks/put-<hex>         a segment (arena.py): the blocks of one or more puts of one writer,
                                        each every column of its rows as flat buffers (chunks.py) at a
@@ -23,12 +26,12 @@ of a SIGBUS in the writer.
 A put copies each column buffer straight into the next free range of its writer's open segment of the
 partition, kept mapped (one copy, no claim, map or rename per put: arena.py); checksums go per column
 and piece, so a shard reader checksums only what it reads. It becomes visible when its record is appended
-to the partition's log under the partition lock, after re-checking that no cell is already committed; a
-writer that dies before that leaves only unreferenced bytes, freed with the partition. While it writes, a
+to its writer's own log, after claiming its cells (commit.py); a writer that dies before that leaves only
+unreferenced bytes, freed with the partition. While it writes, a
 put holds a shared flock on its segment, so a drop never pools a segment that a put still writes. A
-process keeps each log it follows open and learns of new commits from its header (one read), never by
-listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
-under the lock, so no new reader finds it, while open mappings stay readable. The file pool is in
+process keeps each log it follows open and learns of new commits from their headers (one read each),
+never by listing. A get maps the chunk files and returns zero-copy Arrow buffers. Drop renames the folder away
+under the meta log's flock and a lock of every claim, so no new reader finds it, while open mappings stay readable. The file pool is in
 pool.py, the per-process maps and leases in maps.py.
 """
 
@@ -55,6 +58,7 @@ from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, layout, split_key
 from dataplane_rl.store.shm.arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, Arena, MiB
 from dataplane_rl.store.shm.catalog import Log, ShmCatalog
+from dataplane_rl.store.shm.commit import ShmCommit, range_lock
 from dataplane_rl.store.files import (
     DIR_MODE,
     check_trusted,
@@ -69,7 +73,7 @@ from dataplane_rl.store.shm.maps import Lease, Maps
 from dataplane_rl.store.shm.pool import Pool
 
 _MARKER = owners.MARKER
-_FORMAT = b"dataplane-rl shm store v4\n"  # v4: a put's columns as flat buffers, checksummed per column
+_FORMAT = b"dataplane-rl shm store v5\n"  # v5: a log per writer and claims; v4: one log, flat buffers
 _POOL = ".pool"
 _STATS = ".stats"  # each process's counters (stats.py), for `store ls`
 DEFAULT_POOL_BYTES = 1 << 30
@@ -80,7 +84,7 @@ OPTIONS = {"pool_bytes": (DEFAULT_POOL_BYTES, "bytes of dropped segments kept fo
                            "data_plane.shm.prefault_mb")}
 
 
-class ShmStore(ShmCatalog, ColumnStore):
+class ShmStore(ShmCommit, ShmCatalog, ColumnStore):
     scheme = "shm"
     # One block per put (up to the largest segment): a shard reader checksums only the pieces holding its
     # rows anyway, and gets one zero-copy slice per column instead of one per block and column.
@@ -210,8 +214,9 @@ class ShmStore(ShmCatalog, ColumnStore):
 
     @contextlib.contextmanager
     def _locked(self, pid: str) -> Iterator[str]:
-        """Hold the partition's lock (an flock of its log, which commits take too); raise
-        PartitionNotFoundError if it is (or gets) dropped."""
+        """Hold the partition's lock (an flock of its meta log) and every claim byte (commit.py: the
+        commits in flight end first, and later ones wait); raise PartitionNotFoundError if it is (or gets)
+        dropped."""
         pdir = self._pdir(pid)
         lock = os.path.join(pdir, "log")
         try:
@@ -226,7 +231,17 @@ class ShmStore(ShmCatalog, ColumnStore):
                 live = False
             if not live:
                 raise self._not_found(pid)
-            yield pdir
+            try:
+                claims = open_file(os.path.join(pdir, "claims"), os.O_RDWR)
+            except FileNotFoundError:  # a damaged partition: dropped all the same
+                claims = -1
+            try:
+                if claims >= 0:
+                    range_lock(claims, fcntl.F_WRLCK, 0, 0)
+                yield pdir
+            finally:
+                if claims >= 0:
+                    os.close(claims)  # lets go of its lock
         finally:
             os.close(fd)
 

@@ -5,7 +5,7 @@
   GRPO, before the step's optimizer steps, the step then runs again from its start: its prompts and every
   sample's seed are its own and the weights are still those that generated it, so the regenerated rows, and
   the log-probs recomputed from them, are the lost ones; after them the step reads nothing more from the store
-  (driver/trainer.py's step), so it goes on. In async GRPO (rows generated ahead with weights that are gone)
+  (driver/step.py grpo_step), so it goes on. In async GRPO (rows generated ahead with weights that are gone)
   the run resumes from its last checkpoint, in-process.
 - **A train rank** dies (checkpointing on): every actor is killed (the survivors may wait in a collective for the
   dead rank), new ones are made with a new process group, and the run resumes from its last checkpoint in-process,
@@ -18,16 +18,14 @@ process and the key that would have saved it.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from dataplane_rl.driver.store_faults import dead_store
-from dataplane_rl.driver.recovery import first_line
-from dataplane_rl.driver.train_faults import dead_rank, rank_where, save_output, train_rank_error
+from dataplane_rl.faults.kinds import FaultKind, first_line
+from dataplane_rl.faults.store import dead_store
+from dataplane_rl.faults.train_ranks import dead_rank, rank_where, save_output, train_rank_error
 from dataplane_rl.errors import StoreUnavailableError
 
 PROBE_S = 3.0  # how long a train rank may take to answer "are you alive" (a busy one is alive: only death answers fast)
@@ -35,7 +33,7 @@ PROBE_S = 3.0  # how long a train rank may take to answer "are you alive" (a bus
 
 @dataclass
 class Fault:
-    what: str  # "train rank died" | "store holder died"
+    what: FaultKind  # TRAIN_RANK_DIED or STORE_HOLDER_DIED
     where: dict
     error: str  # its first line
     exc: BaseException
@@ -43,11 +41,11 @@ class Fault:
     output: str | None = None  # where the dead rank's last output went
 
 
-def probe_dead_rank(trainer) -> int | None:
+def probe_dead_rank(fleet) -> int | None:
     """The first train rank whose actor is dead (a dead actor answers at once; a busy one is left alone)."""
     import ray
 
-    calls = [w.__ray_ready__.remote() for w in trainer.workers]
+    calls = [w.__ray_ready__.remote() for w in fleet.workers]
     done, _ = ray.wait(calls, num_returns=len(calls), timeout=PROBE_S)
     for rank, call in enumerate(calls):
         if call in done:
@@ -59,69 +57,56 @@ def probe_dead_rank(trainer) -> int | None:
 
 
 class RunRestarts:
-    """The run's record of in-run restarts: classify a step's failure, swap the store or resume; the counters."""
+    """In-run restarts: classify a step's failure, swap the store or resume with a new fleet (`new_fleet()`,
+    started here); what they cost goes to the run's `ledger`."""
 
-    def __init__(self, cfg, run_dir, ckpt) -> None:
-        self.cfg, self.run_dir, self.ckpt = cfg, run_dir, ckpt
+    def __init__(self, cfg, run_dir, ckpt, ledger, new_fleet=None) -> None:
+        self.cfg, self.run_dir, self.ckpt, self.ledger, self.new_fleet = cfg, run_dir, ckpt, ledger, new_fleet
         self.budget = cfg.fault_tolerance.max_restarts
-        self.train_restarts = self.store_restarts = self.steps_rerun = 0
-        self.lines = collections.Counter()  # step -> metrics lines logged for it
-        self.saved_at = time.perf_counter()  # when the latest checkpoint was complete (or the run started)
 
     @property
     def used(self) -> int:
-        return self.train_restarts + self.store_restarts
-
-    def counters(self) -> dict:
-        return {"faults/train_restarts_total": self.train_restarts, "faults/store_restarts_total": self.store_restarts,
-                "faults/steps_rerun_total": self.steps_rerun}
-
-    def mark(self, metrics: dict) -> None:
-        """Add the counters and `faults/rerun` (lines of this step logged before) to a step's metrics line."""
-        step = int(metrics["step"])
-        metrics["faults/rerun"] = self.lines[step]
-        self.lines[step] += 1
-        metrics.update(self.counters())
+        return self.ledger.restarts_used
 
     # -- what failed --------------------------------------------------------------------------------
-    def classify(self, trainer, e: BaseException) -> Fault | None:
+    def classify(self, fleet, e: BaseException) -> Fault | None:
         """A dead process this module recovers from, or None (the error is not one: it ends the run as before)."""
         import ray
 
-        dead = dead_store(trainer.store, e)
+        dead = dead_store(fleet.store, e)
         if dead:
-            return Fault("store holder died", {"store": trainer.store_url}, first_line(dead[0]).split("; last lines")[0], e,
+            return Fault(FaultKind.STORE_HOLDER_DIED, {"store": fleet.store_url}, first_line(dead[0]).split("; last lines")[0], e,
                          "\n".join(dead))
-        if not trainer.workers or not isinstance(e, ray.exceptions.RayError):
+        if not fleet.workers or not isinstance(e, ray.exceptions.RayError):
             return None
-        rank = dead_rank(trainer, e)
+        rank = dead_rank(fleet, e)
         if rank is None:  # a survivor's error (gloo: the peer closed the connection), or a rollout's: ask
-            rank = probe_dead_rank(trainer)
+            rank = probe_dead_rank(fleet)
         if rank is None:
             return None
-        pid, node = rank_where(trainer, rank)
-        return Fault("train rank died", {"rank": rank, "pid": pid, "node": node}, first_line(e), e,
-                     output=str(save_output(trainer, rank, self.run_dir)))
+        pid, node = rank_where(fleet, rank)
+        return Fault(FaultKind.TRAIN_RANK_DIED, {"rank": rank, "pid": pid, "node": node}, first_line(e), e,
+                     output=str(save_output(fleet, rank, self.run_dir)))
 
     # -- what to do ---------------------------------------------------------------------------------
-    def can_regenerate(self, trainer, step_trained: bool = False) -> bool:
+    def can_regenerate(self, fleet, step_trained: bool = False) -> bool:
         """A lost store costs at most the step under way: sync GRPO, before the step's optimizer steps (its rows are
-        made again) or after the step returned (it read what it needed before them: trainer.step)."""
-        return trainer.rollouts.ahead is None and (not trainer.trained or step_trained)
+        made again) or after the step returned (it read what it needed before them: grpo_step)."""
+        return fleet.rollouts.ahead is None and (not fleet.trained or step_trained)
 
-    def refusal(self, trainer, fault: Fault, step: int, saved_step: int | None,
+    def refusal(self, fleet, fault: Fault, step: int, saved_step: int | None,
                 step_trained: bool = False) -> BaseException | None:
         """The error the run stops with, or None when it can recover."""
         budget = f"fault_tolerance.max_restarts={self.budget}"
         spent = self.used >= self.budget
-        if fault.what == "train rank died":
+        if fault.what is FaultKind.TRAIN_RANK_DIED:
             if self.cfg.checkpointing.enabled and saved_step is not None and not spent:
                 return None
-            err = train_rank_error(trainer, fault.exc, step, self.run_dir, saved_step, fault.where["rank"])
+            err = train_rank_error(fleet, fault.exc, step, self.run_dir, saved_step, fault.where["rank"])
             if spent and self.cfg.checkpointing.enabled and saved_step is not None:
                 err.args = (f"{err.args[0]}; {budget}: the run restarted {self.used} time(s) already",)
             return err
-        if not spent and (self.can_regenerate(trainer, step_trained) or (self.cfg.checkpointing.enabled and saved_step is not None)):
+        if not spent and (self.can_regenerate(fleet, step_trained) or (self.cfg.checkpointing.enabled and saved_step is not None)):
             return None
         if spent:
             why = f"{budget}: the run restarted {self.used} time(s) already"
@@ -134,67 +119,43 @@ class RunRestarts:
         return StoreUnavailableError(f"step {step}: {fault.detail}\nThe data that process held died with it; the run "
                                      f"stops here: {why}")
 
-    def record(self, trainer, fault: Fault, step: int, recovery: str, cost: dict) -> None:
+    def record(self, fault: Fault, step: int, recovery: str, cost: dict) -> None:
         entry = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": step, "during": f"step {step}",
-                 "what": fault.what, "where": fault.where, "error": fault.error, "recovery": recovery, "cost": cost,
+                 "what": fault.what.value, "where": fault.where, "error": fault.error, "recovery": recovery, "cost": cost,
                  "budget": {"used": self.used, "of": self.budget, "key": "fault_tolerance.max_restarts"}}
         if fault.output:
             entry["output"] = fault.output
-        trainer.recovery.faults.append(entry)
-        trainer.recovery.seconds_lost += cost["seconds_lost"]
+        self.ledger.record(entry)
+        self.ledger.seconds_lost += cost["seconds_lost"]
         name = (f"train rank {fault.where['rank']} (pid {fault.where['pid']} on {fault.where['node']})"
-                if fault.what == "train rank died" else "a process of the run's Mooncake store")
+                if fault.what is FaultKind.TRAIN_RANK_DIED else "a process of the run's Mooncake store")
         print(f"step {step}: {name} died ({fault.error}); {recovery} in {cost['seconds_to_recover']:.1f} s"
               + (f"; its last output is in {fault.output}" if fault.output else "")
               + f"; fault_tolerance.max_restarts: {self.used} of {self.budget} used", file=sys.stderr, flush=True)
 
-    def swap_store(self, trainer, fault: Fault, step: int, step_started: float, step_trained: bool = False) -> None:
+    def swap_store(self, fleet, fault: Fault, step: int, step_started: float, step_trained: bool = False) -> None:
         """Replace the run's store and have every actor open the new one; the step then runs again from its start,
         or, `step_trained`, goes on from where it was."""
-        import ray
-
-        from dataplane_rl.driver.preflight import open_run_store
-        from dataplane_rl.driver.transport import DriverTransport
-        from dataplane_rl.ray_calls import get_all
-
         t0 = time.perf_counter()
-        open_calls = [f for p in trainer.rollouts.open.values() for f in p.futures]
-        if open_calls:  # the step's jobs finish (failing, or writing to the dead store) before the actors reopen
-            ray.wait(open_calls, num_returns=len(open_calls), timeout=120)
-        old = trainer.store
-        with contextlib.suppress(Exception):  # its master or holders are gone: what is left is stopped regardless
-            old.close()
-        with contextlib.suppress(Exception):
-            old.cluster.close()
-        trainer.rollouts.open, trainer.rollouts.pending = {}, {}
-        trainer.store = open_run_store(self.cfg)
-        trainer.transport = DriverTransport(trainer.store, True)
-        trainer.store_url = trainer.transport.url
-        get_all([a.reopen_store.remote(trainer.store_url) for a in trainer.rollout + trainer.workers], timeout=120)
-        trainer.recovery.write()  # actors.json: the new store's processes
-        self.store_restarts += 1
+        fleet.reopen_store()
+        self.ledger.store_restarts += 1
         now = time.perf_counter()
         then = ("went on with the step, trained before the loss" if step_trained else
                 f"ran step {step} again from its start (same prompts, seeds and weights)")
-        self.record(trainer, fault, step, f"replaced the store with {trainer.store_url} and {then}",
+        self.record(fault, step, f"replaced the store with {fleet.store_url} and {then}",
                     {"steps_rerun": 0, "seconds_to_recover": round(now - t0, 3),
                      "seconds_lost": round(now - (t0 if step_trained else step_started), 3)})
 
     def resume(self, old, fault: Fault, step: int, attach):
-        """A new trainer (new actors, process group and store, on the same Ray) restored from the last
-        checkpoint; `attach(trainer)` wires it to the run folder. Returns it and the first step to run."""
-        from dataplane_rl.driver.trainer import GRPOTrainer
-
+        """A new fleet (new actors, process group and store, on the same Ray) restored from the last
+        checkpoint; `attach(fleet)` wires it to the run folder. Returns it and the first step to run."""
         t0 = time.perf_counter()
         try:
-            old.close(keep_ray=True)
+            old.close(kill=True)
         except Exception as e:  # noqa: BLE001 - the old actors are killed whatever their store said
             print(f"step {step}: closing the failed train group: {type(e).__name__}: {first_line(e)}",
                   file=sys.stderr, flush=True)
-        new = GRPOTrainer(self.cfg)
-        new._ray_started, new._unprivate = old._ray_started, old._unprivate  # Ray is the run's still
-        old._ray_started, old._unprivate = False, None
-        carry(old, new)
+        new = self.new_fleet()
         try:
             new.start()
             path = self.ckpt.find()
@@ -203,24 +164,17 @@ class RunRestarts:
         except BaseException:
             new.close()
             raise
-        rerun = sum(1 for s in self.lines if s >= first)
-        self.steps_rerun += rerun
-        if fault.what == "train rank died":
-            self.train_restarts += 1
+        ledger = self.ledger
+        rerun = sum(1 for s in ledger.lines if s >= first)
+        ledger.steps_rerun += rerun
+        if fault.what is FaultKind.TRAIN_RANK_DIED:
+            ledger.train_restarts += 1
         else:
-            self.store_restarts += 1
+            ledger.store_restarts += 1
         now = time.perf_counter()
         again = f"steps {first}-{step}" if step > first else f"step {first}"
-        self.record(new, fault, step, f"resumed in the run from the checkpoint of step {first - 1} with a new "
-                    f"{'train group' if fault.what == 'train rank died' else 'store and actors'} ({again} run again)",
+        self.record(fault, step, f"resumed in the run from the checkpoint of step {first - 1} with a new "
+                    f"{'train group' if fault.what is FaultKind.TRAIN_RANK_DIED else 'store and actors'} ({again} run again)",
                     {"steps_rerun": rerun, "seconds_to_recover": round(now - t0, 3),
-                     "seconds_lost": round(now - self.saved_at, 3)})
+                     "seconds_lost": round(now - ledger.saved_at, 3)})
         return new, first
-
-
-def carry(old, new) -> None:
-    """The run's fault record and counters go on in the new trainer (summary.json's `faults`, the totals)."""
-    a, b = old.recovery, new.recovery
-    b.faults = new.data_faults.faults = a.faults
-    b.restarts, b.redispatched, b.rows, b.seconds_lost = a.restarts, a.redispatched, a.rows, a.seconds_lost
-    new.data_faults.retries, new.data_faults.failed = dict(old.data_faults.retries), old.data_faults.failed

@@ -1,4 +1,5 @@
-"""Whether a store error means the run's own Mooncake store lost a process (driver/restart.py, driver/trainer.py)."""
+"""Whether a store error means the run's own Mooncake store lost a process (faults/restart.py, driver/step.py);
+the store answers through its protocol (`dead_processes`, store/base.py)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ def dead_store(store, e: BaseException | None) -> list[str]:
     """The dead processes of the run's own Mooncake store (empty: none, or a store the run joined). A read or write
     can fail on a holder's closed connection a moment before the holder's exit shows: after a store error the
     processes are polled for up to DEATH_SHOWS_S more."""
-    cluster = getattr(store, "cluster", None)
-    if cluster is None:
+    dead = store.dead_processes()
+    if dead is None:
         return []
-    dead, deadline = cluster.dead(), time.monotonic() + DEATH_SHOWS_S
+    deadline = time.monotonic() + DEATH_SHOWS_S
     while not dead and store_error(e) and time.monotonic() < deadline:
         time.sleep(0.05)
-        dead = cluster.dead()
+        dead = store.dead_processes()
     return dead

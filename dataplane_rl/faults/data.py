@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from dataplane_rl.errors import DataPlaneError
-from dataplane_rl.rollout.retries import REASONS
+from dataplane_rl.faults.kinds import FaultKind
 
 
 class DataFailureError(DataPlaneError, RuntimeError):
@@ -24,50 +24,46 @@ class DataFailureError(DataPlaneError, RuntimeError):
 
 
 class DataFaults:
-    def __init__(self, trainer, faults: list) -> None:
-        self.t = trainer
-        ft = trainer.cfg.fault_tolerance
-        self.budget, self.tries = ft.max_failed_groups, ft.max_data_retries + 1
-        self.retries = dict.fromkeys(REASONS, 0)
-        self.failed = 0
-        self.faults = faults  # summary.json's list, shared with the rollout actors' recoveries
+    """The failed groups of `fleet`'s rounds, recorded in the run's `ledger`."""
 
-    def counters(self) -> dict:
-        return {**{f"rollout/data_retries_total/{r}": n for r, n in self.retries.items()},
-                "rollout/failed_groups_total": self.failed}
+    def __init__(self, fleet, ledger) -> None:
+        self.fleet, self.ledger = fleet, ledger
+        ft = fleet.cfg.fault_tolerance
+        self.budget, self.tries = ft.max_failed_groups, ft.max_data_retries + 1
 
     def read_round(self, step: int, p, receipts: list[dict], fields, io) -> tuple:
         """A collected round's `fields` on its written rows, and those rows (the failed groups' are not)."""
         failed_rows = []
         for r in receipts:
             for reason, n in r.get("data_retries", {}).items():
-                self.retries[reason] = self.retries.get(reason, 0) + int(n)
+                self.ledger.data_retries[reason] = self.ledger.data_retries.get(reason, 0) + int(n)
             for group, reason, error in r.get("failed_groups", ()):
                 self.fail(step, p.pid, int(group), reason, error)
             failed_rows += r.get("failed_rows", ())
         t0 = time.perf_counter()
         if failed_rows:
             rows = np.setdiff1d(np.arange(sum(len(j.prompts) for j in p.jobs) * p.G), failed_rows)
-            sc = self.t.store.get(p.pid, fields, rows)
+            sc = self.fleet.store.get(p.pid, fields, rows)
         else:
-            sc = self.t.store.get(p.pid, fields)
+            sc = self.fleet.store.get(p.pid, fields)
             rows = np.arange(sc.num_rows)
         io.get_s += time.perf_counter() - t0
         io.driver_bytes_read += sc.nbytes
         return sc, rows
 
     def fail(self, step: int, pid: str, group: int, reason: str, error: str) -> None:
-        self.failed += 1
-        task = self.t.cfg.task.name
+        ledger = self.ledger
+        ledger.failed_groups += 1
+        task = self.fleet.cfg.task.name
         what = (f"step {step}: task '{task}' group {group} (partition {pid}): its {reason} call raised {error} on each "
                 f"of {self.tries} tries (fault_tolerance.max_data_retries={self.tries - 1})")
-        if self.failed > self.budget:
+        if ledger.failed_groups > self.budget:
             raise DataFailureError(f"{what}; fault_tolerance.max_failed_groups={self.budget} groups have failed "
                                    "already, so the run stops here; fix the task's code or raise the budget")
-        self.faults.append({"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": step,
-                            "what": f"{reason} failed", "where": {"task": task, "partition": pid, "group": group},
-                            "error": error, "recovery": "group left out, its place taken from a further round",
-                            "cost": {"rows_left_out": self.t.cfg.grpo.num_generations_per_prompt},
-                            "budget": {"used": self.failed, "of": self.budget, "key": "fault_tolerance.max_failed_groups"}})
-        print(f"{what}; the whole group is left out, never trained; fault_tolerance.max_failed_groups: {self.failed} "
+        ledger.record({"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": step,
+                       "what": FaultKind.data(reason).value, "where": {"task": task, "partition": pid, "group": group},
+                       "error": error, "recovery": "group left out, its place taken from a further round",
+                       "cost": {"rows_left_out": self.fleet.cfg.grpo.num_generations_per_prompt},
+                       "budget": {"used": ledger.failed_groups, "of": self.budget, "key": "fault_tolerance.max_failed_groups"}})
+        print(f"{what}; the whole group is left out, never trained; fault_tolerance.max_failed_groups: {ledger.failed_groups} "
               f"of {self.budget} used", file=sys.stderr, flush=True)

@@ -17,40 +17,19 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dataplane_rl.driver.rollouts import RolloutActorError
-
-
-def first_line(e: BaseException | str) -> str:
-    """An error's (or a text's) first line; an error without text: its type's name."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+from dataplane_rl.faults.kinds import FaultKind, RolloutActorError, first_line
 
 
 class RolloutRecovery:
-    """The driver's record of the rollout actors (pid, node) and of the faults the run survived."""
+    """Dead rollout actors of `fleet` replaced and their jobs run again; what it costs goes to the run's `ledger`."""
 
-    def __init__(self, trainer) -> None:
-        self.t = trainer
-        self.budget = trainer.cfg.fault_tolerance.max_generation_failures
-        self.spec: tuple = ()  # (config dict, torch threads, GPUs per actor): what start() made the actors with
-        self.pids: list[int] = []
+    def __init__(self, fleet, ledger) -> None:
+        self.fleet, self.ledger = fleet, ledger
+        self.budget = fleet.cfg.fault_tolerance.max_generation_failures
         self.weights: dict[int, object] = {}  # weight version -> its state-dict reference, while an open job needs it
-        self.faults: list[dict] = []  # summary.json's `faults`
-        self.restarts = self.redispatched = self.rows = 0
-        self.seconds_lost = 0.0
         self.actors_file: Path | None = None
 
     # -- the actors ---------------------------------------------------------------------------------
-    def spawn(self, slot: int):
-        """A rollout actor on bundle `slot` of the rollout placement group (not yet ready)."""
-        from dataplane_rl.driver import placement
-        from dataplane_rl.rollout.worker import actor_class
-
-        cfg_dict, threads, gpus = self.spec
-        cls = actor_class(self.t.cfg.grpo.async_grpo.in_flight_weight_updates)
-        return cls.options(**placement.options(self.t._groups[0], slot, gpus)).remote(
-            cfg_dict, self.t.model_folder, self.t.store_url, threads)
-
     def record(self, run_dir: Path) -> None:
         """Keep RUN_DIR/actors.json (each rollout actor's and train rank's PID and node, and the processes of the
         run's own Mooncake store) up to date from now on."""
@@ -60,27 +39,19 @@ class RolloutRecovery:
     def write(self) -> None:
         if self.actors_file is None:
             return
-        nodes = self.t.nodes.get("rollout", [])
-        rows = [{"slot": i, "pid": pid, "node": nodes[i] if i < len(nodes) else None} for i, pid in enumerate(self.pids)]
+        f = self.fleet
+        nodes = f.nodes.get("rollout", [])
+        rows = [{"slot": i, "pid": pid, "node": nodes[i] if i < len(nodes) else None} for i, pid in enumerate(f.rollout_pids)]
         tmp = self.actors_file.with_suffix(".json.tmp")
-        train = [{"rank": r, "pid": pid, "node": ip} for r, (pid, ip) in enumerate(zip(self.t.train_pids,
-                                                                                   self.t.nodes.get("train", [])))]
-        cluster = getattr(self.t.store, "cluster", None)  # the run's own Mooncake store: its master and holders
-        store = [] if cluster is None or cluster.master is None else (
-            [{"process": "master", "pid": cluster.master.pid, "node": cluster.host}]
-            + [{"process": "holder", "index": h.index, "pid": h.pid, "node": cluster.host} for h in cluster.holders])
+        train = [{"rank": r, "pid": pid, "node": ip} for r, (pid, ip) in enumerate(zip(f.train_pids, f.nodes.get("train", [])))]
+        store = f.store.processes() if f.store is not None else []  # the run's own Mooncake store: master and holders
         tmp.write_text(json.dumps({"rollout": rows, "train": train, "store": store}, indent=2) + "\n")
         tmp.replace(self.actors_file)
-
-    def counters(self) -> dict:
-        """Run totals for every step's metrics line (0 on a run without faults)."""
-        return {"rollout/redispatch_total": self.redispatched, "rollout/actor_restarts_total": self.restarts,
-                "rollout/rows_regenerated_total": self.rows, "faults/seconds_lost_total": round(self.seconds_lost, 3)}
 
     def keep_weights(self, version: int, ref) -> None:
         """Record the refit of `version`; forget versions no open job was sent with."""
         self.weights[version] = ref
-        need = {p.version for p in self.t.rollouts.open.values()} | {version}
+        need = {p.version for p in self.fleet.rollouts.open.values()} | {version}
         self.weights = {v: r for v, r in self.weights.items() if v in need}
 
     # -- noticing a death ---------------------------------------------------------------------------
@@ -90,9 +61,8 @@ class RolloutRecovery:
         import ray
         from ray.exceptions import RayActorError
 
-        calls = [(i, f) for p in self.t.rollouts.open.values() for i, f in enumerate(p.futures)]
-        calls += [(i, f) for i, a, f in extra if a is self.t.rollout[i]]
-        calls += [(i, f) for i, a, f in self.t._refits if a is self.t.rollout[i]]
+        calls = [(i, f) for p in self.fleet.rollouts.open.values() for i, f in enumerate(p.futures)]
+        calls += [(i, f) for i, a, f in [*extra, *self.fleet.refits] if a is self.fleet.rollout[i]]
         if not calls:
             return set()
         done, _ = ray.wait([f for _, f in calls], num_returns=len(calls), timeout=0)
@@ -114,62 +84,50 @@ class RolloutRecovery:
         if not dead:
             raise self.stop(e, what) from None
         for slot in sorted(dead):
-            if self.restarts >= self.budget:
+            if self.ledger.actor_restarts >= self.budget:
                 raise self.stop(e, what, spent=True) from None
             self.replace(slot, what, first_line(e))
 
     def stop(self, e: BaseException, what: str, spent: bool = False) -> RolloutActorError:
-        why = (f" (fault_tolerance.max_generation_failures={self.budget}: {self.restarts} replaced already)"
+        why = (f" (fault_tolerance.max_generation_failures={self.budget}: {self.ledger.actor_restarts} replaced already)"
                if spent else "")
         return RolloutActorError(f"{what}: a rollout actor died ({first_line(e)}); the run stops here{why}, its folder "
                                  "keeps the steps completed; see the actor's log under /tmp/ray/session_latest/logs")
 
     # -- the replacement ----------------------------------------------------------------------------
     def replace(self, slot: int, what: str, error: str) -> None:
-        import ray
-
-        from dataplane_rl.driver import placement
-
+        f, ledger = self.fleet, self.ledger
         t0 = time.perf_counter()
-        old, old_pid = self.t.rollout[slot], self.pids[slot]
-        node = self.t.nodes["rollout"][slot]
+        old_pid, node = f.rollout_pids[slot], f.nodes["rollout"][slot]
+        ledger.actor_restarts += 1
         try:
-            ray.kill(old)  # already dead: this only frees its name and resources at once
-        except Exception:  # noqa: BLE001 - a dead actor may refuse the kill; it is gone either way
-            pass
-        self.t._refits = [(i, a, f) for i, a, f in self.t._refits if a is not old]
-        self.restarts += 1
-        actor = self.spawn(slot)
-        try:
-            pid = ray.get(actor.ready.remote(), timeout=placement.READY_TIMEOUT_S)
+            pid = f.replace_rollout(slot)
         except Exception as e:  # noqa: BLE001 - any failure to start ends the run, as the death did before
             raise RolloutActorError(f"{what}: rollout actor {slot} died ({error}) and its replacement did not start "
-                                    f"within {placement.READY_TIMEOUT_S:.0f} s ({first_line(e)}); the run stops here, "
+                                    f"within {f.ready_timeout_s:.0f} s ({first_line(e)}); the run stops here, "
                                     "its folder keeps the steps completed") from None
-        self.t.rollout[slot], self.pids[slot] = actor, pid
-        self.t.nodes["rollout"][slot] = placement.node_ips([actor])[0]
-        jobs, rows = self.redispatch(slot, actor)
+        jobs, rows = self.redispatch(slot, f.rollout[slot])
         lost = time.perf_counter() - t0
-        self.seconds_lost += lost
-        self.redispatched += jobs
-        self.faults.append({"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": self.t.in_step,
-                            "during": what, "what": "rollout actor died", "where": {"slot": slot, "pid": old_pid, "node": node},
-                            "error": error, "recovery": f"replaced by pid {pid} on {self.t.nodes['rollout'][slot]}",
-                            "cost": {"jobs_redispatched": jobs, "rows_redispatched": rows,
-                                     "seconds_to_replace": round(lost, 3)},
-                            "budget": {"used": self.restarts, "of": self.budget,
-                                       "key": "fault_tolerance.max_generation_failures"}})
+        ledger.seconds_lost += lost
+        ledger.redispatched += jobs
+        ledger.record({"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": f.in_step,
+                       "during": what, "what": FaultKind.ROLLOUT_ACTOR_DIED.value,
+                       "where": {"slot": slot, "pid": old_pid, "node": node},
+                       "error": error, "recovery": f"replaced by pid {pid} on {f.nodes['rollout'][slot]}",
+                       "cost": {"jobs_redispatched": jobs, "rows_redispatched": rows, "seconds_to_replace": round(lost, 3)},
+                       "budget": {"used": ledger.actor_restarts, "of": self.budget,
+                                  "key": "fault_tolerance.max_generation_failures"}})
         print(f"{what}: rollout actor {slot} (pid {old_pid} on {node}) died ({error}); replaced by pid {pid}, "
               f"{jobs} unfinished job(s) ({rows} rows) dispatched again; fault_tolerance.max_generation_failures: "
-              f"{self.restarts} of {self.budget} used", file=sys.stderr, flush=True)
+              f"{ledger.actor_restarts} of {self.budget} used", file=sys.stderr, flush=True)
         self.write()
 
     def redispatch(self, slot: int, actor) -> tuple[int, int]:
         """Send the slot's unfinished jobs of every open round to `actor`, in send order, each after the
         weights it was first sent with; end on the current weights. Returns (jobs, rows) sent."""
         loaded, jobs, rows = 0, 0, 0  # a new actor holds the initial weights, version 0
-        for p in self.t.rollouts.open.values():
-            if slot >= len(p.jobs) or self._succeeded(p.futures[slot]):
+        for p in self.fleet.rollouts.open.values():
+            if slot >= len(p.jobs) or succeeded(p.futures[slot]):
                 continue
             if p.version != loaded:
                 actor.load_weights.remote(self.weights[p.version], p.version)
@@ -177,22 +135,11 @@ class RolloutRecovery:
             job = dataclasses.replace(p.jobs[slot], retry=True)
             p.futures[slot] = actor.generate.remote(job)
             jobs, rows = jobs + 1, rows + len(job.group_ids) * p.G
-        if self.t.policy_ref is not None and loaded != self.t.version:
+        f = self.fleet
+        if f.policy_ref is not None and loaded != f.version:
             # sync: lands before the next round's call; async: checked with the other refits
-            self.t._refits.append((slot, actor, actor.load_weights.remote(self.t.policy_ref, self.t.version)))
+            f.refits.append((slot, actor, actor.load_weights.remote(f.policy_ref, f.version)))
         return jobs, rows
-
-    @staticmethod
-    def _succeeded(future) -> bool:
-        import ray
-
-        if not ray.wait([future], timeout=0)[0]:
-            return False
-        try:
-            ray.get(future, timeout=0)
-            return True
-        except Exception:  # noqa: BLE001 - failed for any reason: run it again
-            return False
 
     # -- calls on every actor -----------------------------------------------------------------------
     def on_all(self, what: str, method: str, *per_slot_args) -> list:
@@ -203,7 +150,7 @@ class RolloutRecovery:
 
         while True:
             calls = [(i, a, getattr(a, method).remote(*(args[i] for args in per_slot_args)))
-                     for i, a in enumerate(self.t.rollout)]
+                     for i, a in enumerate(self.fleet.rollout)]
             try:
                 return ray.get([f for _, _, f in calls])
             except RayActorError as e:
@@ -215,19 +162,32 @@ class RolloutRecovery:
         from ray.exceptions import RayActorError
 
         while True:
-            refits = self.t._refits
+            fleet, refits = self.fleet, list(self.fleet.refits)
             done, _ = ray.wait([f for _, _, f in refits], num_returns=len(refits), timeout=0)
             done = set(done)
-            self.t._refits = [r for r in refits if r[2] not in done]
+            fleet.refits[:] = [r for r in refits if r[2] not in done]
             try:
                 return max(ray.get([f for _, _, f in refits if f in done]), default=0.0)
             except RayActorError as e:
-                self.t._refits += [r for r in refits if r[2] in done]  # dead_slots() looks at them
+                fleet.refits += [r for r in refits if r[2] in done]  # dead_slots() looks at them
                 self.survive(e, what)
-                self.t._refits = [r for r in self.t._refits if r[2] not in done]
+                fleet.refits[:] = [r for r in fleet.refits if r[2] not in done]
 
     def collected(self, receipts: list[dict]) -> None:
         """Count the rows a retried job wrote (the cells its first attempt had not committed) and its seconds."""
         again = [r for r in receipts if "rows_regenerated" in r]
-        self.rows += sum(int(r["rows_regenerated"]) for r in again)
-        self.seconds_lost += sum(float(r["generate_s"]) for r in again)
+        self.ledger.rows_regenerated += sum(int(r["rows_regenerated"]) for r in again)
+        self.ledger.seconds_lost += sum(float(r["generate_s"]) for r in again)
+
+
+def succeeded(future) -> bool:
+    """Whether a Ray call is done without error (failed for any reason: run it again)."""
+    import ray
+
+    if not ray.wait([future], timeout=0)[0]:
+        return False
+    try:
+        ray.get(future, timeout=0)
+        return True
+    except Exception:  # noqa: BLE001 - failed for any reason: run it again
+        return False

@@ -1,0 +1,79 @@
+"""A run: its folder, its loggers, the Ray it owns and its fault ledger; it outlives every Fleet of its processes.
+
+An in-run resume (faults/restart.py) closes one Fleet and starts another; the Run, and with it Ray and the
+ledger of the faults survived, stays. `driver/loop.py` makes one Run per `train`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dataplane_rl.run import private_ray
+from dataplane_rl.run.ledger import FaultLedger
+
+
+class RayOwner:
+    """Ray for the run: joined if running, else started here (private to this user unless cluster.address
+    names a cluster) and shut down by `stop`."""
+
+    def __init__(self) -> None:
+        self.started = False  # this process started Ray, so stop() shuts it down
+        self.lost = False  # Ray's processes were stopped under us (a SIGTERM to the group): wait on nothing of it
+        self.unprivate = None  # undoes private_ray.make_private once Ray is shut down
+
+    def start(self, cfg) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        if not cfg.cluster.address:
+            self.unprivate = private_ray.make_private()
+        # set first: a Ctrl-C inside ray.init must still shut down what it started (stop())
+        self.started = True
+        # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
+        # even a dead `ray start` head, instead of starting this run's own instance
+        ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
+                 include_dashboard=cfg.cluster.include_dashboard, logging_level="WARNING", log_to_driver=True)
+        private_ray.stop_unused(cfg)  # Ray's dashboard and monitor, which nothing of the run uses
+        # after the join: ray.init(address="auto") turns token auth on when it finds the user's token
+        for line in (private_ray.open_warning(cfg), private_ray.security_line(cfg)):
+            if line:
+                print(line, file=sys.stderr)
+
+    def stop(self) -> None:
+        import ray
+
+        if self.started and self.lost:
+            # ray.shutdown (and Ray's own atexit call of it) would block ~20-60 s in the core
+            # worker's goodbye to a dead raylet; the CLI's reaper stops what is left of Ray
+            import atexit
+
+            atexit.unregister(ray.shutdown)
+            self.started = False
+        elif self.started:
+            ray.shutdown()
+            self.started = False
+        if self.unprivate is not None:
+            self.unprivate()
+            self.unprivate = None
+
+
+class Run:
+    """What one `train` owns beyond its processes: the folder (run/folder.py RunDir), the loggers once the run
+    has started, the Ray it owns and the fault ledger (run/ledger.py)."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+        self.path = folder.path
+        self.loggers = None
+        self.ray = RayOwner()
+        self.ledger = FaultLedger()
+
+    def open_loggers(self, cfg) -> None:
+        from dataplane_rl.run.loggers import MetricLoggers
+
+        self.loggers = MetricLoggers(cfg.logger, self.path, cfg.model_dump(mode="json", by_alias=True))
+
+    def close_loggers(self) -> None:
+        if self.loggers is not None:
+            self.loggers.close()
