@@ -23,8 +23,6 @@ partition.
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -35,12 +33,10 @@ import pyarrow as pa
 
 from dataplane_rl.errors import (
     AlignmentError,
-    ConfigError,
     DataPlaneError,
     DuplicateWriteError,
     PartitionNotFoundError,
     SchemaError,
-    StoreTimeoutError,
     StoreUnavailableError,
     format_rows,
 )
@@ -263,45 +259,6 @@ class ColumnStore(Reads, Capabilities, ABC):
                 written[c] += len(ref.rows)
                 nbytes[c] += n
         return PartitionStatus(pid, schema.name, snap.meta.num_rows, written, nbytes)
-
-    def ready(self, pid: str, fields: str | Sequence[str]) -> np.ndarray:
-        """The rows (sorted int64) on which every named field is written. Reads the catalog, never data."""
-        self._check_open()
-        snap = self._snap(pid)
-        fields = self._field_list(pid, snap.meta, fields, "ready")
-        idx = self._index_of(snap)
-        with idx.lock:
-            return idx.ready(fields)
-
-    def wait(self, pid: str, fields: str | Sequence[str], rows: Any = None, timeout: float = 60.0) -> np.ndarray:
-        """Block until every named field is written on `rows` (default all); return those rows.
-
-        Raises StoreTimeoutError after `timeout` seconds naming the rows and fields still missing, and
-        PartitionNotFoundError at once if the partition does not exist (or is dropped while waiting)."""
-        self._check_open()
-        # NaN compares false with every deadline (a wait that never ends); a string fails deep in the loop
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) or timeout < 0:
-            raise ConfigError(f"partition {pid} wait: timeout={timeout!r} must be a finite number of seconds >= 0")
-        snap = self._snap(pid)
-        fields = self._field_list(pid, snap.meta, fields, "wait")
-        want = self._rows(pid, snap.meta, rows, unique=False)
-        deadline = time.monotonic() + timeout
-        pause = 0.0005
-        while True:
-            idx = self._index_of(snap)
-            with idx.lock:
-                missing = {f: lack for f in fields if (lack := idx.unwritten(f, want)).size}
-            if not missing:
-                return want
-            left = deadline - time.monotonic()
-            if left <= 0:
-                detail = "; ".join(f"{f}: rows {format_rows(np.unique(r))}" for f, r in missing.items())
-                raise StoreTimeoutError(f"partition {pid}: waited {timeout:g} s and these cells are still unwritten: "
-                                        f"{detail}; check that the writer is alive, or raise the timeout")
-            # back off from 0.5 ms to 20 ms: one catalog read per wake-up, no spinning
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.02)
-            snap = self._snapshot(pid)
 
     def list_partitions(self) -> list[str]:
         self._check_open()

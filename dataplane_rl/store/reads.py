@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import numbers
+import time
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from dataplane_rl.errors import CorruptChunkError, MissingColumnError, format_rows
+from dataplane_rl.errors import ConfigError, CorruptChunkError, MissingColumnError, StoreTimeoutError, format_rows
 from dataplane_rl.store.arrow import block_columns, block_schema, schema_of
 from dataplane_rl.store.chunks import ChunkRef, Mismatch, PartitionMeta, Snapshot, decode_block
 from dataplane_rl.store.index import as_slice
@@ -15,7 +18,47 @@ from dataplane_rl.store.rows import distinct, gather, runs_of
 
 
 class Reads:
-    """ColumnStore's read path (a mixin: it uses the store's `_index_of`, `_read` and `_counters`)."""
+    """ColumnStore's read path (a mixin: it uses the store's `_index_of`, `_read`, `_snap`, `_snapshot`, `_rows`,
+    `_field_list` and `_counters`): readiness, waiting, and how a get becomes a table."""
+
+    def ready(self, pid: str, fields: str | Sequence[str]) -> np.ndarray:
+        """The rows (sorted int64) on which every named field is written. Reads the catalog, never data."""
+        self._check_open()
+        snap = self._snap(pid)
+        fields = self._field_list(pid, snap.meta, fields, "ready")
+        idx = self._index_of(snap)
+        with idx.lock:
+            return idx.ready(fields)
+
+    def wait(self, pid: str, fields: str | Sequence[str], rows: Any = None, timeout: float = 60.0) -> np.ndarray:
+        """Block until every named field is written on `rows` (default all); return those rows.
+
+        Raises StoreTimeoutError after `timeout` seconds naming the rows and fields still missing, and
+        PartitionNotFoundError at once if the partition does not exist (or is dropped while waiting)."""
+        self._check_open()
+        # NaN compares false with every deadline (a wait that never ends); a string fails deep in the loop
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) or timeout < 0:
+            raise ConfigError(f"partition {pid} wait: timeout={timeout!r} must be a finite number of seconds >= 0")
+        snap = self._snap(pid)
+        fields = self._field_list(pid, snap.meta, fields, "wait")
+        want = self._rows(pid, snap.meta, rows, unique=False)
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while True:
+            idx = self._index_of(snap)
+            with idx.lock:
+                missing = {f: lack for f in fields if (lack := idx.unwritten(f, want)).size}
+            if not missing:
+                return want
+            left = deadline - time.monotonic()
+            if left <= 0:
+                detail = "; ".join(f"{f}: rows {format_rows(np.unique(r))}" for f, r in missing.items())
+                raise StoreTimeoutError(f"partition {pid}: waited {timeout:g} s and these cells are still unwritten: "
+                                        f"{detail}; check that the writer is alive, or raise the timeout")
+            # back off from 0.5 ms to 20 ms: one catalog read per wake-up, no spinning
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.02)
+            snap = self._snapshot(pid)
 
     def _table(self, snap: Snapshot, fields: list[str], rows: np.ndarray) -> pa.Table:
         """`fields` of `rows` from the blocks of `snap`: each block read and checksummed once, and rows
