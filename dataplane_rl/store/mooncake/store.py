@@ -237,7 +237,8 @@ class MooncakeStore(ColumnStore):
         return Snapshot(part.meta, part.refs)
 
     def _put(self, pid: str, columns, rows) -> int:
-        self._putting.cached = pid in self._catalog.parts
+        # a pid that is no string is refused by the base's checks, with the error that names it
+        self._putting.cached = isinstance(pid, str) and pid in self._catalog.parts
         try:
             return super()._put(pid, columns, rows)
         except PartitionNotFoundError:
