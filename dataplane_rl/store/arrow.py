@@ -1,12 +1,13 @@
-"""Arrow at the store's edges: user data in (coercion to the declared types, one fast validation pass),
-Arrow columns out (zero-copy numpy views, padded [B, T] tensors with masks), the one offsets-to-ListArray
-builder everything else uses, and each partition schema's decoded form and Arrow types, cached by its text."""
+"""Arrow at the store's edges: user data in (coercion to the declared types, one fast validation pass, a
+put's columns as flat buffers cut into row blocks), Arrow columns out (zero-copy numpy views, padded
+[B, T] tensors with masks), the one offsets-to-ListArray builder everything else uses, and each partition
+schema's decoded form and Arrow types, cached by its text."""
 
 from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -14,7 +15,7 @@ import pyarrow as pa
 from dataplane_rl.errors import SchemaError
 from dataplane_rl.schema import Column, Schema, inner_shape
 from dataplane_rl.schema.types import type_name
-from dataplane_rl.store.chunks import Columns, Part, PartitionMeta, nest, part_bytes
+from dataplane_rl.store.chunks import Block, Columns, Part, PartitionMeta, block_layout, nest, part_bytes, token_width
 
 
 # ---- per-schema caches: decoded and built once per process, keyed by the schema's JSON text -------
@@ -280,12 +281,14 @@ def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | N
             return None
         lengths = arr.to_numpy(zero_copy_only=False)
     info = _column_info(schema)
-    ends = None  # [B] int32 offsets a token column starting at 0 must end its rows at
+    ends = None  # the bytes of the [B] int32 offsets a token column starting at 0 must end its rows at
     parts, sizes = [], []
+    # one pass, few Python steps per column: this runs for every column of every put (issue 47)
     for name, arr in arrays.items():
         token, has_offsets, finite, is_bool, shaped = info[name]
         if validate and arr.null_count:
             return None
+        finite = validate and finite
         if has_offsets:
             offsets = offsets_view(arr)  # [B+1], of this slice's rows
             first, last = int(offsets[0]), int(offsets[-1])
@@ -295,8 +298,8 @@ def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | N
                         return None
                     if first == 0:  # the common case: one memcmp of the offsets, no diff array
                         if ends is None:
-                            ends = lengths.cumsum(dtype=np.int32)  # wraps only where int32 offsets cannot match
-                        if offsets[1:].tobytes() != ends.tobytes():
+                            ends = lengths.cumsum(dtype=np.int32).tobytes()  # wraps only where int32 offsets cannot match
+                        if offsets[1:].tobytes() != ends:
                             return None
                     elif not np.array_equal(np.diff(offsets), lengths):
                         return None
@@ -313,12 +316,46 @@ def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | N
             else:  # string: offsets index its data buffer
                 values = np.frombuffer(arr.buffers()[2], dtype=np.uint8, count=last)[first:] if last else \
                     np.zeros(0, dtype=np.uint8)
-            part = Part(offsets, values, validate and finite)
+            parts.append(Part(offsets, values, finite))
+            sizes.append(((values.size + 7) >> 3 if is_bool else values.nbytes) + 4 * (offsets.size - 1))
         else:
             values = arr.to_numpy(zero_copy_only=not is_bool)
-            part = Part(None, values, validate and finite)
-        parts.append(part)
-        sizes.append(part_bytes(part))
+            parts.append(Part(None, values, finite))
+            sizes.append((values.size + 7) >> 3 if is_bool else values.nbytes)
     if validate and lengths is not None and len(lengths) and int(lengths.min()) < 0:
         return None
     return parts, sizes
+
+
+def make_blocks(rows: np.ndarray, names: tuple[str, ...], parts: Sequence[Part], sizes: Sequence[int],
+                limit: int) -> list[Block]:
+    """Cut a put into row blocks of about `limit` bytes each (at least one block; split by bytes, not
+    rows, so long rows do not make one block huge)."""
+    n = rows.size
+    offs = tuple(p.offsets is not None for p in parts)
+    if not n or sum(sizes) <= limit:
+        return [Block(rows, names, tuple(parts), tuple(sizes), *block_layout(offs, n, tuple(sizes)))]
+    # cum[r]: the bytes of rows 0..r-1, from each column's offsets (no per-row array per column)
+    r = np.arange(n + 1, dtype=np.float64)  # [n+1]
+    fixed = sum(p.values.itemsize for p in parts if p.offsets is None)
+    cum = r * (fixed + 4 * sum(offs))  # [n+1]
+    for p in parts:
+        if p.offsets is not None:
+            cum += (p.offsets - p.offsets[0]) * (p.values.itemsize * token_width(p.values))
+    total = float(cum[-1])
+    k = max(1, min(n, int(-(-total // limit))))
+    cuts = np.searchsorted(cum[1:], total * np.arange(1, k) / k, side="right").tolist() if k > 1 else []
+    bounds = sorted({0, n, *cuts})
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        sub = []
+        for p in parts:
+            if p.offsets is None:
+                sub.append(p._replace(values=p.values[lo:hi]))
+            else:
+                first = int(p.offsets[0])
+                sub.append(p._replace(offsets=p.offsets[lo:hi + 1],
+                                      values=p.values[int(p.offsets[lo]) - first:int(p.offsets[hi]) - first]))
+        size = tuple(part_bytes(p) for p in sub)
+        out.append(Block(rows[lo:hi], names, tuple(sub), size, *block_layout(offs, hi - lo, size)))
+    return out

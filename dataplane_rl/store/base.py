@@ -42,9 +42,9 @@ from dataplane_rl.errors import (
 )
 from dataplane_rl.schema import Schema, load_schema
 from dataplane_rl.store import stats
-from dataplane_rl.store.arrow import arrow_types, flatten, schema_of, to_arrow
+from dataplane_rl.store.arrow import arrow_types, flatten, make_blocks, schema_of, to_arrow
 from dataplane_rl.store.capabilities import Capabilities
-from dataplane_rl.store.chunks import PID, Block, ChunkRef, NotFinite, PartitionMeta, Snapshot, make_blocks
+from dataplane_rl.store.chunks import PID, Block, ChunkRef, NotFinite, PartitionMeta, Snapshot
 from dataplane_rl.store.index import RowIndex, as_slice, overlap
 from dataplane_rl.store.reads import Reads
 from dataplane_rl.store.stats import PartitionStatus
@@ -171,11 +171,26 @@ class ColumnStore(Reads, Capabilities, ABC):
 
     def _put(self, pid: str, columns: Mapping[str, Any], rows: Any) -> int:
         known = self._known_snapshot(pid) if isinstance(pid, str) and pid in self._known else None
-        snap = known or self._snap(pid)
+        if known is None:
+            return self._put_from(pid, self._snap(pid), False, columns, rows)
+        try:
+            return self._put_from(pid, known, True, columns, rows)
+        except PartitionNotFoundError as e:
+            # what this process knew is gone: dropped (the commit saw it), and maybe made again: look it up
+            self._forget(pid)
+            try:
+                snap = self._snap(pid)
+            except PartitionNotFoundError:
+                raise e from None
+            return self._put_from(pid, snap, False, columns, rows)
+
+    def _put_from(self, pid: str, snap: Snapshot, known: bool, columns: Mapping[str, Any], rows: Any) -> int:
+        """A put starting from `snap`: this process's own knowledge of the partition if `known` (no catalog
+        read; a stale one ends in PartitionNotFoundError before anything is committed), else a fresh read."""
         meta, schema = snap.meta, schema_of(snap.meta)
         rows = self._rows(pid, meta, rows, unique=True)
         where = PutWhere(pid, rows)
-        if not isinstance(columns, Mapping):
+        if type(columns) is not dict and not isinstance(columns, Mapping):  # dict first: an ABC check costs µs
             raise SchemaError(f"{where} columns must be a mapping {{column name: data}}, got {type(columns).__name__}")
         if not columns:
             raise SchemaError(f"{where} no columns given; pass {{column: data}}")
@@ -190,9 +205,10 @@ class ColumnStore(Reads, Capabilities, ABC):
             want = types[name]
             arrays[name] = data if type(data) is not pa.ChunkedArray and getattr(data, "type", None) == want \
                 and isinstance(data, pa.Array) else to_arrow(by_name[name], data, where, want)
-        bad = {k: len(a) for k, a in arrays.items() if len(a) != len(rows)}
-        if bad:
-            desc = ", ".join(f"'{k}' has {n}" for k, n in bad.items())
+        n = len(rows)
+        if any(len(a) != n for a in arrays.values()):
+            bad = {k: len(a) for k, a in arrays.items() if len(a) != n}
+            desc = ", ".join(f"'{k}' has {m}" for k, m in bad.items())
             raise AlignmentError(f"{where} {desc} values for {len(rows)} rows; every column in one put must "
                                  "cover exactly the given rows")
         if not len(rows):  # checked and nothing to write: no block on any backend (Mooncake refuses an empty object)

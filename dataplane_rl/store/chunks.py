@@ -54,12 +54,20 @@ def rows_to_spans(rows: np.ndarray) -> list[list[int]]:
     if n == 0:
         return []
     first, last = int(rows[0]), int(rows[-1])
-    if last - first == n - 1 and (n == 1 or bool((rows[1:] - rows[:-1] == 1).all())):
+    if last - first == n - 1 and (n == 1 or is_run(rows)):
         return [[first, last + 1]]  # the common case, one run: no per-run bookkeeping
     breaks = np.flatnonzero(np.diff(rows) != 1) + 1  # [S-1]
     starts = np.concatenate([[0], breaks])  # [S]
     ends = np.concatenate([breaks, [n]])  # [S]
     return np.stack([rows[starts], rows[ends - 1] + 1], axis=1).astype(np.int64).tolist()
+
+
+def is_run(rows: np.ndarray) -> bool:
+    """`rows` (at least one) count up by one: a put of a range. Short ones in Python (faster than numpy here)."""
+    n, first = rows.size, int(rows[0])
+    if int(rows[-1]) - first != n - 1:
+        return False
+    return rows.tolist() == list(range(first, first + n)) if n <= 64 else bool((rows[1:] - rows[:-1] == 1).all())
 
 
 def spans_to_rows(spans: Iterable[Sequence[int]]) -> np.ndarray:
@@ -108,13 +116,17 @@ def _names_json(columns: tuple[str, ...]) -> str:
     return json.dumps(list(columns))
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9@/._-]*")  # a key JSON writes as it is (every key this package makes)
+
+
 def _ref_json(r: ChunkRef) -> str:
     """json.dumps(r.to_json()), the same text, built without the dict and the encoder's walk of it."""
     spans = rows_to_spans(r.rows)
     rows = f"[[{spans[0][0]}, {spans[0][1]}]]" if len(spans) == 1 else \
         "[" + ", ".join([f"[{a}, {b}]" for a, b in spans]) + "]"  # json.dumps' text, without its encoder
     sizes, digests = ", ".join(map(str, r.sizes)), ", ".join(map(str, r.checksums))
-    return (f'{{"columns": {_names_json(r.columns)}, "rows": {rows}, "key": {json.dumps(r.key)}, '
+    key = f'"{r.key}"' if _PLAIN.fullmatch(r.key) else json.dumps(r.key)
+    return (f'{{"columns": {_names_json(r.columns)}, "rows": {rows}, "key": {key}, '
             f'"nbytes": {int(r.nbytes)}, "checksums": [{digests}], "sizes": [{sizes}]}}')
 
 
@@ -193,6 +205,7 @@ class Block:
     columns: tuple[str, ...]
     parts: tuple[Part, ...]
     sizes: tuple[int, ...]
+    where: tuple  # block_layout's placement of each column
     nbytes: int
 
 
@@ -262,40 +275,6 @@ def nest(values: pa.Array, shape: Sequence[int]) -> pa.Array:
     return values
 
 
-def make_blocks(rows: np.ndarray, names: tuple[str, ...], parts: Sequence[Part], sizes: Sequence[int],
-                limit: int) -> list[Block]:
-    """Cut a put into row blocks of about `limit` bytes each (at least one block; split by bytes, not
-    rows, so long rows do not make one block huge)."""
-    n = rows.size
-    offs = tuple(p.offsets is not None for p in parts)
-    if not n or sum(sizes) <= limit:
-        return [Block(rows, names, tuple(parts), tuple(sizes), block_layout(offs, n, tuple(sizes))[1])]
-    # cum[r]: the bytes of rows 0..r-1, from each column's offsets (no per-row array per column)
-    r = np.arange(n + 1, dtype=np.float64)  # [n+1]
-    fixed = sum(p.values.itemsize for p in parts if p.offsets is None)
-    cum = r * (fixed + 4 * sum(offs))  # [n+1]
-    for p in parts:
-        if p.offsets is not None:
-            cum += (p.offsets - p.offsets[0]) * (p.values.itemsize * token_width(p.values))
-    total = float(cum[-1])
-    k = max(1, min(n, int(-(-total // limit))))
-    cuts = np.searchsorted(cum[1:], total * np.arange(1, k) / k, side="right").tolist() if k > 1 else []
-    bounds = sorted({0, n, *cuts})
-    out = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        sub = []
-        for p in parts:
-            if p.offsets is None:
-                sub.append(p._replace(values=p.values[lo:hi]))
-            else:
-                first = int(p.offsets[0])
-                sub.append(p._replace(offsets=p.offsets[lo:hi + 1],
-                                      values=p.values[int(p.offsets[lo]) - first:int(p.offsets[hi]) - first]))
-        size = tuple(part_bytes(p) for p in sub)
-        out.append(Block(rows[lo:hi], names, tuple(sub), size, block_layout(offs, hi - lo, size)[1]))
-    return out
-
-
 def layout(blocks: Sequence[Block]) -> tuple[list[int], int]:
     """Offsets of a put's blocks packed into one object or file, each 64-byte aligned, and its size."""
     offsets, at = [], 0
@@ -309,38 +288,50 @@ def layout(blocks: Sequence[Block]) -> tuple[list[int], int]:
 def write_block(dest: np.ndarray, block: Block) -> tuple[int, ...]:
     """Write `block` into `dest` (writable uint8, at least block.nbytes, 64-byte aligned); return its
     checksums, each of the bytes as written. One copy per buffer, no per-row work; a column's values go
-    piece by piece, each checksummed (and, for a `finite` part, checked: NotFinite) while it is in cache."""
+    piece by piece, each checksummed (and, for a `finite` part, checked: NotFinite) while it is in cache;
+    a column of one piece (most of a GRPO group's) in one step: this runs per column of every put."""
     n = block.rows.size
-    where, _ = block_layout(tuple(p.offsets is not None for p in block.parts), n, block.sizes)
     digests = []
-    for i, (part, place) in enumerate(zip(block.parts, where)):
-        o_at, v_at, vbytes, _ = place
+    for i, (part, (o_at, v_at, vbytes, _)) in enumerate(zip(block.parts, block.where)):
+        start = v_at
         if o_at >= 0:
-            src, first = part.offsets, int(part.offsets[0])
+            start = o_at
+            src = part.offsets
             o = dest[o_at:o_at + 4 * (n + 1)].view(np.int32)
+            first = int(src[0])
             if first:
                 np.subtract(src, first, out=o)
             else:
                 o[:] = src
-        values = part.values.reshape(-1)  # [N * K] of a shaped column: a view (its values are C-contiguous)
+        values = part.values
+        if values.ndim != 1:  # [N, K] of a shaped column: a view (its values are C-contiguous)
+            values = values.reshape(-1)
         if values.dtype == np.bool_:
             values = np.packbits(values, bitorder="little")
+        end = v_at + vbytes
+        if end - start <= PIECE:  # one piece: the offsets (if any) and all the values
+            piece = dest[v_at:end]
+            piece[:] = values.view(np.uint8)
+            if part.finite and not _finite(piece.view(values.dtype)):
+                raise NotFinite(i)
+            digests.append(checksum(dest[start:end]))
+            continue
         raw = values.view(np.uint8)
-        start, end = _region(place)
         for at in range(start, end, PIECE):
             stop = min(at + PIECE, end)
-            a, b = max(at, v_at), stop  # the piece's values: it may start with the offsets
-            if b > a:
-                piece = dest[a:b]
-                piece[:] = raw[a - v_at:b - v_at]
-                if part.finite:
-                    # v.v is NaN or inf if any value is (it may also overflow on huge finite values: then
-                    # the exact check decides). One BLAS pass over bytes still in cache, no temporary array
-                    x = piece.view(values.dtype)
-                    if not math.isfinite(np.dot(x, x)):
-                        raise NotFinite(i)
+            a = max(at, v_at)  # the piece's values: it may start with the offsets
+            if stop > a:
+                piece = dest[a:stop]
+                piece[:] = raw[a - v_at:stop - v_at]
+                if part.finite and not _finite(piece.view(values.dtype)):
+                    raise NotFinite(i)
             digests.append(checksum(dest[at:stop]))
     return tuple(digests)
+
+
+def _finite(x: np.ndarray) -> bool:
+    """v.v is NaN or inf if any value is (or overflows on huge finite values: the exact check decides)."""
+    return math.isfinite(np.dot(x, x))
 
 
 def encode_block(block: Block) -> tuple[pa.Buffer, tuple[int, ...]]:

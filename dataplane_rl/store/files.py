@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import pwd
 import re
 import stat
-from typing import Iterator
 
 from dataplane_rl.errors import CorruptChunkError, StoreUnavailableError
 from dataplane_rl.store.chunks import checksum
@@ -78,16 +76,6 @@ def open_file(path: str, flags: int, mode: int = FILE_MODE, *, folder: str | Non
         raise
 
 
-@contextlib.contextmanager
-def flocked(fd: int, mode: int = fcntl.LOCK_EX) -> Iterator[None]:
-    """Hold an flock (`mode`: LOCK_EX or LOCK_SH) on `fd` for the block."""
-    fcntl.flock(fd, mode)
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-
 def create_file(path: str, data: bytes = b"") -> None:
     """Make a new private file holding `data` (O_EXCL: never reuses a name), or none at all: a write that
     fails (a full filesystem) removes the file, so no empty marker or metadata file is left to misread."""
@@ -134,3 +122,22 @@ def unframe(data: bytes, path: str) -> str:
         raise CorruptChunkError(f"shm metadata {path} is damaged ({len(data)} bytes, checksum mismatch); the "
                                 "partition cannot be trusted, drop it and regenerate the step")
     return body.decode()
+
+
+class OSErrorsAs:
+    """`with OSErrorsAs(convert, what, arg, need):` an OSError in the block goes to `convert(e, "what arg", need)`
+    (just `what` without `arg`), which raises the caller's own error for it or returns (then the OSError goes
+    on). A class, not a generator context manager: a put enters several, and a generator's set-up costs µs."""
+
+    __slots__ = ("convert", "what", "arg", "need")
+
+    def __init__(self, convert, what: str, arg: str = "", need: int = 0) -> None:
+        self.convert, self.what, self.arg, self.need = convert, what, arg, need
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if kind is not None and issubclass(kind, OSError):
+            self.convert(e, f"{self.what} {self.arg}" if self.arg else self.what, self.need)
+        return False

@@ -20,6 +20,7 @@ PREFIX = "dataplane_store_"
 COUNTERS = ("puts_total", "put_bytes_total", "put_seconds_total", "gets_total", "get_bytes_total",
             "get_seconds_total", "retries_total")  # retries: transient backend answers tried again
 REFUSALS = PREFIX + "refusals_total"
+_CALL_KEYS = {op: (f"{op}s_total", f"{op}_bytes_total", f"{op}_seconds_total") for op in ("put", "get")}
 FLUSH_EVERY_S = 1.0  # how often a process writes its counters where other processes can add them up
 
 
@@ -41,11 +42,12 @@ class Counters:
         self.flushed = float("-inf")  # the first call shares at once: a short-lived writer shows up too
 
     def call(self, op: str, nbytes: int, seconds: float) -> None:
+        calls, moved, secs = _CALL_KEYS[op]
         with self._lock:
             v = self.values
-            v[f"{op}s_total"] += 1
-            v[f"{op}_bytes_total"] += nbytes
-            v[f"{op}_seconds_total"] += seconds
+            v[calls] += 1
+            v[moved] += nbytes
+            v[secs] += seconds
 
     def retry(self) -> None:
         with self._lock:

@@ -33,7 +33,6 @@ from dataplane_rl.store import chunks
 from dataplane_rl.store.arrow import schema_of
 from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot
 from dataplane_rl.store.files import open_file
-from dataplane_rl.store.index import as_slice
 from dataplane_rl.store.shm.catalog import LOGS, Log
 from dataplane_rl.store.shm.logs import Tail, empty_log
 
@@ -63,16 +62,12 @@ class ShmCommit:
     """ShmStore's `_commit` hook (a mixin over ShmCatalog: it uses the store's logs, locks and errors)."""
 
     def _known_snapshot(self, pid: str) -> Snapshot | None:
-        """What this process knows of the partition, if the folder is still that incarnation (one lstat):
-        a put needs no more, its commit checks the claims (base.py)."""
+        """What this process knows of the partition: a put needs no more, its commit checks the claims and,
+        under the claims' lock, that the folder is still this incarnation (a stale one: the put fails with
+        PartitionNotFoundError before committing anything, and base.py looks the partition up again)."""
         with self._refs_lock:
             log = self._logs.get(pid)
-        try:
-            if log is None or str(os.lstat(f"{self._dir}/{pid}").st_ino) != log.token:
-                return None
-        except OSError:
-            return None
-        return Snapshot(log.meta, log.refs)
+        return None if log is None else Snapshot(log.meta, log.refs)
 
     def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen: list[ChunkRef] | None = None) -> None:
         pid = meta.pid
@@ -87,9 +82,8 @@ class ShmCommit:
         cols = _claim_row(meta.schema_json, refs[0].columns)  # a put's blocks all hold its columns
         width = cols.size
         rows = refs[0].rows if len(refs) == 1 else np.concatenate([r.rows for r in refs])
-        at = as_slice(rows)
-        if isinstance(at, slice):  # a put of a range: the common case, no arithmetic over its rows
-            lo, hi = at.start, at.stop
+        if chunks.is_run(rows):  # a put of a range: the common case, no arithmetic over its rows
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
             runs = [(lo, hi, slice(0, hi - lo))]
         else:
             lo, hi = int(rows.min()), int(rows.max()) + 1
@@ -99,7 +93,7 @@ class ShmCommit:
                 runs = [(a, b, slice(0, b - a)) for a, b in chunks.rows_to_spans(np.sort(rows))]
         # other threads of this process share its log and descriptors
         with self._commit_lock:
-            with self._os_errors(f"commit a put to partition {pid}"):
+            with self._os_errors("commit a put to partition", 0, pid):
                 try:
                     mine, claims = self._my_log(log), log.claims()
                 except FileNotFoundError:
@@ -122,9 +116,8 @@ class ShmCommit:
                           runs: list, cols: np.ndarray) -> None:
         """Steps 2-4 of the module doc, under the range lock; `runs`: (first row, end row, the put's rows
         among them) of each stretch of claims read and written."""
-        what = f"commit a put to partition {pid}"
         parts, taken = [], False
-        with self._os_errors(what):
+        with self._os_errors("commit a put to partition", 0, pid):
             for a, b, at in runs:
                 buf = bytearray((b - a) * width)
                 os.preadv(claims, [buf], a * width)  # a hole (or a short file) reads as unclaimed
@@ -140,7 +133,7 @@ class ShmCommit:
                 raise err
         before = [bytes(buf) for _, buf, _, _ in parts]
         text = chunks.refs_to_json(refs)
-        with self._os_errors(what):
+        with self._os_errors("commit a put to partition", 0, pid):
             try:
                 for start, buf, cells, at in parts:
                     cells[at] |= cols

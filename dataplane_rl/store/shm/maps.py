@@ -30,6 +30,7 @@ class ReadMap:
     """A chunk file mapped read-only (pyarrow's memory map; buffers handed out keep the mapping alive)."""
 
     writable = False
+    key = (0, 0)  # (device, inode): its place in Maps
 
     def __init__(self, path: str) -> None:
         self._f = pa.memory_map(path, "r")
@@ -55,6 +56,7 @@ class WriteMap:
     descriptor, so a map costs two."""
 
     writable = True
+    key = (0, 0)  # (device, inode): its place in Maps
 
     def __init__(self, path: str) -> None:
         fd = open_file(path, os.O_RDWR)
@@ -110,6 +112,15 @@ class Maps:
     def file(self, path: str, size: int, writable: bool, st: os.stat_result | None = None) -> Iterator[ReadMap | WriteMap]:
         """The mapped file at `path` (`st`: its stat, if just taken), mapping at least `size` bytes; raises
         FileNotFoundError."""
+        f = self.take(path, size, writable, st)
+        try:
+            yield f
+        finally:
+            self.keep(path, f)
+
+    def take(self, path: str, size: int, writable: bool, st: os.stat_result | None = None) -> ReadMap | WriteMap:
+        """`file` without the context manager (a put's path: a generator costs a few µs): lent to the caller
+        until it gives it back with `keep`."""
         st = st or os.lstat(path)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             check_trusted(path, folder=False)  # a symlink or another user's file where a chunk file belongs
@@ -123,10 +134,12 @@ class Maps:
             f = None
         if f is None:
             f = WriteMap(path) if writable else ReadMap(path)
-        try:
-            yield f
-        finally:
-            self._keep(key, f)
+            f.key = key
+        return f
+
+    def keep(self, path: str, f: ReadMap | WriteMap) -> None:
+        """Give back what `take` lent."""
+        self._keep(f.key, f)
 
     def _keep(self, key: tuple[int, int], f: ReadMap | WriteMap) -> None:
         if self._max_bytes <= 0:

@@ -61,9 +61,9 @@ from dataplane_rl.store.shm.catalog import Log, ShmCatalog
 from dataplane_rl.store.shm.commit import ShmCommit, range_lock
 from dataplane_rl.store.files import (
     DIR_MODE,
+    OSErrorsAs,
     check_trusted,
     create_file,
-    flocked,
     framed,
     open_file,
     read_file,
@@ -73,6 +73,7 @@ from dataplane_rl.store.shm.maps import Lease, Maps
 from dataplane_rl.store.shm.pool import Pool
 
 _MARKER = owners.MARKER
+_GONE = "was dropped while this put was writing (nothing was written)"
 _FORMAT = b"dataplane-rl shm store v5\n"  # v5: a log per writer and claims; v4: one log, flat buffers
 _POOL = ".pool"
 _STATS = ".stats"  # each process's counters (stats.py), for `store ls`
@@ -184,18 +185,18 @@ class ShmStore(ShmCommit, ShmCatalog, ColumnStore):
                 return False
         return True
 
-    @contextlib.contextmanager
-    def _os_errors(self, what: str, need: int = 0) -> Iterator[None]:
-        """A full or unwritable filesystem as the store's own errors, naming the folder (and the bytes)."""
-        try:
-            yield
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise self._full(what, need) from None
-            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR):
-                raise StoreUnavailableError(f"shm store {self._dir}: cannot {what}: {e.strerror} ({e.filename}); "
-                                            "use a writable folder of your own") from None
-            raise
+    def _os_errors(self, what: str, need: int = 0, pid: str = "") -> OSErrorsAs:
+        """A full or unwritable filesystem as the store's own errors, naming the folder (and the bytes).
+        `pid`: appended to `what` (the message is only made if there is an error)."""
+        return OSErrorsAs(self._os_error, what, pid, need)
+
+    def _os_error(self, e: OSError, what: str, need: int) -> None:
+        """Raise the store's own error for `e`, if it has one (else the caller re-raises `e`)."""
+        if e.errno == errno.ENOSPC:
+            raise self._full(what, need) from None
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR):
+            raise StoreUnavailableError(f"shm store {self._dir}: cannot {what}: {e.strerror} ({e.filename}); "
+                                        "use a writable folder of your own") from None
 
     def _full(self, what: str, need: int) -> StoreFullError:
         try:
@@ -263,33 +264,39 @@ class ShmStore(ShmCommit, ShmCatalog, ColumnStore):
     def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
         """Write every block of the put in place into the next free range of this process's open segment
         of the partition, each at an aligned offset with its own checksums."""
-        pid = meta.pid
+        pid = meta.pid  # checked: it came from the catalog
         offsets, end = layout(blocks)
-        pdir = self._pdir(pid)
+        pdir = f"{self._dir}/{pid}"
         folder = f"{pdir}/chunks"
-        gone = "was dropped while this put was writing (nothing was written)"
         try:
-            with self._os_errors(f"write a put of partition {pid}", max(end, 1)):
+            with self._os_errors("write a put of partition", max(end, 1), pid):
                 name, base, _ = self._arena.place(pid, meta.token, folder, end)
         except FileNotFoundError:
-            raise self._not_found(pid, gone) from None
+            raise self._not_found(pid, _GONE) from None
         path, out = f"{folder}/{name}", []
         try:
-            # a shared flock on the segment while the put writes into it (pool.take_back)
-            with self._maps.file(path, base + end, writable=True) as f, flocked(f.fileno(), fcntl.LOCK_SH):
-                # under the segment's shared lock, which a drop must win to pool the segment: a partition
-                # still here now cannot pool this segment (to another writer) before the write ends
-                if str(os.lstat(pdir).st_ino) != meta.token:
-                    raise FileNotFoundError(pdir)
-                f.prepare(base, end)
-                for block, off in zip(blocks, offsets):
-                    at = base + off
-                    digests = chunks.write_block(f.array[at:at + block.nbytes], block)
-                    out.append(ChunkRef.of(block, f"{name}@{at}", digests))
+            f = self._maps.take(path, base + end, writable=True)
+            try:
+                # a shared flock on the segment while the put writes into it (pool.take_back), which a drop
+                # must win to pool the segment: a partition still here now cannot pool this segment (to
+                # another writer) before the write ends
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+                try:
+                    if str(os.lstat(pdir).st_ino) != meta.token:
+                        raise FileNotFoundError(pdir)
+                    f.prepare(base, end)
+                    for block, off in zip(blocks, offsets):
+                        at = base + off
+                        digests = chunks.write_block(f.array[at:at + block.nbytes], block)
+                        out.append(ChunkRef.of(block, f"{name}@{at}", digests))
+                finally:
+                    fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            finally:
+                self._maps.keep(path, f)
         except BaseException as e:
             self._give_back(pid, name, base, end)
             if isinstance(e, FileNotFoundError):
-                raise self._not_found(pid, gone) from None
+                raise self._not_found(pid, _GONE) from None
             raise
         return out
 
