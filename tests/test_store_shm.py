@@ -81,3 +81,31 @@ def test_shm_put_is_one_file_of_aligned_blocks():
         assert_rows(store, "a", [63, 0, 17], fields, seed=3)
     finally:
         store.close()
+
+
+def test_a_put_from_what_a_process_knew_follows_a_drop_elsewhere(tmp_path):
+    """A process puts into a partition it knows without reading the catalog (its claims check write-once);
+    when another process has dropped it meanwhile, the put is refused before anything is committed, and
+    when the id was made again, the put lands in the new partition (not the dropped one's files)."""
+    from dataplane_rl.errors import MissingColumnError, PartitionNotFoundError
+
+    url = f"shm://{tmp_path}/s"
+    a, b = open_store(url), open_store(url)  # two stores: each its own caches, as two processes
+    try:
+        a.create_partition("p", "grpo", 8)
+        a.put("p", grpo_columns(range(4), ["input_lengths", "total_reward"]), range(4))
+        b.drop_partition("p")
+        with pytest.raises(PartitionNotFoundError, match="partition p was dropped while this put was writing"):
+            a.put("p", grpo_columns(range(4, 8), ["input_lengths", "total_reward"]), range(4, 8))
+        a.create_partition("p", "grpo", 8)  # the same id, made again by the writer: it knows it again
+        a.put("p", grpo_columns(range(4), ["input_lengths"]), range(4))
+        b.drop_partition("p")
+        b.create_partition("p", "grpo", 8)  # and made again elsewhere: what the writer knows is stale
+        a.put("p", grpo_columns(range(4, 8), ["input_lengths", "total_reward"]), range(4, 8))
+        assert_rows(b, "p", range(4, 8), ["input_lengths", "total_reward"])
+        with pytest.raises(MissingColumnError, match="rows 0-3 not written"):
+            b.get("p", ["input_lengths"], range(4))  # the dropped incarnation's rows are not in the new one
+        a.put("p", grpo_columns(range(4), ["input_lengths"]), range(4))  # its cells are free here
+    finally:
+        a.close()
+        b.close()

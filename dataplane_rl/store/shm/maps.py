@@ -26,6 +26,8 @@ from dataplane_rl.store.files import check_trusted, open_file
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python's mmap names it from 3.12
 
 
+_UID = os.getuid()  # a process's user does not change; asked once, not per put
+
 class ReadMap:
     """A chunk file mapped read-only (pyarrow's memory map; buffers handed out keep the mapping alive)."""
 
@@ -122,7 +124,7 @@ class Maps:
         """`file` without the context manager (a put's path: a generator costs a few µs): lent to the caller
         until it gives it back with `keep`."""
         st = st or os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != _UID:
             check_trusted(path, folder=False)  # a symlink or another user's file where a chunk file belongs
         key = (st.st_dev, st.st_ino)
         with self._lock:
