@@ -31,6 +31,9 @@ PREFAULT_SEGMENT = 8 * MiB  # pre-touched segments come in this size; a put may 
 DEFAULT_SEGMENT = 64 * MiB  # a partition's segments double up to this size
 DEFAULT_ARENA = 16 << 30  # arena_mb default: far above a step's columns, well below a node's RAM
 DEFAULT_PREFAULT = 64 * MiB
+# segments this process wrote lately, preferred when it claims one (pool.take): a writer's partition grows
+# through ~7-10 doubling segments a step (64 KiB .. 64 MiB), more than the 8 it used to remember
+_MINE = 64
 
 
 def segment_size(need: int, previous: int, largest: int) -> int:
@@ -83,7 +86,7 @@ class Arena:
             self._open[pid] = Segment(token, f"put-{hex_}", size, need)
             self._mine.pop(hex_, None)
             self._mine[hex_] = cap
-            while len(self._mine) > 8:
+            while len(self._mine) > _MINE:
                 self._mine.popitem(last=False)
         return f"put-{hex_}", 0, True
 
