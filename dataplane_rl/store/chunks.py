@@ -345,7 +345,7 @@ class Mismatch(Exception):
     """A stored block's bytes differ from their checksum (`args[0]`: the column)."""
 
 
-def _verify(data: np.ndarray, start: int, end: int, digests: tuple[int, ...], k: int, pieces: range,
+def _verify(data: memoryview, start: int, end: int, digests: tuple[int, ...], k: int, pieces: range,
             column: str) -> None:
     """Check pieces `pieces` of the column region start..end of a block against its digests from `k` on."""
     for p in pieces:
@@ -353,39 +353,41 @@ def _verify(data: np.ndarray, start: int, end: int, digests: tuple[int, ...], k:
             raise Mismatch(column)
 
 
-def decode_block(payload: pa.Buffer, ref: "ChunkRef", cols: Columns, want: Sequence[int], lo: int,
-                 hi: int) -> list[pa.Array]:
-    """Columns `want` (indices into ref.columns, decoded as `cols` says) of a stored block, each over the
-    block's rows, zero-copy. Only what rows lo..hi-1 of them hold is checksummed (so only those rows may
-    be used): the pieces holding each column's offsets, then those holding the rows' values. Raises
-    Mismatch."""
-    n = ref.rows.size
+def decode_block(payload: pa.Buffer, ref: "ChunkRef", cols: Columns, want: Sequence[int], lo: int, hi: int,
+                 whole: bool = False) -> list[pa.Array]:
+    """Columns `want` (indices into ref.columns, decoded as `cols` says) of a stored block over its rows
+    lo..hi-1 (all its rows if `whole`), zero-copy. Only what rows lo..hi-1 of them hold is checksummed: the
+    pieces holding each column's offsets, then those holding the rows' values. Raises Mismatch."""
+    n, digests, names = ref.rows.size, ref.checksums, ref.columns
     where, _ = block_layout(cols.offsets, n, ref.sizes)
-    data = np.frombuffer(payload, dtype=np.uint8)
-    digests = ref.checksums
+    data = memoryview(payload)  # slices of it for the checksums: cheaper than numpy's or Arrow's
+    first, count = (0, n) if whole else (lo, hi - lo)
     out = []
     for i in want:
-        place = where[i]
-        o_at, v_at, vbytes, k = place
-        t, bits, child_type = cols.types[i], cols.bits[i], cols.child[i]
-        shape = cols.shapes[i] if cols.shapes else ()
-        start, end = _region(place)
+        o_at, v_at, vbytes, k = where[i]
+        bits, end = cols.bits[i], v_at + vbytes
+        start = o_at if o_at >= 0 else v_at
         if o_at >= 0:
-            last = (o_at + 4 * (n + 1) - 1 - start) // PIECE  # the offsets' last piece: verified first
-            _verify(data, start, end, digests, k, range(last + 1), ref.columns[i])
-            off = data[o_at:o_at + 4 * (n + 1)].view(np.int32)
-            a, b = v_at + (int(off[lo]) * bits >> 3), v_at + (-(-int(off[hi]) * bits // 8) if hi > lo else 0)
+            off = data[o_at:o_at + 4 * (n + 1)].cast("i")  # [n+1] (little-endian, as written)
+        if end - start <= PIECE:  # one piece (most columns): the offsets' piece, which holds the rows too
+            if (o_at >= 0 or hi > lo) and checksum(data[start:end]) != digests[k]:
+                raise Mismatch(names[i])
+        elif o_at >= 0:
+            last = (4 * (n + 1) - 1) // PIECE  # the offsets' last piece: verified before they are used
+            _verify(data, start, end, digests, k, range(last + 1), names[i])
+            a, b = v_at + (off[lo] * bits >> 3), v_at + (-(-off[hi] * bits // 8) if hi > lo else 0)
+            _verify(data, start, end, digests, k, range(max(last + 1, (a - start) // PIECE), -(-(b - start) // PIECE)),
+                    names[i])
         else:
-            last = -1
             a, b = v_at + (lo * bits >> 3), v_at + (-(-hi * bits // 8))
-        _verify(data, start, end, digests, k, range(max(last + 1, (a - start) // PIECE), -(-(b - start) // PIECE)),
-                ref.columns[i])
-        values = payload.slice(v_at, vbytes)
+            _verify(data, start, end, digests, k, range((a - start) // PIECE, -(-(b - start) // PIECE)), names[i])
+        values, t = payload.slice(v_at, vbytes), cols.types[i]
         if o_at < 0:
-            out.append(pa.Array.from_buffers(t, n, [None, values]))
-        elif child_type is None:  # string
-            out.append(pa.Array.from_buffers(t, n, [None, payload.slice(o_at, 4 * (n + 1)), values]))
+            out.append(pa.Array.from_buffers(t, count, [None, values], 0, first))
+        elif cols.child[i] is None:  # string
+            out.append(pa.Array.from_buffers(t, count, [None, payload.slice(o_at, 4 * (n + 1)), values], 0, first))
         else:
-            child = nest(pa.Array.from_buffers(child_type, int(off[n]) * math.prod(shape), [None, values]), shape)
-            out.append(pa.Array.from_buffers(t, n, [None, payload.slice(o_at, 4 * (n + 1))], children=[child]))
+            shape = cols.shapes[i] if cols.shapes else ()
+            child = nest(pa.Array.from_buffers(cols.child[i], off[n] * math.prod(shape), [None, values]), shape)
+            out.append(pa.Array.from_buffers(t, count, [None, payload.slice(o_at, 4 * (n + 1))], 0, first, [child]))
     return out

@@ -3,12 +3,13 @@
 Built once per partition incarnation and extended as commits arrive (refs are append-only), so put,
 get, ready and wait look cells up with numpy indexing instead of re-walking every ref per call. The
 per-row arrays are built when first asked for: a get of rows that one block holds (most gets of a
-partition of a few puts) finds that block from the refs alone (`holder`).
+partition of a few puts) finds that block from the refs alone (`tiling`).
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -43,10 +44,24 @@ class RowIndex:
         return n == 0 or (len(refs) >= n and refs[0] is self.refs[0] and refs[n - 1] is self.refs[n - 1])
 
     def add(self, refs: list[ChunkRef]) -> None:
-        for ref in refs:
-            self.refs.append(ref)
-            at = as_slice(ref.rows)
-            self.first.append(at.start if isinstance(at, slice) else -1)
+        self.refs += refs
+        if len(refs) < 8:
+            self.first += [at.start if isinstance(at := as_slice(r.rows), slice) else -1 for r in refs]
+            return
+        # a reader's first sight of a partition: hundreds of refs, tested for one run each in a few numpy
+        # calls over all their rows, not as_slice's few per ref
+        sizes = np.fromiter((r.rows.size for r in refs), dtype=np.int64, count=len(refs))  # [R]
+        rows = np.concatenate([r.rows for r in refs])  # [N]
+        if not rows.size:
+            self.first += [-1] * len(refs)
+            return
+        ends = np.cumsum(sizes)  # [R]
+        starts = np.minimum(ends - sizes, rows.size - 1)  # [R] (an empty ref's: any row, it is no run)
+        # breaks[j]: how many of rows 1..j are not the row before + 1; a ref is one run if none inside it is
+        breaks = np.zeros(rows.size, dtype=np.int64)  # [N]
+        np.cumsum(rows[1:] != rows[:-1] + 1, out=breaks[1:])
+        run = (sizes > 0) & (breaks[np.maximum(ends - 1, 0)] == breaks[starts])  # [R]
+        self.first += np.where(run, rows[starts], -1).tolist()
 
     @property
     def owner(self) -> dict[str, np.ndarray]:
@@ -58,40 +73,72 @@ class RowIndex:
         self._build()
         return self._pos
 
-    def holder(self, column: str, a: int, b: int) -> int:
-        """The block holding `column` on every row a..b-1, if one block whose rows are one run does (it holds
-        every cell of its run, and each cell is written once), else -1. From the refs, without the
-        per-row arrays while they are not built and the refs are few; else from them."""
+    def tiling(self, columns: list[str], a: int, b: int) -> list[tuple[list[tuple[int, int, int]], list[int]]] | None:
+        """How `columns` lie on rows a..b-1 (a < b) if, for each, the blocks holding it there each hold one run
+        of rows (puts of ranges; such a block holds every cell of its run, and each cell is written once):
+        per distinct sequence of blocks, its blocks in row order as (block, first position, end position) and
+        the positions in `columns` it holds. Else None. From the refs, without the per-row arrays while they
+        are not built and the refs are few (one block must then hold the rows); else from them."""
+        found: dict[Any, tuple[list[tuple[int, int, int]], list[int]]] = {}
         if self._built < len(self.refs) and len(self.refs) <= 8:
-            for k, (ref, first) in enumerate(zip(self.refs, self.first)):
-                if 0 <= first <= a and b <= first + ref.rows.size and column in ref.columns:
-                    return k
-            return -1
-        owner = self.owner.get(column)
-        if owner is None:
-            return -1
-        k = int(owner[a])
-        return k if k >= 0 and int(owner[b - 1]) == k and self.first[k] >= 0 else -1
+            for i, c in enumerate(columns):
+                k = next((k for k, (ref, first) in enumerate(zip(self.refs, self.first))
+                          if 0 <= first <= a and b <= first + ref.rows.size and c in ref.columns), -1)
+                if k < 0:
+                    return None
+                found.setdefault(k, ([(k, a - self.first[k], b - self.first[k])], []))[1].append(i)
+            return list(found.values())
+        first = self.first
+        for i, c in enumerate(columns):
+            owner = self.owner.get(c)
+            if owner is None:
+                return None
+            which = owner[a:b]  # [b-a]
+            key = which.tobytes()  # columns written by the same puts share their blocks
+            if key not in found:
+                cut = (np.flatnonzero(which[1:] != which[:-1]) + 1).tolist()
+                blocks = which[[0, *cut]].tolist()
+                if min(blocks) < 0 or min(first[k] for k in blocks) < 0:
+                    return None
+                ends = [a + c for c in cut]
+                found[key] = ([(k, lo - first[k], hi - first[k]) for k, lo, hi in zip(blocks, [a, *ends], [*ends, b])],
+                              [])
+            found[key][1].append(i)
+        return list(found.values())
 
     def _build(self) -> None:
-        """Bring the per-row arrays up to date with the refs added since."""
-        for i in range(self._built, len(self.refs)):
-            ref = self.refs[i]
-            rows, n = ref.rows, len(ref.rows)
-            fresh = [c for c in ref.columns if c not in self._rows]
-            if fresh:
-                owner = np.full((len(fresh), self.num_rows), -1, dtype=np.int32)  # [K, num_rows]
-                pos = np.zeros((len(fresh), self.num_rows), dtype=np.int32)  # [K, num_rows]
-                for k, c in enumerate(fresh):
-                    self._rows[c] = (owner, pos, k)
-                    self._owner[c], self._pos[c] = owner[k], pos[k]
+        """Bring the per-row arrays up to date with the refs added since: per set of columns, one numpy write
+        of all its new refs' rows (a reader's first sight of a partition brings hundreds of refs)."""
+        refs, todo = self.refs, {}  # columns -> indices of new refs of them
+        for i in range(self._built, len(refs)):
+            cols = refs[i].columns
+            if cols not in todo:
+                todo[cols] = []
+                fresh = [c for c in cols if c not in self._rows]
+                if fresh:
+                    owner = np.full((len(fresh), self.num_rows), -1, dtype=np.int32)  # [K, num_rows]
+                    pos = np.zeros((len(fresh), self.num_rows), dtype=np.int32)  # [K, num_rows]
+                    for k, c in enumerate(fresh):
+                        self._rows[c] = (owner, pos, k)
+                        self._owner[c], self._pos[c] = owner[k], pos[k]
+            todo[cols].append(i)
+        for cols, new in todo.items():
+            at: slice | np.ndarray
+            if len(new) == 1:
+                i = new[0]
+                n, first = refs[i].rows.size, self.first[i]
+                # a block of consecutive rows (every put of a range) is written by slice, not by fancy index
+                at = slice(first, first + n) if first >= 0 else refs[i].rows
+                which, where = np.int32(i), np.arange(n, dtype=np.int32)
+            else:
+                sizes = np.fromiter((refs[i].rows.size for i in new), dtype=np.int64, count=len(new))  # [R]
+                at = np.concatenate([refs[i].rows for i in new])  # [N]
+                which = np.repeat(np.array(new, dtype=np.int32), sizes)  # [N]
+                where = (np.arange(at.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)).astype(np.int32)  # [N]
             bases: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
-            for c in ref.columns:
+            for c in cols:
                 owner, pos, k = self._rows[c]
                 bases.setdefault(id(owner), (owner, pos, []))[2].append(k)
-            where = np.arange(n, dtype=np.int32)
-            # a block of consecutive rows (every put of a range) is written by slice, not by fancy index
-            at: slice | np.ndarray = slice(self.first[i], self.first[i] + n) if self.first[i] >= 0 else rows
             for owner, pos, ks in bases.values():
                 if len(ks) == owner.shape[0]:
                     ix = (slice(None), at)
@@ -99,9 +146,9 @@ class RowIndex:
                     ix = (ks, at)
                 else:
                     ix = np.ix_(ks, at)
-                owner[ix] = i
+                owner[ix] = which
                 pos[ix] = where
-        self._built = len(self.refs)
+        self._built = len(refs)
 
     def known_lengths(self, rows: np.ndarray) -> np.ndarray | None:
         """The length column's values on `rows` if this process has read all of them, else None."""

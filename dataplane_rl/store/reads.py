@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from functools import lru_cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -65,7 +66,7 @@ class Reads:
         that are runs within blocks served as zero-copy slices of the mapped record batches."""
         meta, schema = snap.meta, schema_of(snap.meta)
         idx = self._index_of(snap)
-        table = self._whole_blocks(snap, idx, fields, rows)
+        table = self._tiled(snap, idx, fields, rows)
         if table is not None:
             return table
         # fields written together share a plan (the same blocks at the same positions): one per distinct
@@ -118,38 +119,45 @@ class Reads:
         self._learn_lengths(snap, idx, table, fields, rows)
         return table
 
-    def _whole_blocks(self, snap: Snapshot, idx, fields: list[str], rows: np.ndarray) -> pa.Table | None:
-        """The common get, without a per-row plan: contiguous rows that, per field, lie in one block holding a
-        contiguous run of rows (a put of a range), so the field's slice of it is the answer. None otherwise.
-        (`RowIndex.holder`)."""
+    def _tiled(self, snap: Snapshot, idx, fields: list[str], rows: np.ndarray) -> pa.Table | None:
+        """The common get, without a per-row plan: contiguous rows that, per field, lie in blocks each holding
+        a contiguous run of rows (puts of ranges), so a field is its blocks' arrays in order, each block
+        decoded once over just the rows read (no record batch, no slice). None otherwise."""
         run = as_slice(rows)
         if not isinstance(run, slice):
             return None
-        a, n = run.start, rows.size
-        blocks: dict[int, list[int]] = {}  # block -> positions in `fields`
         with idx.lock:
-            refs, first = idx.refs, idx.first
-            for i, f in enumerate(fields):
-                k = idx.holder(f, a, a + n)
-                if k < 0:
-                    return None
-                blocks.setdefault(k, []).append(i)
+            refs = idx.refs
+            groups = idx.tiling(fields, run.start, run.stop)
+        if groups is None:
+            return None
+        spans: dict[int, list] = {}  # block -> [lo, hi, field positions], in row order
+        for tiles, where in groups:
+            for k, lo, hi in tiles:
+                span = spans.get(k)
+                if span is None:
+                    spans[k] = [lo, hi, where]
+                else:  # read by fields of other puts too: once, over the rows of both
+                    span[:] = min(span[0], lo), max(span[1], hi), span[2] + where
         meta = snap.meta
-        used = list(blocks)
+        used = list(spans)
         needed = [refs[k] for k in used]
         self._counters.values["get_bytes_total"] += sum(r.nbytes for r in needed)
-        cols: list[Any] = [None] * len(fields)
         for k, ref, payload in zip(used, needed, self._read(meta.pid, needed)):
-            p = a - first[k]
-            where = blocks[k]
-            batch = self._decode(meta, ref, payload, {fields[i] for i in where}, p, p + n).slice(p, n)
-            if len(used) == 1:
-                table = pa.Table.from_batches([batch if batch.schema.names == fields else batch.select(fields)])
-                break
-            for i in where:
-                cols[i] = batch.column(fields[i])
-        else:
-            table = pa.Table.from_arrays(cols, schema=block_schema(meta.schema_json, tuple(fields)))
+            span = spans[k]
+            span.append(self._arrays(meta, ref, payload, tuple(fields[i] for i in span[2]), span[0], span[1]))
+        schema = block_schema(meta.schema_json, tuple(fields))
+        cols: list[Any] = [None] * len(fields)
+        for tiles, where in groups:
+            per_block = []
+            for k, lo, hi in tiles:
+                a, b, order, arrays = spans[k]
+                if order != where:
+                    arrays = [arrays[order.index(i)] for i in where]
+                per_block.append(arrays if (lo, hi) == (a, b) else [x.slice(lo - a, hi - lo) for x in arrays])
+            for i, pieces in zip(where, zip(*per_block)):
+                cols[i] = pa.chunked_array(pieces, type=schema.field(i).type)
+        table = pa.Table.from_arrays(cols, schema=schema)
         self._learn_lengths(snap, idx, table, fields, rows)
         return table
 
@@ -179,18 +187,30 @@ class Reads:
                 hi: int) -> pa.RecordBatch:
         """`fields` of a stored block as a record batch of all its rows, of which rows lo..hi-1 (and only
         those) are checksummed."""
-        want = [i for i, c in enumerate(ref.columns) if c in fields]
+        names = tuple(c for c in ref.columns if c in fields)
+        return pa.RecordBatch.from_arrays(self._arrays(meta, ref, payload, names, lo, hi, whole=True),
+                                          schema=block_schema(meta.schema_json, names))
+
+    def _arrays(self, meta: PartitionMeta, ref: ChunkRef, payload: pa.Buffer, names: tuple[str, ...], lo: int,
+                hi: int, whole: bool = False) -> list[pa.Array]:
+        """Columns `names` of a stored block over its rows lo..hi-1 (all its rows if `whole`; only lo..hi-1
+        are checksummed)."""
         try:
             if payload.size != ref.nbytes:
                 raise Mismatch()
-            arrays = decode_block(payload, ref, block_columns(meta.schema_json, ref.columns), want, lo, hi)
+            return decode_block(payload, ref, block_columns(meta.schema_json, ref.columns),
+                                _positions(ref.columns, names), lo, hi, whole)
         except Mismatch:
             what = "missing (evicted or lost)" if payload.size == 0 else f"corrupt ({payload.size} bytes, checksum mismatch)"
             cols = ", ".join(f"'{c}'" for c in ref.columns)
             raise CorruptChunkError(f"partition {meta.pid} column(s) {cols} rows {format_rows(ref.rows)}: stored block "
                                     f"{ref.key} is {what}; the data is gone, regenerate the step") from None
-        return pa.RecordBatch.from_arrays(arrays, schema=block_schema(meta.schema_json,
-                                                                      tuple(ref.columns[i] for i in want)))
+
+
+@lru_cache(maxsize=1024)
+def _positions(columns: tuple[str, ...], names: tuple[str, ...]) -> tuple[int, ...]:
+    """Where each of `names` is in a block of `columns`."""
+    return tuple(columns.index(c) for c in names)
 
 
 def _spans(plans: list, nrefs: int) -> tuple[list[int], list[int]]:
