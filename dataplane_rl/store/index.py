@@ -50,8 +50,9 @@ class RowIndex:
             return
         # a reader's first sight of a partition: hundreds of refs, tested for one run each in a few numpy
         # calls over all their rows, not as_slice's few per ref
-        sizes = np.fromiter((r.rows.size for r in refs), dtype=np.int64, count=len(refs))  # [R]
-        rows = np.concatenate([r.rows for r in refs])  # [N]
+        parts = [r.rows for r in refs]
+        sizes = np.array([p.size for p in parts], dtype=np.int64)  # [R]
+        rows = np.concatenate(parts)  # [N]
         if not rows.size:
             self.first += [-1] * len(refs)
             return
@@ -110,18 +111,22 @@ class RowIndex:
         """Bring the per-row arrays up to date with the refs added since: per set of columns, one numpy write
         of all its new refs' rows (a reader's first sight of a partition brings hundreds of refs)."""
         refs, todo = self.refs, {}  # columns -> indices of new refs of them
+        last: tuple[str, ...] = ()
         for i in range(self._built, len(refs)):
             cols = refs[i].columns
-            if cols not in todo:
-                todo[cols] = []
-                fresh = [c for c in cols if c not in self._rows]
-                if fresh:
-                    owner = np.full((len(fresh), self.num_rows), -1, dtype=np.int32)  # [K, num_rows]
-                    pos = np.zeros((len(fresh), self.num_rows), dtype=np.int32)  # [K, num_rows]
-                    for k, c in enumerate(fresh):
-                        self._rows[c] = (owner, pos, k)
-                        self._owner[c], self._pos[c] = owner[k], pos[k]
-            todo[cols].append(i)
+            if cols != last:  # most refs are of the columns of the one before (a tuple compare, no hash)
+                last = cols
+                new = todo.get(cols)
+                if new is None:
+                    new = todo[cols] = []
+                    fresh = [c for c in cols if c not in self._rows]
+                    if fresh:
+                        owner = np.full((len(fresh), self.num_rows), -1, dtype=np.int32)  # [K, num_rows]
+                        pos = np.zeros((len(fresh), self.num_rows), dtype=np.int32)  # [K, num_rows]
+                        for k, c in enumerate(fresh):
+                            self._rows[c] = (owner, pos, k)
+                            self._owner[c], self._pos[c] = owner[k], pos[k]
+            new.append(i)
         for cols, new in todo.items():
             at: slice | np.ndarray
             if len(new) == 1:
@@ -131,8 +136,9 @@ class RowIndex:
                 at = slice(first, first + n) if first >= 0 else refs[i].rows
                 which, where = np.int32(i), np.arange(n, dtype=np.int32)
             else:
-                sizes = np.fromiter((refs[i].rows.size for i in new), dtype=np.int64, count=len(new))  # [R]
-                at = np.concatenate([refs[i].rows for i in new])  # [N]
+                parts = [refs[i].rows for i in new]
+                sizes = np.array([p.size for p in parts], dtype=np.int64)  # [R]
+                at = np.concatenate(parts)  # [N]
                 which = np.repeat(np.array(new, dtype=np.int32), sizes)  # [N]
                 where = (np.arange(at.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)).astype(np.int32)  # [N]
             bases: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}

@@ -143,9 +143,11 @@ class Reads:
         used = list(spans)
         needed = [refs[k] for k in used]
         self._counters.values["get_bytes_total"] += sum(r.nbytes for r in needed)
+        names: dict[int, tuple[str, ...]] = {}  # id(field positions) -> their names, made once per plan
         for k, ref, payload in zip(used, needed, self._read(meta.pid, needed)):
             span = spans[k]
-            span.append(self._arrays(meta, ref, payload, tuple(fields[i] for i in span[2]), span[0], span[1]))
+            what = names.get(id(span[2])) or names.setdefault(id(span[2]), tuple(fields[i] for i in span[2]))
+            span.append(self._arrays(meta, ref, payload, what, span[0], span[1]))
         schema = block_schema(meta.schema_json, tuple(fields))
         cols: list[Any] = [None] * len(fields)
         for tiles, where in groups:

@@ -207,6 +207,7 @@ class ShmCatalog:
         """Read every writer log's new records into `log` (under the refs lock)."""
         log.discover()
         new: list[ChunkRef] = []
+        keys = log.keys
         for tail in log.tails:
             end = tail.committed()
             if end == tail.end:
@@ -215,11 +216,11 @@ class ShmCatalog:
                 refs = self._parse_refs(tail.path, text)
                 # every put writes chunks under fresh keys: a key seen twice is a copied record, whose rows
                 # would count (and read) twice
-                again = next((r.key for r in refs if r.key in log.keys), None)
+                again = next((r.key for r in refs if r.key in keys), None)
                 if again is not None:
                     raise CorruptChunkError(f"shm log {tail.path} repeats chunk {again} of an earlier commit of "
                                             f"partition {pid}; the partition cannot be trusted, drop it")
-                log.keys.update(r.key for r in refs)
+                keys.update([r.key for r in refs])
                 new += refs
             tail.end = end
         if new:
