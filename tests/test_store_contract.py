@@ -191,6 +191,63 @@ def test_large_put_is_stored_in_row_blocks(store, part, monkeypatch):
     assert_rows(store, part, rest, ["input_ids"])
 
 
+
+def test_contiguous_rows_across_many_puts(store, caps):
+    """A shard of rows written by many puts of ranges (a round's groups), fields of puts cut differently: each
+    field is its blocks' rows in order, blocks cut at the shard's ends; a damaged block is named, the others
+    still read. Also through a second client, which learns every put at once."""
+    pid, n = f"tiles-{uuid.uuid4().hex[:8]}", 40
+    store.create_partition(pid, "grpo", n)
+    first, later = ["input_lengths", "input_ids", "token_mask"], ["total_reward", "prev_logprobs"]
+    for a in range(0, 12, 4):  # blocks of all five
+        store.put(pid, grpo_columns(range(a, a + 4), first + later), range(a, a + 4))
+    for a in range(12, n, 4):
+        store.put(pid, grpo_columns(range(a, a + 4), first), range(a, a + 4))
+    for a in range(12, n, 6):
+        store.put(pid, grpo_columns(range(a, min(a + 6, n)), later), range(a, min(a + 6, n)))
+    readers = [store] + ([open_store(store.url)] if caps["cross_process"] else [])
+    try:
+        for reader in readers:
+            for rows in (range(3, 29), range(0, n), range(5, 7), range(12, 18)):
+                assert_rows(reader, pid, rows, ["prev_logprobs", "input_ids", "total_reward", "input_lengths"])
+        corrupt(store, pid, "input_ids")  # rows 0-3's block
+        for reader in readers:
+            with pytest.raises(CorruptChunkError, match=rf"partition {pid} column\(s\) .*'input_ids'.* rows 0-3: "
+                                                        r"stored block .* corrupt"):
+                reader.get(pid, ["total_reward", "input_ids"], range(2, 9))
+            assert_rows(reader, pid, range(4, 33), ["input_ids", "total_reward"])
+    finally:
+        for reader in readers[1:]:
+            reader.close()
+        store.drop_partition(pid)
+
+
+def test_row_index_of_many_refs_matches_one_by_one():
+    """RowIndex learns hundreds of refs at once (a reader's first sight of a partition) with a few numpy calls;
+    its twin learns them one at a time: the same blocks, first rows and per-row arrays."""
+    from dataplane_rl.store.chunks import ChunkRef
+    from dataplane_rl.store.index import RowIndex
+
+    rng = np.random.default_rng(0)
+    order = rng.permutation(300)
+    refs, at = [], 0
+    for k in range(40):  # runs, scattered rows, one row, no row; two sets of columns
+        size = [0, 1, 7, 9][k % 4]
+        rows = np.sort(order[at:at + size]) if k % 3 else np.arange(at, at + size) + 300
+        cols = ("input_lengths", "total_reward") if k % 5 else ("advantages", "total_reward")
+        refs.append(ChunkRef(cols, rows.astype(np.int64), f"k{k}", 0, ()))
+        at += size
+    many, one = RowIndex(600), RowIndex(600)
+    many.add(refs)
+    for r in refs:
+        one.add([r])
+        one._build()
+    assert many.first == one.first
+    assert many.first[:2] == [-1, int(order[0])] and many.first[3] == 308  # no row; one row; a run of 9 (rows 308-316)
+    for c in ("input_lengths", "total_reward", "advantages"):
+        assert (many.owner[c] == one.owner[c]).all() and (many.pos[c] == one.pos[c]).all(), c
+
+
 # ---- errors --------------------------------------------------------------------------------------
 def test_a_reader_keeps_a_bounded_cache_of_partitions(store, monkeypatch):
     """A process that reads partitions it never drops (a train worker: the driver drops them) caches the

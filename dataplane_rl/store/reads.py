@@ -131,14 +131,16 @@ class Reads:
             groups = idx.tiling(fields, run.start, run.stop)
         if groups is None:
             return None
-        spans: dict[int, list] = {}  # block -> [lo, hi, field positions], in row order
+        # block -> [its rows read, lo..hi (every field's: a block holds one run, the rows are one run), field
+        # positions], in row order
+        spans: dict[int, list] = {}
         for tiles, where in groups:
             for k, lo, hi in tiles:
                 span = spans.get(k)
                 if span is None:
                     spans[k] = [lo, hi, where]
-                else:  # read by fields of other puts too: once, over the rows of both
-                    span[:] = min(span[0], lo), max(span[1], hi), span[2] + where
+                else:  # also read by fields whose other rows other puts hold: decoded once
+                    span[2] = span[2] + where
         meta = snap.meta
         used = list(spans)
         needed = [refs[k] for k in used]
@@ -152,11 +154,9 @@ class Reads:
         cols: list[Any] = [None] * len(fields)
         for tiles, where in groups:
             per_block = []
-            for k, lo, hi in tiles:
-                a, b, order, arrays = spans[k]
-                if order != where:
-                    arrays = [arrays[order.index(i)] for i in where]
-                per_block.append(arrays if (lo, hi) == (a, b) else [x.slice(lo - a, hi - lo) for x in arrays])
+            for k, _, _ in tiles:
+                _, _, order, arrays = spans[k]
+                per_block.append(arrays if order is where else [arrays[order.index(i)] for i in where])
             for i, pieces in zip(where, zip(*per_block)):
                 cols[i] = pa.chunked_array(pieces, type=schema.field(i).type)
         table = pa.Table.from_arrays(cols, schema=schema)
