@@ -85,8 +85,12 @@ class Tail:
         while at < len(data):
             n = _LEN.unpack_from(data, at)[0] if at + _LEN.size <= len(data) else -1
             body = data[at + _LEN.size:at + _LEN.size + n] if n >= 0 else b""
-            # a cut record reads as empty: unframe names the log as damaged
-            out.append(unframe(body if len(body) == n else b"", f"{self.path} at {self.end + at}"))
+            body = body if len(body) == n else b""  # a cut record reads as empty: unframe names the log as damaged
+            try:
+                out.append(unframe(body, self.path))
+            except CorruptChunkError:  # again, to name the record's place (not formatted for every good record)
+                unframe(body, f"{self.path} at {self.end + at}")
+                raise
             at += _LEN.size + n
         return out
 
