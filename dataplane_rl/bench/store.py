@@ -316,9 +316,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default %(default)s)")
     p.add_argument("--small-repeats", type=int, default=20, help="timed calls of each small-call kind; 0 skips "
                    "them (default %(default)s)")
-    p.add_argument("--profile", help="a folder: every worker runs its calls under cProfile and saves its stats "
-                   "there; the top entries of writer 0 and reader 0 are printed (the run's times then include "
-                   "the profiler's)")
+    p.add_argument("--profile", help="a folder: every worker runs its calls under cProfile (timing its thread's "
+                   "CPU time, so time other processes took from it is not counted) and saves its stats there; the "
+                   "top entries of writer 0 and reader 0 are printed (the run's times then include the profiler's)")
     p.add_argument("--topk", type=int, default=0, help="add a teacher's top-k columns to the workload: "
                    "teacher_topk_logprobs (float32) and teacher_topk_ids (int32), [L, K] per row, 8*K bytes per token "
                    "(on-policy distillation; 0: none) (default %(default)s)")

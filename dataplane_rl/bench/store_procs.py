@@ -48,7 +48,9 @@ def _serve(conn, barrier, setup: Callable[[], tuple[Callable, Callable]], profil
     if profile:
         import cProfile
 
-        prof = cProfile.Profile()
+        # the worker thread's CPU time, not wall time: with more workers than cores, time another process
+        # took from this one would otherwise land in whatever call it was in (a cheap one looked slow)
+        prof = cProfile.Profile(time.thread_time)
     conn.send(("ready", memory()))
     while (msg := conn.recv()) is not None:
         if msg[0] != "rows":
