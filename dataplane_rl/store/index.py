@@ -110,6 +110,8 @@ class RowIndex:
     def _build(self) -> None:
         """Bring the per-row arrays up to date with the refs added since: per set of columns, one numpy write
         of all its new refs' rows (a reader's first sight of a partition brings hundreds of refs)."""
+        if self._built == len(self.refs):  # the common call (every lookup asks): nothing new
+            return
         refs, todo = self.refs, {}  # columns -> indices of new refs of them
         last: tuple[str, ...] = ()
         for i in range(self._built, len(refs)):
