@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -127,30 +129,38 @@ def test_racing_writers_of_the_same_cells(shared, store_pool):
         assert_rows(shared, pid, range(16), ["input_lengths", "total_reward"], seed=winner)
 
 
-@pytest.mark.parametrize("backend", CROSS_PROCESS)
-def test_writer_killed_mid_put_leaves_nothing_partial(shared, backend):
-    """kill -9 a real writer while its put is in flight: each put is visible whole or not at all."""
-    import signal
-    import time
-
-    rows, per_row, blocks = 4, 200_000, 64  # ~7 MB a put: the writer spends nearly all its time inside put
-    shared.create_partition("p", "grpo", rows * blocks)
-    ctx = mp.get_context("spawn")
-    started, done = ctx.Value("q", -1, lock=False), ctx.Value("q", -1, lock=False)
-    proc = ctx.Process(target=put_blocks, args=(shared.url, "p", rows, per_row, started, done))
-    proc.start()
+def kill_when(proc, ready, pause_s: float = 0.0, spin_s: float = 0.0) -> None:
+    """SIGKILL the writer `proc` once `ready()` (checked every `pause_s`, or spinning without a pause; then
+    `spin_s` more of spinning), waiting at most 120 s and only while it is alive; reap it."""
     try:
         deadline = time.monotonic() + 120
-        while done.value < 1 or started.value <= done.value:  # two whole puts, then kill the one in flight
+        while not ready():
             assert proc.is_alive(), f"the writer died on its own (exit code {proc.exitcode})"
             assert time.monotonic() < deadline, "the writer made no progress in 120 s"
-            time.sleep(0.005)
+            if pause_s:
+                time.sleep(pause_s)
+        until = time.perf_counter() + spin_s
+        while time.perf_counter() < until:
+            pass
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(60)
     finally:
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("backend", CROSS_PROCESS)
+def test_writer_killed_mid_put_leaves_nothing_partial(shared, backend):
+    """kill -9 a real writer while its put is in flight: each put is visible whole or not at all."""
+    rows, per_row, blocks = 4, 200_000, 64  # ~7 MB a put: the writer spends nearly all its time inside put
+    shared.create_partition("p", "grpo", rows * blocks)
+    ctx = mp.get_context("spawn")
+    started, done = ctx.Value("q", -1, lock=False), ctx.Value("q", -1, lock=False)
+    proc = ctx.Process(target=put_blocks, args=(shared.url, "p", rows, per_row, started, done))
+    proc.start()
+    # two whole puts, then kill the one in flight
+    kill_when(proc, lambda: done.value >= 1 and started.value > done.value, pause_s=0.005)
     last_started, last_done = started.value, done.value
     assert last_started == last_done + 1, "the kill landed between puts, not inside one"
     fields = ["input_lengths", "input_ids", "token_mask", "generation_logprobs"]
@@ -176,8 +186,6 @@ def test_writer_killed_mid_commit_is_never_seen_half(tmp_path):
     dead writer's last put is all there or all absent, and putting its groups again succeeds for the absent
     ones and is refused (write-once) for the rest, whatever claims the dead writer left behind."""
     import random
-    import signal
-    import time
 
     from dataplane_rl.errors import DuplicateWriteError
     from dataplane_rl.store import open_store
@@ -200,21 +208,9 @@ def test_writer_killed_mid_commit_is_never_seen_half(tmp_path):
             in_commit, done = ctx.Value("i", 0, lock=False), ctx.Value("i", 0, lock=False)
             proc = ctx.Process(target=commit_loop, args=(store.url, pid, group, fields, in_commit, done))
             proc.start()
-            try:
-                deadline = time.monotonic() + 120
-                want = rng.randint(3, 60)  # some whole puts first, then a commit at random
-                while done.value < want or not in_commit.value:
-                    assert proc.is_alive(), f"the writer died on its own (exit code {proc.exitcode})"
-                    assert time.monotonic() < deadline, "the writer made no progress in 120 s"
-                pause = time.perf_counter() + rng.uniform(0, 100e-6)  # a random point of the commit
-                while time.perf_counter() < pause:
-                    pass
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(60)
-            finally:
-                if proc.is_alive():
-                    proc.kill()
-            assert proc.exitcode == -signal.SIGKILL
+            want = rng.randint(3, 60)  # some whole puts first, then a commit at random
+            # no sleep while it waits: the kill must land inside a commit, at a random point of it
+            kill_when(proc, lambda: done.value >= want and in_commit.value, spin_s=rng.uniform(0, 100e-6))
             inside += in_commit.value  # still 1: it died inside the commit
             committed = done.value
             ready = store.ready(pid, fields)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dataplane_rl.store.chunks import ChunkRef
+from dataplane_rl.store.chunks import ChunkRef, is_run
 
 
 class RowIndex:
@@ -209,9 +209,7 @@ class RowIndex:
 def as_slice(rows: np.ndarray) -> np.ndarray | slice:
     """`rows` as a slice if they are one increasing run (a put of a range), else as they are."""
     n = rows.size
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n < 3 or bool((rows[1:] > rows[:-1]).all())):
-        return slice(int(rows[0]), int(rows[0]) + n)
-    return rows
+    return slice(int(rows[0]), int(rows[0]) + n) if n and is_run(rows) else rows
 
 
 def overlap(index: RowIndex, refs: list[ChunkRef]) -> tuple[str, np.ndarray] | None:

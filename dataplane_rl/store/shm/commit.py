@@ -38,7 +38,7 @@ from dataplane_rl.store.shm.logs import Tail, empty_log
 
 _FLOCK = struct.Struct("hhqqi4x")  # Linux's struct flock: type, whence, start, len, pid (0 for OFD locks)
 _SPAN = 1 << 20  # claim bytes a commit reads in one piece; rows spread wider are read run by run
-_GONE = "was dropped while this put was writing (nothing was written)"
+GONE = "was dropped while this put was writing (nothing was written)"
 
 
 @lru_cache(maxsize=1024)
@@ -78,7 +78,7 @@ class ShmCommit:
             with self._refs_lock:
                 log = self._logs[pid]
         if log.token != meta.token:
-            raise self._not_found(pid, _GONE)
+            raise self._not_found(pid, GONE)
         cols = _claim_row(meta.schema_json, refs[0].columns)  # a put's blocks all hold its columns
         width = cols.size
         rows = refs[0].rows if len(refs) == 1 else np.concatenate([r.rows for r in refs])
@@ -97,7 +97,7 @@ class ShmCommit:
                 try:
                     mine, claims = self._my_log(log), log.claims()
                 except FileNotFoundError:
-                    raise self._not_found(pid, _GONE) from None
+                    raise self._not_found(pid, GONE) from None
             start, length = lo * width, (hi - lo) * width
             range_lock(claims, fcntl.F_WRLCK, start, length)
             try:
@@ -107,7 +107,7 @@ class ShmCommit:
                     if str(os.lstat(log.folder).st_ino) != log.token:
                         raise FileNotFoundError
                 except (FileNotFoundError, NotADirectoryError):
-                    raise self._not_found(pid, _GONE) from None
+                    raise self._not_found(pid, GONE) from None
                 self._claim_and_append(pid, log, mine, refs, claims, width, runs, cols)
             finally:
                 range_lock(claims, fcntl.F_UNLCK, start, length)

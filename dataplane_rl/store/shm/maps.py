@@ -28,6 +28,7 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; P
 
 _UID = os.getuid()  # a process's user does not change; asked once, not per put
 
+
 class ReadMap:
     """A chunk file mapped read-only (pyarrow's memory map; buffers handed out keep the mapping alive)."""
 
@@ -118,7 +119,7 @@ class Maps:
         try:
             yield f
         finally:
-            self.keep(path, f)
+            self.keep(f)
 
     def take(self, path: str, size: int, writable: bool, st: os.stat_result | None = None) -> ReadMap | WriteMap:
         """`file` without the context manager (a put's path: a generator costs a few µs): lent to the caller
@@ -139,7 +140,7 @@ class Maps:
             f.key = key
         return f
 
-    def keep(self, path: str, f: ReadMap | WriteMap) -> None:
+    def keep(self, f: ReadMap | WriteMap) -> None:
         """Give back what `take` lent."""
         self._keep(f.key, f)
 

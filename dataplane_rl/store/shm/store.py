@@ -58,7 +58,7 @@ from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, layout, split_key
 from dataplane_rl.store.shm.arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, Arena, MiB
 from dataplane_rl.store.shm.catalog import Log, ShmCatalog
-from dataplane_rl.store.shm.commit import ShmCommit, range_lock
+from dataplane_rl.store.shm.commit import GONE, ShmCommit, range_lock
 from dataplane_rl.store.files import (
     DIR_MODE,
     OSErrorsAs,
@@ -73,7 +73,6 @@ from dataplane_rl.store.shm.maps import Lease, Maps
 from dataplane_rl.store.shm.pool import Pool
 
 _MARKER = owners.MARKER
-_GONE = "was dropped while this put was writing (nothing was written)"
 _FORMAT = b"dataplane-rl shm store v5\n"  # v5: a log per writer and claims; v4: one log, flat buffers
 _POOL = ".pool"
 _STATS = ".stats"  # each process's counters (stats.py), for `store ls`
@@ -272,7 +271,7 @@ class ShmStore(ShmCommit, ShmCatalog, ColumnStore):
             with self._os_errors("write a put of partition", max(end, 1), pid):
                 name, base, _ = self._arena.place(pid, meta.token, folder, end)
         except FileNotFoundError:
-            raise self._not_found(pid, _GONE) from None
+            raise self._not_found(pid, GONE) from None
         path, out = f"{folder}/{name}", []
         try:
             f = self._maps.take(path, base + end, writable=True)
@@ -292,11 +291,11 @@ class ShmStore(ShmCommit, ShmCatalog, ColumnStore):
                 finally:
                     fcntl.flock(f.fileno(), fcntl.LOCK_UN)
             finally:
-                self._maps.keep(path, f)
+                self._maps.keep(f)
         except BaseException as e:
             self._give_back(pid, name, base, end)
             if isinstance(e, FileNotFoundError):
-                raise self._not_found(pid, _GONE) from None
+                raise self._not_found(pid, GONE) from None
             raise
         return out
 
