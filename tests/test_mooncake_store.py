@@ -105,6 +105,29 @@ def test_killed_holder_is_a_clear_error():
         store.close()
 
 
+def test_holder_lost_with_the_catalog_is_not_called_a_drop():
+    """A lone holder dies under a pure client (it cannot poll the processes): its reads answer TRANSFER_FAIL,
+    retried, until the master drops the segment, and then every key is gone, the partition's meta and marker
+    with it. That is data lost with its holder, not a dropped partition (a drop answers OBJECT_NOT_FOUND at
+    once, never TRANSFER_FAIL): a run must stop naming the store, not report a partition nobody dropped."""
+    require_mooncake()
+    from dataplane_rl.store.mooncake.cluster import MooncakeCluster
+
+    with MooncakeCluster(num_holders=1, global_segment_size=16 << 20) as cluster:  # client_ttl 10 s
+        client = open_store(cluster.url)
+        try:
+            client.create_partition("p", "grpo", 8)
+            client.put("p", big_tokens(range(8), 64), range(8))
+            assert client.get("p", ["input_ids"]).num_rows == 8  # it knows the partition
+            cluster.kill_holder(0, signal.SIGKILL)
+            with pytest.raises(StoreUnavailableError, match=r"partition p column\(s\) .*'input_ids'.*: stored block "
+                                                            r"\S+ is missing .*stopped answering \(TRANSFER_FAIL\).*"
+                                                            r"data died with its holder"):
+                client.get("p", ["input_ids"])
+        finally:
+            client.close()
+
+
 # ---- other processes -----------------------------------------------------------------------------
 def read_in_child(url: str, pid: str, rows: list[int], fields: list[str]) -> tuple[list, bool]:
     """Runs in a spawned process: open the store by URL, read, close; (values, had a cluster of its own)."""

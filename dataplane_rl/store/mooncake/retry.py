@@ -43,12 +43,14 @@ class Retries:
         self._t0: float | None = None
         self._delay = _FIRST_DELAY_S
         self.tries = 0
+        self.seen: set[int] = set()  # the transient answers retried: TRANSFER_FAIL says a holder stopped answering
 
     def again(self, code: int, what: str) -> bool:
         now = time.monotonic()
         if self._t0 is None:
             self._t0 = now
         self._check(what)
+        self.seen.add(code)
         limit = min(self._deadline_s, TRANSFER_FAIL_RETRY_S) if code == TRANSFER_FAIL else self._deadline_s
         if now - self._t0 > limit:
             return False

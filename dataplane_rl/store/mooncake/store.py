@@ -343,7 +343,7 @@ class MooncakeStore(ColumnStore):
             self._read_ranges(base, groups[s], refs, offsets, codes, retries, pid)
         bad = [(r, c) for r, c in zip(refs, codes) if c < 0]
         if bad:
-            self._read_failed(pid, bad)
+            self._read_failed(pid, bad, holder_lost=TRANSFER_FAIL in retries.seen)
         # size/checksum mismatches are reported by the base's check of each payload
         return [pa.foreign_buffer(base + o, c, base=lease) for o, c in zip(offsets, codes)]
 
@@ -363,7 +363,10 @@ class MooncakeStore(ColumnStore):
             if slow is None or not retries.again(slow, f"partition {pid}: reading stored blocks {part[0][0]}.."):
                 return
 
-    def _read_failed(self, pid: str, bad: list[tuple[ChunkRef, int]]) -> None:
+    def _read_failed(self, pid: str, bad: list[tuple[ChunkRef, int]], holder_lost: bool = False) -> None:
+        """The error for blocks a read could not get. `holder_lost`: a holder stopped answering during the read
+        (TRANSFER_FAIL, retried): keys that are gone after that went with it, not with a drop (a drop's keys
+        answer OBJECT_NOT_FOUND at once), even when the partition's catalog keys went too."""
         ref, code = next((b for b in bad if b[1] == TRANSFER_FAIL), bad[0])
         missing = code in (OBJECT_NOT_FOUND, INVALID_PARAMS)  # -600: the range is past the object's end
         cols = ", ".join(f"'{c}'" for c in ref.columns)
@@ -375,6 +378,10 @@ class MooncakeStore(ColumnStore):
         try:
             part = self._catalog.fetch(pid)  # PartitionNotFoundError if dropped meanwhile
         except PartitionNotFoundError:
+            if holder_lost:
+                raise StoreUnavailableError(f"{what}: its holder stopped answering (TRANSFER_FAIL) and then the "
+                                            f"partition's keys were gone, so data died with its holder; restart "
+                                            "the store and regenerate the step") from None
             if pid not in self._catalog.list():  # dropped; else its catalog keys died with a holder too
                 raise
             raise CorruptChunkError(f"{what}: data died with its holder or was removed; regenerate the step") from None
