@@ -118,8 +118,8 @@ def mooncake_or_skip() -> None:
 
 class Killer(threading.Thread):
     """Signals processes of an in-process run by the PIDs it recorded in RUN_DIR/actors.json, following `script`:
-    ("actors",) waits for actors.json, ("line", n) for metrics.jsonl's n-th line, ("checkpoint", n) for checkpoint n
-    to be complete; ("stop" | "kill" | "cont", kind, i) sends SIGSTOP, SIGKILL or SIGCONT to rollout actor i,
+    ("actors",) waits for actors.json, ("line", n) for metrics.jsonl's n-th line, ("step", n) for a line of step n,
+    ("checkpoint", n) for checkpoint n to be complete; ("stop" | "kill" | "cont", kind, i) sends SIGSTOP, SIGKILL or SIGCONT to rollout actor i,
     train rank i or the store's holder i (kind "rollout", "train", "store"); ("sleep", s) waits s seconds. Every
     wait is bounded and ends when the run does."""
 
@@ -152,6 +152,9 @@ class Killer(threading.Thread):
                     self.wait((self.run_dir / "actors.json").is_file, "actors.json")
                 elif what == "line":
                     self.wait(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= args[0], f"line {args[0]}")
+                elif what == "step":
+                    self.wait(lambda: metrics.is_file() and any(json.loads(x)["step"] == args[0] for x in
+                                                                metrics.read_text().splitlines()), f"step {args[0]}")
                 elif what == "checkpoint":
                     self.wait((self.run_dir / "checkpoints" / f"step_{args[0]:06d}").is_dir, f"checkpoint {args[0]}")
                 elif what == "sleep":
@@ -187,14 +190,15 @@ def test_mooncake_backend_gives_the_shm_run_through_a_dead_holder_and_a_dead_tra
     """The async schedule is deterministic, so the same run on Mooncake trains the same rows, bit for bit,
     to the same numbers (within 1e-5: buffers of another alignment take other SIMD summation orders); and it
     still does when a holder of its store and its train rank are SIGKILLed mid-run (checkpoints every step):
-    the holder once checkpoint 1 is complete (noticed in step 2; async rows of older weights died with it, so
-    the run resumes from checkpoint 1 in-process with a new store), then the train rank, stopped the moment
-    step 3's line is written and killed in the middle of checkpoint 3's save (the run resumes from checkpoint 2
-    and logs step 3 again, marked). Issue 38: every step's numbers are the unkilled run's."""
+    the holder once checkpoint 1 is complete (noticed in step 2, or on a loaded machine only after step 2's line
+    is written, which is then logged again, marked; async rows of older weights died with it, so the run resumes
+    from checkpoint 1 in-process with a new store), then the train rank, stopped the moment step 3's line is
+    written and killed in the middle of checkpoint 3's save (the run resumes from checkpoint 2 and logs step 3
+    again, marked). Issue 38: every step's numbers are the unkilled run's."""
     mooncake_or_skip()
     _, base_m, base_d = age1
     # the train rank is stopped the moment step 3's line is written, so it dies in the middle of checkpoint 3's save
-    killer = Killer(tmp_path / "mc", [("checkpoint", 1), ("kill", "store", 1), ("line", 3), ("stop", "train", 0),
+    killer = Killer(tmp_path / "mc", [("checkpoint", 1), ("kill", "store", 1), ("step", 3), ("stop", "train", 0),
                                       ("sleep", 0.5), ("kill", "train", 0)])
     summary, m, d = killer.start_for(lambda: run(
         tmp_path, "mc", "data_plane.enabled=true", "data_plane.backend=mooncake://", "data_plane.mooncake.num_holders=2",
@@ -202,7 +206,9 @@ def test_mooncake_backend_gives_the_shm_run_through_a_dead_holder_and_a_dead_tra
     assert killer.error is None and len(killer.killed) == 2, (killer.error, killer.killed)
     assert summary["status"] == "completed" and summary["store_url"].startswith("mooncake://")
     assert d == base_d
-    assert [(x["step"], x["faults/rerun"]) for x in m] == [(1, 0), (2, 0), (3, 0), (3, 1)]
+    # the killer's thread shares the driver's process: on a loaded machine step 2 can end before the holder dies
+    late = [x["step"] for x in m[:3]] == [1, 2, 2]
+    assert [(x["step"], x["faults/rerun"]) for x in m] == [(1, 0), (2, 0)] + [(2, 1)] * late + [(3, 0), (3, 1)]
     for a, b in zip(last_lines(m), base_m):
         for k in TRAIN_KEYS:  # logprob_mismatch too: off-policy, it is no longer rounding noise
             assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-7), f"step {a['step']} {k}: {a[k]} vs {b[k]}"
@@ -214,7 +220,7 @@ def test_mooncake_backend_gives_the_shm_run_through_a_dead_holder_and_a_dead_tra
     assert faults[1]["where"]["pid"] == killer.killed[1][2] and "checkpoint of step 2" in faults[1]["recovery"]
     assert faults[1]["cost"]["steps_rerun"] == 1 and Path(faults[1]["output"]).is_file()
     last = m[-1]
-    assert (last["faults/store_restarts_total"], last["faults/train_restarts_total"], last["faults/steps_rerun_total"]) == (1, 1, 1)
+    assert (last["faults/store_restarts_total"], last["faults/train_restarts_total"], last["faults/steps_rerun_total"]) == (1, 1, 1 + late)
     assert last["faults/seconds_lost_total"] > 0 and base_m[-1]["faults/train_restarts_total"] == 0
     assert summary["steps_completed"] == 3
 

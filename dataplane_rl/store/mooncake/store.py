@@ -82,6 +82,7 @@ from dataplane_rl.store.mooncake.client import (
     default_admin_address,
     error_name,
     import_mooncake_store,
+    list_segments,
     no_eviction_config,
     split_address,
 )
@@ -155,6 +156,7 @@ class MooncakeStore(ColumnStore):
         self._catalog = Catalog(self._client, self._pin, self._arenas, self._admin, self._check_cluster, self._error,
                                 self._not_found, self._counters.retry)
         self._putting = threading.local()  # set while this thread is inside put(): see _snapshot
+        self._segments = self._mounted()  # the holders' segments seen: one gone later took its data with it
 
     @classmethod
     def from_url(cls, rest: str, config=None, **options: Any) -> "MooncakeStore":
@@ -207,6 +209,32 @@ class MooncakeStore(ColumnStore):
         except StoreUnavailableError as e:
             raise StoreUnavailableError(f"{where}: {e}\nThe data that process held died with it; close this store, "
                                         "open a new one and regenerate the partitions") from None
+
+    def _mounted(self) -> set[str] | None:
+        """The segments the master lists now (one per live holder); None if its admin endpoint does not answer."""
+        try:
+            return set(list_segments(self._admin))
+        except StoreUnavailableError:
+            return None
+
+    def _not_found(self, pid: str, why: str = "is unknown or dropped"):
+        """A partition that is not there, unless a holder this store saw is gone: when the master drops a dead
+        holder's segment (after its client_ttl) it drops every key in it, the partition's catalog keys too, so the
+        partition looks dropped though nobody dropped it. That is data lost with its holder (StoreUnavailableError),
+        and a pure client (no processes to poll) can only tell it from the master's list of segments."""
+        self._check_cluster(f"partition {pid}")
+        now, seen = self._mounted(), self._segments
+        if now is not None and seen is not None:
+            lost = sorted(seen - now)
+            if lost:
+                return StoreUnavailableError(
+                    f"partition {pid} {why} in {self.url}, and the holder segment(s) {', '.join(lost)} this store "
+                    "saw are no longer mounted: its data died with its holder; restart the store and regenerate "
+                    "the step")
+            self._segments = seen | now
+        elif now is not None:
+            self._segments = now
+        return super()._not_found(pid, why)
 
     def _error(self, code: int, what: str) -> StoreUnavailableError:
         self._check_cluster(what)
