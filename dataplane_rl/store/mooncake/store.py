@@ -74,19 +74,17 @@ from dataplane_rl.store.mooncake.catalog import Catalog, batches, block_object_k
 from dataplane_rl.store.mooncake.client import (
     INVALID_PARAMS,
     MIN_SEGMENT_SIZE,
-    NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
-    RPC_FAIL,
     TRANSFER_FAIL,
     connect_client,
     default_admin_address,
     error_name,
     import_mooncake_store,
-    list_segments,
     no_eviction_config,
     split_address,
 )
 from dataplane_rl.store.mooncake.cluster import MooncakeCluster
+from dataplane_rl.store.mooncake.health import Health
 from dataplane_rl.store.mooncake.puts import Record, put_objects
 from dataplane_rl.store.mooncake.retry import READ_TRANSIENT, Retries
 
@@ -153,10 +151,10 @@ class MooncakeStore(ColumnStore):
         self._pin = no_eviction_config()  # hard pin: never evicted, even by a master that evicts
         self._pool = ReadPool(self._client, self._arena_bytes)
         self._arenas = Arenas(self._client)
+        self._health = Health(cluster, address, self._admin)
         self._catalog = Catalog(self._client, self._pin, self._arenas, self._admin, self._check_cluster, self._error,
                                 self._not_found, self._counters.retry)
         self._putting = threading.local()  # set while this thread is inside put(): see _snapshot
-        self._segments = self._mounted()  # the holders' segments seen: one gone later took its data with it
 
     @classmethod
     def from_url(cls, rest: str, config=None, **options: Any) -> "MooncakeStore":
@@ -201,56 +199,20 @@ class MooncakeStore(ColumnStore):
             self.cluster.close()
 
     def _check_cluster(self, where: str) -> None:
-        """A self-started cluster is polled (µs): a dead holder is named at once, not after a slow read."""
-        if self.cluster is None:
-            return
-        try:
-            self.cluster.check()
-        except StoreUnavailableError as e:
-            raise StoreUnavailableError(f"{where}: {e}\nThe data that process held died with it; close this store, "
-                                        "open a new one and regenerate the partitions") from None
-
-    def _mounted(self) -> set[str] | None:
-        """The segments the master lists now (one per live holder); None if its admin endpoint does not answer."""
-        try:
-            return set(list_segments(self._admin))
-        except StoreUnavailableError:
-            return None
+        self._health.check(where)
 
     def _not_found(self, pid: str, why: str = "is unknown or dropped"):
-        """A partition that is not there, unless a holder this store saw is gone: when the master drops a dead
-        holder's segment (after its client_ttl) it drops every key in it, the partition's catalog keys too, so the
-        partition looks dropped though nobody dropped it. That is data lost with its holder (StoreUnavailableError),
-        and a pure client (no processes to poll) can only tell it from the master's list of segments."""
-        self._check_cluster(f"partition {pid}")
-        now, seen = self._mounted(), self._segments
-        if now is not None and seen is not None:
-            lost = sorted(seen - now)
-            if lost:
-                return StoreUnavailableError(
-                    f"partition {pid} {why} in {self.url}, and the holder segment(s) {', '.join(lost)} this store "
-                    "saw are no longer mounted: its data died with its holder; restart the store and regenerate "
-                    "the step")
-            self._segments = seen | now
-        elif now is not None:
-            self._segments = now
+        """A partition that is not there, unless a holder this store saw is gone with it (health.py)."""
+        self._health.check(f"partition {pid}")
+        lost = self._health.lost()
+        if lost:
+            return StoreUnavailableError(
+                f"partition {pid} {why} in {self.url}, and the holder segment(s) {', '.join(lost)} this store saw "
+                "are no longer mounted: its data died with its holder; restart the store and regenerate the step")
         return super()._not_found(pid, why)
 
     def _error(self, code: int, what: str) -> StoreUnavailableError:
-        self._check_cluster(what)
-        name = error_name(code)
-        if code == NO_AVAILABLE_HANDLE:
-            room = (f"{self.cluster.num_holders} holder(s) x {self.cluster.global_segment_size >> 20} MiB"
-                    if self.cluster is not None else f"the holders of {self.url}")
-            return StoreUnavailableError(f"{what}: mooncake store full ({name}; {room}): drop old partitions, or raise "
-                                         "data_plane.mooncake.global_segment_size_mb or num_holders")
-        if code == RPC_FAIL:
-            return StoreUnavailableError(f"{what}: the Mooncake master at {self._address} is unreachable ({name}); "
-                                         "restart it (its data is lost) and regenerate the partitions")
-        if code == TRANSFER_FAIL:
-            return StoreUnavailableError(f"{what}: a Mooncake holder is unreachable ({name}): data died with its "
-                                         "holder; restart the store and regenerate the partitions")
-        return StoreUnavailableError(f"{what}: Mooncake answered {name}")
+        return self._health.error(code, what, self.url)
 
     # -- catalog hooks -------------------------------------------------------------------------------
     def _create(self, meta: PartitionMeta) -> None:
