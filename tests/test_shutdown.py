@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dataplane_rl.store import owners
+
 from test_train_e2e import SMALL
 
 # Python keeps an inherited SIG_IGN for SIGINT (e.g. under `nohup` or a CI runner), so the child puts
@@ -38,7 +40,9 @@ class Tree:
             return []
         for p in kids:
             try:
-                created, cmd = p.create_time(), " ".join(p.cmdline())[:400]
+                created, cmd = owners.start_time(p.pid), " ".join(p.cmdline())[:400]  # not create_time: no wall clock
+                if created is None:
+                    continue
                 # read again each time: a child seen between fork and exec still shows its parent's command
                 if cmd or p.pid not in self.seen:
                     self.seen[p.pid] = (created, cmd or p.name())
@@ -49,19 +53,15 @@ class Tree:
     def alive(self) -> list[str]:
         out = []
         for pid, (created, cmd) in self.seen.items():
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(f"{pid} {cmd}")
-            except psutil.NoSuchProcess:
-                pass
+            if owners.start_time(pid) == created:  # None once gone or a zombie
+                out.append(f"{pid} {cmd}")
         return out
 
     def kill_all(self) -> None:
         for pid, (created, _) in self.seen.items():
             try:
                 p = psutil.Process(pid)
-                if p.create_time() == created:
+                if owners.start_time(pid) == created:
                     p.kill()
             except psutil.Error:
                 pass

@@ -102,6 +102,30 @@ def test_owner_record_follows_keep_and_a_clean_close_removes_the_store(root):
     assert not s.path.exists() and owners.scan() == []
 
 
+def test_an_owner_stays_alive_through_a_step_of_the_wall_clock(root, monkeypatch):
+    """A wall-clock step (NTP, a VM's clock sync; CI met one of 18.7 s) moves psutil's create_time of every
+    process (boot time read off the wall clock + ticks): an owner recorded before it looked dead, and a
+    concurrent run's gc took a live run's Ray token. The start time is the kernel's, since boot: no step moves
+    it. The step is simulated in psutil (a test does not set the machine's clock)."""
+    import psutil
+
+    me = owners.this_owner()
+    real = psutil.Process.create_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 18.7)
+    assert owners.owner_alive(me) is True
+    s = open_store("shm://")  # a live store of this process: gc leaves it
+    try:
+        assert owners.collect() == [] and s.path.exists()
+    finally:
+        s.close()
+    assert owners.owner_alive(dict(me, boot="another-boot")) is False  # this PID before a reboot: not us
+    assert owners.owner_alive(dict(me, start_time=me["start_time"] - 1)) is False  # a reused PID
+    legacy = {k: v for k, v in me.items() if k != "boot"} | {"start_time": real(psutil.Process())}
+    assert owners.owner_alive(legacy) is False  # an older record is read on the wall clock, which stepped
+    monkeypatch.undo()
+    assert owners.owner_alive(legacy) is True
+
+
 def test_a_dead_runs_ray_token_folder_is_reaped_and_no_other(tmp_path, monkeypatch):
     """A SIGKILLed run leaves its Ray token folder (its exit handler never ran); the next run's start
     removes it once its owner is dead, and never a live run's folder or one that is not this user's private

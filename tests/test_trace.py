@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dataplane_rl import trace
 from dataplane_rl.trace import TraceFile, Tracer, read_trace
 
 # the phases every step of a GRPO run shows, per kind of process (driver/step.py, rollout/ and train/worker.py)
@@ -80,11 +81,14 @@ def test_spans_nest_on_the_wall_clock_and_off_records_nothing():
         pass
     assert t.take() == [] and t.events == []
     t.configure(True, "driver", ["driver", "rollout-0"])
-    before = time.time_ns() // 1000
+    # the process's clock: the wall clock read once, then perf_counter (a wall-clock step since, such as CI's VM
+    # clock sync of 18.7 s, moves time.time_ns but not the spans); microseconds since the epoch all the same
+    before = trace.now_us()
+    assert abs(before - time.time_ns() // 1000) < 3600e6
     with t.span("outer", step=3):
         with t.span("inner") as args:
             args["bytes"] = 12
-    after = time.time_ns() // 1000
+    after = trace.now_us()
     events = t.take()
     names = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
     assert names == {"driver": 1, "rollout-0": 10_001}  # fixed by role: a resumed run of another shape agrees

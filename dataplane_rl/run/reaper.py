@@ -21,6 +21,8 @@ import sys
 import threading
 from typing import Iterator
 
+from dataplane_rl.store import owners
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -41,13 +43,10 @@ def _descendants() -> list:
 
 
 def _key(p) -> tuple[int, float] | None:
-    """A process by (PID, start time): a PID reused by a newer process is another process."""
-    import psutil
-
-    try:
-        return p.pid, p.create_time()
-    except psutil.Error:
-        return None
+    """A process by (PID, start time since boot): a PID reused by a newer process is another process (not
+    psutil's create_time, which a step of the wall clock moves)."""
+    started = owners.start_time(p.pid)
+    return None if started is None else (p.pid, started)
 
 
 def reap_descendants(grace_s: float = 5.0, keep: frozenset = frozenset()) -> list[int]:

@@ -3,8 +3,10 @@
 A store made for `shm://` (no folder named) is the run's scratch space: it should go with its owner. A
 clean exit removes it (ShmStore.close, or the finalizer), but a SIGKILL, an OOM kill or a power cut leaves
 it in /dev/shm, in RAM, until reboot. So such a store records its owner in DIR/.owner, a checksummed JSON
-line: the host, the PID and the process start time, so a PID the kernel reused for another process is not
-taken for the owner. `collect()` (`dataplane-rl store gc`, and every `train` start) removes each auto-made
+line: the host, the boot, the PID and the process start time, so a PID the kernel reused for another process
+is not taken for the owner. The start time is the kernel's, in seconds since boot: a step of the wall clock
+(NTP, a VM's clock sync) moves psutil's create_time (boot time + ticks, the boot time read off the wall clock)
+of every process, which once made live owners look dead. `collect()` (`dataplane-rl store gc`, and every `train` start) removes each auto-made
 store of this user whose owner is dead and that was not kept (`keep()`, data_plane.keep_partitions).
 
 A kept store is data the user asked for: `keep()` marks it twice, in the owner record and in DIR/.kept, a
@@ -54,19 +56,31 @@ def new_auto_path() -> str:
     return os.path.join(auto_root(), f"{AUTO_PREFIX}{uuid.uuid4().hex[:12]}")
 
 
-def _start_time(pid: int) -> float | None:
-    """When process `pid` started, or None if it is gone (a zombie is gone: only its exit status is left)."""
-    import psutil
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
+
+def start_time(pid: int) -> float | None:
+    """When process `pid` started, in seconds since boot (the kernel's starttime: no wall clock in it), or None
+    if it is gone (a zombie is gone: only its exit status is left). Linux's /proc, as is every store here."""
     try:
-        p = psutil.Process(pid)
-        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()  # the command may hold spaces and ')': fields after the last
+    return None if fields[0] == b"Z" else int(fields[19]) / _CLOCK_TICKS  # state is field 3, starttime 22
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
         return None
 
 
 def this_owner() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start_time": _start_time(os.getpid())}
+    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": os.getpid(), "start_time": start_time(os.getpid())}
 
 
 def write_owner(folder: str, auto: bool, kept: bool = False, owner: dict | None = None) -> None:
@@ -97,9 +111,23 @@ def owner_alive(owner: dict) -> bool | None:
     """Whether the recorded owner still runs: None when it is another host's (we cannot tell)."""
     if owner.get("host") != socket.gethostname():
         return None
-    started = _start_time(int(owner["pid"]))
-    # the start time is the kernel's (boot time + clock ticks), identical in every reader: a PID reused by a
-    # later process has a later start time
+    if "boot" not in owner:  # a record of an older dataplane-rl: psutil's create_time, on the wall clock
+        return _alive_by_wall_clock(owner)
+    if owner["boot"] != _boot_id():
+        return False  # started before the machine's last reboot
+    started = start_time(int(owner["pid"]))
+    # ticks since boot, identical in every reader: a PID reused by a later process has a later start time
+    return started is not None and owner["start_time"] is not None and abs(started - owner["start_time"]) < 0.01
+
+
+def _alive_by_wall_clock(owner: dict) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(int(owner["pid"]))
+        started = None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
+    except psutil.Error:
+        started = None
     return started is not None and owner["start_time"] is not None and abs(started - owner["start_time"]) < 0.01
 
 
