@@ -5,9 +5,10 @@ clean exit removes it (ShmStore.close, or the finalizer), but a SIGKILL, an OOM 
 it in /dev/shm, in RAM, until reboot. So such a store records its owner in DIR/.owner, a checksummed JSON
 line: the host, the boot, the PID and the process start time, so a PID the kernel reused for another process
 is not taken for the owner. The start time is the kernel's, in seconds since boot: a step of the wall clock
-(NTP, a VM's clock sync) moves psutil's create_time (boot time + ticks, the boot time read off the wall clock)
-of every process, which once made live owners look dead. `collect()` (`dataplane-rl store gc`, and every `train` start) removes each auto-made
-store of this user whose owner is dead and that was not kept (`keep()`, data_plane.keep_partitions).
+(NTP, a VM's clock sync) moves psutil's create_time of every process (its boot time is read off the wall
+clock), which once made live owners look dead. `collect()` (`dataplane-rl store gc`, and every `train`
+start) removes each auto-made store of this user whose owner is dead and that was not kept (`keep()`,
+data_plane.keep_partitions).
 
 A kept store is data the user asked for: `keep()` marks it twice, in the owner record and in DIR/.kept, a
 file made once and never rewritten, so no later write or damage of the record can make it collectable; and
@@ -111,24 +112,24 @@ def owner_alive(owner: dict) -> bool | None:
     """Whether the recorded owner still runs: None when it is another host's (we cannot tell)."""
     if owner.get("host") != socket.gethostname():
         return None
-    if "boot" not in owner:  # a record of an older dataplane-rl: psutil's create_time, on the wall clock
-        return _alive_by_wall_clock(owner)
-    if owner["boot"] != _boot_id():
-        return False  # started before the machine's last reboot
-    started = start_time(int(owner["pid"]))
-    # ticks since boot, identical in every reader: a PID reused by a later process has a later start time
+    if "boot" in owner:
+        if owner["boot"] != _boot_id():
+            return False  # started before the machine's last reboot
+        started = start_time(int(owner["pid"]))
+    else:  # a record of an older dataplane-rl: psutil's create_time, on the wall clock
+        started = _wall_clock_start(int(owner["pid"]))
+    # identical in every reader: a PID reused by a later process has a later start time
     return started is not None and owner["start_time"] is not None and abs(started - owner["start_time"]) < 0.01
 
 
-def _alive_by_wall_clock(owner: dict) -> bool:
+def _wall_clock_start(pid: int) -> float | None:
     import psutil
 
     try:
-        p = psutil.Process(int(owner["pid"]))
-        started = None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
     except psutil.Error:
-        started = None
-    return started is not None and owner["start_time"] is not None and abs(started - owner["start_time"]) < 0.01
+        return None
 
 
 def folder_bytes(folder: str) -> int:
