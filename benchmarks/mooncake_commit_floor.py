@@ -74,21 +74,23 @@ def _writer(conn, master: str, w: int, writers: int, group: int) -> None:
                 codes = client.batch_put_session_start([key, slot(known)], [size, RECORD], pin)
                 bad += codes[0] != 0
                 if codes[1] == 0:
-                    client.batch_put_from_multi_buffer_ranges([key, slot(known)], [[at], [at + size]],
-                                                              [[size], [RECORD]], [[0], [0]])
+                    got = client.batch_put_from_multi_buffer_ranges([key, slot(known)], [[at], [at + size]],
+                                                                    [[size], [RECORD]], [[0], [0]])
+                    bad += sum(c < 0 for c in got)
                     bad += sum(c != 0 for c in client.batch_put_session_end([key]))
                     bad += sum(c != 0 for c in client.batch_put_session_end([slot(known)]))
                     known += 1
                     continue
                 lost += 1
-                client.batch_put_from_multi_buffer_ranges([key], [[at]], [[size]], [[0]])
+                bad += sum(c < 0 for c in client.batch_put_from_multi_buffer_ranges([key], [[at]], [[size]], [[0]]))
                 bad += sum(c != 0 for c in client.batch_put_session_end([key]))
                 while True:
                     if mode == "log":  # the first slot not published yet (a reserved one reads as missing)
                         there = client.batch_is_exist([slot(known + j) for j in range(8)])
                         known += next((j for j, c in enumerate(there) if c != 1), 8)
                     if client.batch_put_session_start([slot(known)], [RECORD], pin)[0] == 0:
-                        client.batch_put_from_multi_buffer_ranges([slot(known)], [[at + size]], [[RECORD]], [[0]])
+                        bad += sum(c < 0 for c in client.batch_put_from_multi_buffer_ranges(
+                            [slot(known)], [[at + size]], [[RECORD]], [[0]]))
                         bad += sum(c != 0 for c in client.batch_put_session_end([slot(known)]))
                         known += 1
                         break
