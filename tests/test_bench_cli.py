@@ -44,6 +44,9 @@ def test_bench_store_json_and_plot(tmp_path):
         assert res[name]["ratio_to_memcpy"] > 0
         assert res[name]["cold"]["e2e_gbps"] > 0 and res[name]["cold"]["ratio_to_fresh_pages"] > 0
         assert len(res[name]["rounds_e2e_gbps"]) == 2 + 2  # cold, warm-up, the 2 steady rounds
+        # what the workers retried is reported (an idle machine may need none), in the JSON and the log line
+        assert isinstance(res[name]["retries"], int) and res[name]["retries"] >= 0
+        assert f"the workers retried {res[name]['retries']} transient answers" in p.stderr + p.stdout
         small = res[name]["small"]
         for key in ("put_us", "get_us", "remote_get_us", "put_full_us", "remote_get_full_us",
                     "put_full_first_step_us", "remote_get_full_first_step_us"):

@@ -122,6 +122,8 @@ def test_a_read_that_outlives_its_lease_is_retried_and_counted(cluster_of):
     assert got, "the get did not return"
     want = grpo_columns(range(8), fields)
     assert {f: got[0].column(f).to_pylist() for f in fields} == {f: as_lists(want[f]) for f in fields}
+    # the process's own count, read from memory (what `bench store`'s workers report), and the store's
+    assert reader.counters()["dataplane_store_retries_total"] >= 1
     assert reader.stats()["dataplane_store_retries_total"] >= 1
     reader.close()
     writer.close()

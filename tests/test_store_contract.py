@@ -248,6 +248,32 @@ def test_row_index_of_many_refs_matches_one_by_one():
         assert (many.owner[c] == one.owner[c]).all() and (many.pos[c] == one.pos[c]).all(), c
 
 
+def test_row_index_any_written_agrees_with_each_column_alone():
+    """`any_written` (one lookup per group of columns that share their arrays, what a commit's conflict check
+    asks) says yes exactly when some column alone has a written row, for runs and scattered rows, columns
+    written together or apart, and columns never written."""
+    from dataplane_rl.store.chunks import ChunkRef
+    from dataplane_rl.store.index import RowIndex
+
+    rng = np.random.default_rng(1)
+    idx = RowIndex(200)
+    idx.add([ChunkRef(("input_lengths", "total_reward", "advantages"), np.arange(0, 40), "a", 0, ()),
+             ChunkRef(("total_reward",), np.arange(100, 110), "b", 0, ()),  # a column apart from its group
+             ChunkRef(("input_lengths", "advantages"), np.sort(rng.choice(np.arange(120, 200), 9, replace=False)),
+                      "c", 0, ())])
+    columns = ["input_lengths", "total_reward", "advantages", "input_ids"]  # input_ids: never written
+    asked = 0
+    for _ in range(300):
+        cols = [c for c in columns if rng.random() < 0.5] or ["input_ids"]
+        lo = int(rng.integers(0, 190))
+        rows = slice(lo, lo + int(rng.integers(1, 10))) if rng.random() < 0.5 else \
+            np.sort(rng.choice(200, int(rng.integers(1, 6)), replace=False))
+        want = any(idx.written(c, rows).size for c in cols)
+        assert idx.any_written(cols, rows) == want, (cols, rows)
+        asked += want
+    assert 30 < asked < 270  # both answers were asked many times
+
+
 # ---- errors --------------------------------------------------------------------------------------
 def test_a_reader_keeps_a_bounded_cache_of_partitions(store, monkeypatch):
     """A process that reads partitions it never drops (a train worker: the driver drops them) caches the

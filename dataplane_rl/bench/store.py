@@ -51,6 +51,7 @@ from dataplane_rl.bench.store_work import (
 )
 
 DEFAULT_BACKENDS = "shm,mooncake,ray"
+RETRIES = "dataplane_store_retries_total"
 DEFAULT_FIT_SIZES = "4,16,64"
 __all__ = ["Workload", "fresh_page_ceiling", "make_batch", "payload_bytes", "plot", "raw_mooncake", "run",
            "table", "touch", "views_of"]
@@ -91,7 +92,7 @@ def _writer(conn, barrier, url: str, w: int, work: Workload, profile: str) -> No
                 busy += time.perf_counter() - a
                 cpu += time.thread_time() - c
             return {"t0": t0, "t1": time.perf_counter(), "calls": len(groups), "bytes": nbytes, "busy": busy,
-                    "cpu": cpu, "mem": memory()}
+                    "cpu": cpu, "mem": memory(), "retries": store.counters()[RETRIES]}
 
         return handle, store.close
 
@@ -132,7 +133,7 @@ def _reader(conn, barrier, url: str, rows: tuple[int, int], profile: str, topk: 
             touched = sum(touch(views_of(t)) for t in tables)
             t1 = time.perf_counter()
             return {"t0": t0, "t1": t1, "calls": len(tables), "bytes": touched, "busy": busy, "cpu": cpu,
-                    "mem": memory()}
+                    "mem": memory(), "retries": store.counters()[RETRIES]}
 
         return handle, store.close
 
@@ -177,6 +178,12 @@ def summary(rounds: list[dict], nbytes: int) -> dict[str, Any]:
             "reader_start_skew_ms": _stats([r["skew_s"] * 1e3 for r in steady])}
 
 
+def retries(last_round: dict) -> int:
+    """Transient backend answers the workers retried (`dataplane_store_retries_total`, each process's own
+    count since it started) up to the end of this round."""
+    return int(sum(r["retries"] for r in last_round["writers"] + last_round["readers"]))
+
+
 def run_backend(label: str, store, work: Workload, nbytes: int) -> dict[str, Any]:
     """The workload's rounds on one backend (`store` makes and drops the partitions), then the fit's passes
     (one warm-up and `fit_repeats` rounds per size), then the small calls with reader 0 as the other process."""
@@ -192,6 +199,7 @@ def run_backend(label: str, store, work: Workload, nbytes: int) -> dict[str, Any
         pool.ready()
         rounds = run_rounds(pool, work.repeats + 2, nbytes, work.group_size, 0, begin, store.drop_partition)
         out = summary(rounds, nbytes)
+        out["retries"] = retries(rounds[-1])
         fit_rounds = []
         for rep in range(work.fit_repeats + 1):  # the sizes alternate, so a busy neighbour slows them alike
             for size in work.fit_sizes:
@@ -267,7 +275,8 @@ def run(backends: list[str], work: Workload, log=print) -> dict[str, Any]:
         finally:
             store.close()
         log(f"[bench] {name} e2e {results[name]['e2e_gbps']['median']:.3f} GB/s steady, "
-            f"{results[name]['cold']['e2e_gbps']:.3f} GB/s cold")
+            f"{results[name]['cold']['e2e_gbps']:.3f} GB/s cold; the workers retried {results[name]['retries']} "
+            "transient answers in these rounds")
     add_ratios(results, backends)
     results["targets"] = targets(results)
     return results

@@ -254,6 +254,11 @@ class ColumnStore(Reads, Capabilities, ABC):
         self._counted("get", 0, t0)  # its bytes: counted by _table, per block read
         return table
 
+    def counters(self) -> dict[str, float]:
+        """This process's own counters of the store's calls, read from memory (no catalog, no other
+        process): what `stats()` adds the others' to. A benchmark's worker reports its retries from here."""
+        return self._counters.metrics()
+
     def stats(self, partitions: list[str] | None = None) -> dict[str, float]:
         """The store's counters and gauges, in Prometheus names (`_total`, `_seconds`, `_bytes`): puts and
         gets with their bytes and seconds and refusals by cause (of every process that wrote them where

@@ -190,6 +190,25 @@ class RowIndex:
             rows = np.arange(rows.start, rows.stop, dtype=np.int64)
         return rows[:0] if owner is None else rows[owner[rows] >= 0]
 
+    def any_written(self, columns: tuple[str, ...] | list[str], rows: np.ndarray | slice) -> bool:
+        """Is any cell of `columns` x `rows` written? One numpy lookup per group of columns sharing their
+        arrays (a put's columns, first written together), not one per column: a commit asks this of every
+        put, against every other writer's commits."""
+        self._build()
+        bases: dict[int, tuple[np.ndarray, list[int]]] = {}
+        for c in columns:
+            got = self._rows.get(c)
+            if got is not None:
+                bases.setdefault(id(got[0]), (got[0], []))[1].append(got[2])
+        for owner, ks in bases.values():
+            if len(ks) == owner.shape[0]:
+                cells = owner[:, rows]
+            else:
+                cells = owner[ks, rows] if isinstance(rows, slice) else owner[np.ix_(ks, rows)]
+            if cells.size and int(cells.max()) >= 0:
+                return True
+        return False
+
     def unwritten(self, column: str, rows: np.ndarray) -> np.ndarray:
         owner = self.owner.get(column)
         return rows if owner is None else rows[owner[rows] < 0]
@@ -220,6 +239,8 @@ def overlap(index: RowIndex, refs: list[ChunkRef]) -> tuple[str, np.ndarray] | N
     for cols, parts in by_cols.items():
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
         rows = as_slice(rows)
+        if not index.any_written(cols, rows):  # the common answer, in one lookup
+            continue
         for col in cols:
             hit = index.written(col, rows)
             if hit.size:

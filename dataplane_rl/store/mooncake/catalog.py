@@ -52,7 +52,8 @@ from dataplane_rl.store.mooncake.retry import READ_TRANSIENT, RETRY_DEADLINE_S, 
 
 PREFIX = "dprl/"
 _SLOT = 64 << 10  # bytes per catalog key in one batched read; a bigger value is re-read at its size
-_PROBE = 4  # refs keys asked for beyond the last one known, per catalog read (doubling up to _MAX_PROBE)
+# refs keys asked for beyond the last one known, per master RPC (doubling up to _MAX_PROBE while all are there)
+_PROBE = 8
 _MAX_PROBE = 64
 
 
@@ -252,20 +253,32 @@ class Catalog:
     def _refresh(self, pid: str, part: Part) -> bool:
         """Read the refs keys committed since this process last looked; False if the partition is gone or
         was dropped and made again (its incarnation's marker is gone)."""
+        return self._read_new(pid, part, marker=True)
+
+    def _read_new(self, pid: str, part: Part, marker: bool) -> bool:
+        """Ask the master which of the next slots are published (`batch_is_exist`: one RPC, no data moves,
+        and a slot still being written answers 0) and read exactly those in one batched read; again, asking
+        for twice as many, while every slot asked for was there. With `marker`, the incarnation's marker is
+        asked in the same RPC: False if it is gone. A transfer costs its caller CPU for as long as the holder
+        takes to answer (docs/mooncake_notes.md), so nothing is read that is not there."""
         probe = _PROBE
+        prefix = refs_key(pid, part.inc, 0)[:-1]
         while True:
             n = part.puts
-            keys = [marker_key(pid, part.inc)] + [refs_key(pid, part.inc, k) for k in range(n, n + probe)]
+            keys = [prefix + str(k) for k in range(n, n + probe)]
+            if marker:
+                keys.insert(0, marker_key(pid, part.inc))
             there = self._client.batch_is_exist(keys)  # master only: no transfer
             bad = next((c for c in there if c < 0), None)
             if bad is not None:
                 raise self._error(bad, f"partition {pid}: looking up catalog keys")
-            if there[0] != 1:
+            if marker and there[0] != 1:
                 return False
-            new = next((i for i, c in enumerate(there[1:]) if c != 1), probe)
-            if new == 0 or self._take_refs(part, n, self.get_small(keys[1:1 + new])) < probe:
+            slots, there = (keys[1:], there[1:]) if marker else (keys, there)
+            new = next((i for i, c in enumerate(there) if c != 1), probe)
+            if new == 0 or self._take_refs(part, n, self.get_small(slots[:new])) < probe:
                 return True
-            probe = min(2 * probe, _MAX_PROBE)  # every key asked for was there: there may be many more
+            probe = min(2 * probe, _MAX_PROBE)  # every slot asked for was there: there may be many more
 
     def record(self, pid: str, part: Part, refs: list[ChunkRef]) -> tuple[str, bytes]:
         """The key of the slot after the last one known, and the record of `refs` to put there."""
@@ -280,16 +293,9 @@ class Catalog:
                 part.puts += 1
 
     def catch_up(self, pid: str, part: Part) -> None:
-        """Read the slots from part.puts on straight away, in one batched read each round (a missing one
-        answers at once): after losing a slot there is at least one to read, so no RPC asks first."""
+        """Read the slots other writers published from part.puts on (nothing when there are none)."""
         self._check(f"partition {pid}")
-        probe = _PROBE
-        while True:
-            first = part.puts
-            if self._take_refs(part, first, self.get_small([refs_key(pid, part.inc, k)
-                                                            for k in range(first, first + probe)])) < probe:
-                return
-            probe = min(2 * probe, _MAX_PROBE)
+        self._read_new(pid, part, marker=False)
 
     @staticmethod
     def _take_refs(part: Part, first: int, values: list[bytes | None]) -> int:
@@ -348,10 +354,13 @@ class Catalog:
                 raise self._error(code, f"dropping partition {pid}")
         self.parts.pop(pid, None)
 
-    def commit(self, meta: PartitionMeta, refs: list[ChunkRef], conflict: Callable[[Part], Exception | None]) -> None:
+    def commit(self, meta: PartitionMeta, refs: list[ChunkRef], conflict: Callable[[Part], Exception | None],
+               checked: int = -1) -> None:
         """Append the put's record at the slot after the last one this process knows, reading nothing
         first; on -705 (another writer's slot) read the slots not seen yet, re-check and aim at the next.
-        The incarnation's marker is checked in the same call as the reservation, which catches a drop."""
+        The incarnation's marker is checked in the same call as the reservation, which catches a drop.
+        `checked`: the caller checked conflicts against the first `checked` slots (not again while no
+        more are known)."""
         pid, inc = meta.pid, meta.token
         payload = json.dumps({"inc": inc, "refs": json.loads(refs_to_json(refs))}).encode()
         part = self.known(pid, inc)
@@ -359,10 +368,12 @@ class Catalog:
         while True:
             if part.inc != inc:
                 raise self._not_found(pid, "was dropped while this put was writing (nothing was written)")
-            err = conflict(part)
-            if err:
-                raise err
             n = part.puts
+            if n != checked:  # slots this put was not checked against yet
+                err = conflict(part)
+                if err:
+                    raise err
+                checked = n
             key = refs_key(pid, inc, n)
             code = self.put_if_absent(key, payload, must_exist=marker_key(pid, inc))
             if code == OK:

@@ -272,6 +272,8 @@ class MooncakeStore(ColumnStore):
             if put_objects(cat, pid, pending[1], refs, Record(key, marker_key(pid, part.inc), buf.ptr, len(payload))):
                 cat.appended(part, n, refs)
                 return
+            cat.commit(meta, refs, conflict, checked=n)  # checked against slots 0..n-1 above
+            return
         cat.commit(meta, refs, conflict)
 
     def _drop(self, pid: str) -> None:
