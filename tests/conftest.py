@@ -17,6 +17,13 @@ import pytest
 
 from dataplane_rl.errors import DataPlaneError
 
+# The suite's two workers share CI's 2 cores with the runs they start, whose torch threads (OpenMP, libgomp)
+# spin-wait at every barrier, 300,000 spins by default, while other processes want the cores. Measured on the
+# 2-core VM, the default run (`dataplane-rl train`) beside 2 busy loops: 545 s with the default, 126 s with
+# 10,000 spins; idle 62-65 s against 70-74 s (README, "A busy machine"). Set before torch is imported in this
+# process; the runs and Ray workers the tests start inherit it. A value set by the caller wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 BACKENDS = ("memory", "shm", "ray", "mooncake")
 
 # Where backends differ. cross_process: another process can open the store by its url and see the data.
