@@ -71,8 +71,12 @@ def marker_key(pid: str, inc: str) -> str:
     return f"{PREFIX}{pid}/i/{inc}"
 
 
+def refs_prefix(pid: str, inc: str) -> str:
+    return f"{PREFIX}{pid}/r/{inc}/"
+
+
 def refs_key(pid: str, inc: str, n: int) -> str:
-    return f"{PREFIX}{pid}/r/{inc}/{n}"
+    return f"{refs_prefix(pid, inc)}{n}"
 
 
 def block_object_key(pid: str, inc: str) -> str:
@@ -262,7 +266,7 @@ class Catalog:
         asked in the same RPC: False if it is gone. A transfer costs its caller CPU for as long as the holder
         takes to answer (docs/mooncake_notes.md), so nothing is read that is not there."""
         probe = _PROBE
-        prefix = refs_key(pid, part.inc, 0)[:-1]
+        prefix = refs_prefix(pid, part.inc)
         while True:
             n = part.puts
             keys = [prefix + str(k) for k in range(n, n + probe)]
