@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from dataplane_rl.store import open_store
@@ -127,3 +128,24 @@ def test_a_read_that_outlives_its_lease_is_retried_and_counted(cluster_of):
     assert reader.stats()["dataplane_store_retries_total"] >= 1
     reader.close()
     writer.close()
+
+
+def test_a_reservation_the_master_gave_to_another_client_is_put_again(cluster_of):
+    """Mooncake quirk (CI met it in the kill test above, on a loaded machine): a put session older than
+    put_start_discard_timeout_sec is discarded when another client asks for its key, which then is that client's,
+    and ending the old session answers ILLEGAL_CLIENT (-601). Nothing of the old writer's was published: the
+    catalog's fill returns the key to be put again (as for a discard nobody took), never an error, and the other
+    client's value is the one stored."""
+    cluster = cluster_of(extra_master_flags=("--put_start_discard_timeout_sec=1", "--put_start_release_timeout_sec=10"))
+    slow, fast = open_store(cluster.url), open_store(cluster.url)
+    cat, key = slow._catalog, "dprl/t/r/abc/0"
+    assert cat.client.batch_put_session_start([key], [8], cat.pin) == [0]
+    time.sleep(1.5)  # past the discard timeout (not an assertion: the cause)
+    assert fast._catalog.put_if_absent(key, b"theirs!!") == 0  # the master discards ours and gives it to them
+    mine = cat._arenas.get("catalog", 8)
+    mine.array[:8] = np.frombuffer(b"mine....", dtype=np.uint8)
+    assert cat.fill([(key, mine.ptr, 8)], "a test key") == [key]  # ILLEGAL_CLIENT at the end: put it again
+    assert slow.counters()["dataplane_store_retries_total"] == 1
+    assert slow._catalog.get_small([key]) == [b"theirs!!"]
+    slow.close()
+    fast.close()

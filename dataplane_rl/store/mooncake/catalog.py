@@ -39,6 +39,7 @@ from dataplane_rl.errors import CorruptChunkError, StoreUnavailableError
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, refs_to_json
 from dataplane_rl.store.mooncake.buffers import Arenas
 from dataplane_rl.store.mooncake.client import (
+    ILLEGAL_CLIENT,
     INVALID_PARAMS,
     MAX_KEYS_PER_BATCH,
     OBJECT_ALREADY_EXISTS,
@@ -212,8 +213,8 @@ class Catalog:
                 for k, c in zip(part, codes):
                     if c == OK:
                         ended.add(k)
-                    elif c == OBJECT_NOT_FOUND:  # the master discarded our reservation: nothing published
-                        again.append(k)
+                    elif c in (OBJECT_NOT_FOUND, ILLEGAL_CLIENT):  # the master discarded our reservation (and
+                        again.append(k)  # gave the key to another client: -601): nothing of ours was published
                     else:
                         raise self._error(c, what)
             if again:

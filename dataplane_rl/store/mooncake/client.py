@@ -88,6 +88,7 @@ MAX_KEYS_PER_BATCH = 1024  # what we recommend per batch_* call, well inside the
 OK = 0
 NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
+ILLEGAL_CLIENT = -601  # ending a put session the master discarded and gave to another client
 REPLICA_IS_NOT_READY = -703  # a key whose put session has not ended: not readable yet
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705

@@ -8,7 +8,9 @@ What a loaded machine answers that a retry fixes (mooncake-store's client and ma
   forgets it after client_ttl (then its keys read OBJECT_NOT_FOUND): a self-started cluster is polled before
   each retry, so a dead holder is named at once; a client by URL learns it when the keys vanish.
 - OBJECT_NOT_FOUND (-704) when ending a put session (put sessions are ours alone): the master discarded the
-  reservation (put_start_discard_timeout_sec); nothing was published, so the put is made again.
+  reservation (put_start_discard_timeout_sec); nothing was published, so the put is made again. ILLEGAL_CLIENT
+  (-601) says the same when the master gave the discarded key to another client's put session meanwhile
+  (measured: the other's value is the one stored, whole).
 Anything else is an error at once, and so is a transient answer past the deadline (store.py's `_error`
 names it).
 """
