@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import threading
 import uuid
 
 import pytest
@@ -136,13 +135,20 @@ def store_url(store) -> str:
 
 @pytest.fixture(scope="session")
 def store_pool():
-    """Three spawned worker processes for cross-process store tests (their Ray/Mooncake clients start once)."""
-    pool = mp.get_context("spawn").Pool(3)
+    """Three spawned worker processes for cross-process store tests (their Ray/Mooncake clients start once).
+
+    concurrent.futures, not multiprocessing.Pool: a worker that dies fails its job at once (BrokenProcessPool)
+    instead of leaving it to time out, and the teardown cannot hang on a queue lock a dead worker held (Pool's
+    terminate can)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(3, mp_context=mp.get_context("spawn"))
     yield pool
-    # close+join lets workers exit normally (Ray's exit hooks run); terminate only if one hangs
-    pool.close()
-    joiner = threading.Thread(target=pool.join, daemon=True)
-    joiner.start()
-    joiner.join(30)
-    if joiner.is_alive():
-        pool.terminate()
+    # workers exit normally (Ray's exit hooks run); one that hangs is killed by its PID
+    procs = list((pool._processes or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join(10)

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -135,6 +136,72 @@ def test_holder_lost_with_the_catalog_is_not_called_a_drop():
             with open_store(cluster.url) as fresh:  # a store opened after the loss saw no holder die: unknown
                 with pytest.raises(PartitionNotFoundError, match="partition p is unknown or dropped"):
                     fresh.get("p", ["input_ids"])
+        finally:
+            client.close()
+
+
+def _holder_of(cluster, client, key: str) -> int:
+    """The index of the holder whose segment has `key`: its replica's transfer endpoint is a port that holder
+    listens on."""
+    import psutil
+
+    endpoint = client.get_replica_desc(key)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+    port = int(endpoint.rsplit(":", 1)[1])
+    for h in cluster.holders:
+        if any(c.laddr.port == port for c in psutil.Process(h.pid).net_connections("tcp") if c.status == "LISTEN"):
+            return h.index
+    raise AssertionError(f"no holder listens on {endpoint}")
+
+
+def test_a_commit_lost_with_its_holder_is_named_not_called_unwritten():
+    """Two holders; a pure client commits 12 puts, and the holder of some commit's catalog slot dies (the
+    partition's meta and marker live on the other). Once the master drops the dead segment with its keys, that
+    slot is gone while later ones stand, so the rows it wrote look never written. A get and a wait must name the
+    lost holder (a run stops naming the store), not report cells nobody wrote, which would blame the writer."""
+    require_mooncake()
+    from dataplane_rl.errors import MissingColumnError, StoreTimeoutError
+    from dataplane_rl.store.mooncake.catalog import marker_key, meta_key, refs_key
+    from dataplane_rl.store.mooncake.cluster import MooncakeCluster
+
+    with MooncakeCluster(num_holders=2, global_segment_size=16 << 20, client_ttl_s=2) as cluster:
+        client = open_store(cluster.url)
+        try:
+            raw = client._catalog._client
+            for attempt in range(20):  # the master places keys at random: make the partition until they fit
+                client.create_partition("p", "grpo", 12)
+                for r in range(12):
+                    client.put("p", big_tokens([r], 64), [r])
+                inc = client._catalog.parts["p"].inc
+                home = {_holder_of(cluster, raw, k) for k in (meta_key("p"), marker_key("p", inc))}
+                slots = [_holder_of(cluster, raw, refs_key("p", inc, k)) for k in range(12)]
+                if len(home) == 1 and any(h not in home for h in slots[:-1]):
+                    break
+                client.drop_partition("p")
+            else:
+                pytest.fail("in 20 partitions, no commit's slot was on the holder without the meta and the marker")
+            victim = next(h for h in slots[:-1] if h not in home)
+            lost_rows = [k for k, h in enumerate(slots) if h == victim]
+            assert client.get("p", ["input_ids"]).num_rows == 12
+            late = open_store(cluster.url)  # a process that has not read the partition yet, as a trainer
+            cluster.kill_holder(victim, signal.SIGKILL)
+            t0 = time.monotonic()
+            while cluster.holders[victim].segment_name in cluster.list_segments():
+                assert time.monotonic() - t0 < 60, "the master never dropped the dead holder's segment"
+                time.sleep(0.2)
+            assert raw.batch_is_exist([refs_key("p", inc, k) for k in range(12)]) == [int(h != victim) for h in slots]
+            named = rf"rows {lost_rows[0]}.* the holder segment\(s\) " \
+                    rf"{re.escape(cluster.holders[victim].segment_name)} this store saw are no longer mounted"
+            with open_store(cluster.url) as fresh:  # reads the catalog anew: the lost slot ends what it sees
+                with pytest.raises(MissingColumnError, match=rf"rows {lost_rows[0]}\b"):
+                    fresh.get("p", ["input_ids"])  # it saw no holder die: it cannot tell
+            with late:  # it saw the dead holder's segment when it opened
+                with pytest.raises(StoreUnavailableError, match=named):
+                    late.get("p", ["input_ids"], lost_rows)
+                with pytest.raises(StoreUnavailableError, match=named):
+                    late.wait("p", ["input_ids"], lost_rows, timeout=0.5)
+            with open_store(cluster.url) as fresh:
+                with pytest.raises(StoreTimeoutError, match=rf"rows {lost_rows[0]}\b"):
+                    fresh.wait("p", ["input_ids"], lost_rows, timeout=0.2)
         finally:
             client.close()
 

@@ -75,17 +75,17 @@ def test_wait_sees_a_put_made_while_it_waits(store, part):
 @pytest.mark.parametrize("backend", CROSS_PROCESS)
 def test_reader_in_another_process_waits_while_this_one_writes(store, part, store_pool):
     fields = ["input_lengths", "input_ids", "total_reward"]
-    job = store_pool.apply_async(wait_then_check, (store.url, part, range(N), fields, 120.0))
+    job = store_pool.submit(wait_then_check, store.url, part, range(N), fields, 120.0)
     for lo in range(0, N, 3):  # four puts; the reader can only finish after the last
         store.put(part, grpo_columns(range(lo, lo + 3), fields), range(lo, lo + 3))
-    assert job.get(timeout=180) == list(range(N))
+    assert job.result(timeout=180) == list(range(N))
 
 
 @pytest.mark.parametrize("backend", CROSS_PROCESS)
 def test_waiting_here_while_another_process_writes(store, part, store_pool):
-    job = store_pool.apply_async(write, (store.url, part, range(N), ["total_reward", "group_id"], 0, 4))
+    job = store_pool.submit(write, store.url, part, range(N), ["total_reward", "group_id"], 0, 4)
     assert store.wait(part, ["total_reward", "group_id"], timeout=120).tolist() == list(range(N))
-    job.get(timeout=60)  # the writer finished cleanly too
+    job.result(timeout=60)  # the writer finished cleanly too
     assert_rows(store, part, range(N), ["total_reward", "group_id"])
 
 
@@ -98,21 +98,21 @@ def shared(store):
 @pytest.mark.parametrize("backend", CROSS_PROCESS)
 def test_one_writer_two_readers(shared, store_pool):
     shared.create_partition("p", "grpo", 40)
-    store_pool.apply(write, (shared.url, "p", range(40), ROLLOUT_FIELDS, 0, 4))
+    store_pool.submit(write, shared.url, "p", range(40), ROLLOUT_FIELDS, 0, 4).result(timeout=120)
     shared.put("p", grpo_columns(range(40), ["advantages", "sample_mask"]), range(40))
     fields = ["input_ids", "generation_logprobs", "advantages", "prompt_text"]
-    jobs = [store_pool.apply_async(check, (shared.url, "p", rows, fields)) for rows in (range(40), range(39, -1, -3))]
-    assert [j.get(timeout=120) for j in jobs] == [120, 42]
+    jobs = [store_pool.submit(check, shared.url, "p", rows, fields) for rows in (range(40), range(39, -1, -3))]
+    assert [j.result(timeout=120) for j in jobs] == [120, 42]
 
 
 @pytest.mark.parametrize("backend", CROSS_PROCESS)
 def test_concurrent_writers_of_disjoint_rows(shared, store_pool):
     shared.create_partition("p", "grpo", 64)
     shared.put("p", grpo_columns(range(64), ["input_lengths"]), range(64))
-    jobs = [store_pool.apply_async(write, (shared.url, "p", range(i, 64, 2), ["input_ids", "total_reward"], 0, 8))
+    jobs = [store_pool.submit(write, shared.url, "p", range(i, 64, 2), ["input_ids", "total_reward"], 0, 8)
             for i in (0, 1)]
     for j in jobs:
-        j.get(timeout=120)
+        j.result(timeout=120)
     assert_rows(shared, "p", range(64), ["input_ids", "total_reward", "input_lengths"])
 
 
@@ -121,8 +121,8 @@ def test_racing_writers_of_the_same_cells(shared, store_pool):
     pids = [f"race-{i}" for i in range(8)]
     for pid in pids:
         shared.create_partition(pid, "grpo", 16)
-    jobs = [store_pool.apply_async(race, (shared.url, pids, range(16), seed)) for seed in (1, 2)]
-    a, b = (j.get(timeout=120) for j in jobs)
+    jobs = [store_pool.submit(race, shared.url, pids, range(16), seed) for seed in (1, 2)]
+    a, b = (j.result(timeout=120) for j in jobs)
     for pid, ra, rb in zip(pids, a, b):
         assert sorted([ra, rb]) == ["dup", "ok"], (pid, ra, rb)
         winner = 1 if ra == "ok" else 2

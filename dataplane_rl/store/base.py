@@ -35,6 +35,7 @@ from dataplane_rl.errors import (
     AlignmentError,
     DataPlaneError,
     DuplicateWriteError,
+    MissingColumnError,
     PartitionNotFoundError,
     SchemaError,
     StoreUnavailableError,
@@ -247,7 +248,10 @@ class ColumnStore(Reads, Capabilities, ABC):
             fields = self._field_list(pid, snap.meta, fields, "get")
             if len(set(fields)) != len(fields):
                 raise SchemaError(f"partition {pid} get: a field is requested twice in {fields}")
-            table = self._table(snap, fields, self._rows(pid, snap.meta, rows, unique=False))
+            try:
+                table = self._table(snap, fields, self._rows(pid, snap.meta, rows, unique=False))
+            except MissingColumnError as e:
+                raise self._unwritten(pid, e) from None
         except DataPlaneError as e:
             self._counters.refused(e)
             raise
@@ -379,6 +383,11 @@ class ColumnStore(Reads, Capabilities, ABC):
         except (OSError, DataPlaneError):
             live = "unknown"
         return PartitionNotFoundError(f"partition {pid} {why} in {self.url}; live partitions: {live}")
+
+    def _unwritten(self, pid: str, err: DataPlaneError) -> DataPlaneError:
+        """The error for cells of `pid` that look unwritten (`err`: a get's or a wait's): a backend that can
+        lose commits with a process (Mooncake) names the loss instead."""
+        return err
 
     def _check_pid(self, pid: Any) -> str:
         if not isinstance(pid, str) or not PID.fullmatch(pid):

@@ -54,8 +54,9 @@ class Reads:
             left = deadline - time.monotonic()
             if left <= 0:
                 detail = "; ".join(f"{f}: rows {format_rows(np.unique(r))}" for f, r in missing.items())
-                raise StoreTimeoutError(f"partition {pid}: waited {timeout:g} s and these cells are still unwritten: "
-                                        f"{detail}; check that the writer is alive, or raise the timeout")
+                raise self._unwritten(pid, StoreTimeoutError(
+                    f"partition {pid}: waited {timeout:g} s and these cells are still unwritten: {detail}; check "
+                    "that the writer is alive, or raise the timeout"))
             # back off from 0.5 ms to 20 ms: one catalog read per wake-up, no spinning
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.02)

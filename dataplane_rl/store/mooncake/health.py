@@ -3,8 +3,9 @@
 A self-started cluster's processes are polled (µs), so a dead holder is named at once. A client opened by
 URL cannot poll them; it remembers the segments the master listed (one per live holder). When the master
 drops a dead holder's segment (after its client_ttl) it drops every key in it, a partition's catalog keys
-too, so the partition looks dropped though nobody dropped it: a segment seen before and gone now says the
-data died with its holder.
+too, so the partition looks dropped though nobody dropped it, or (a commit's slot gone, later ones standing)
+the rows of that commit look never written: a segment seen before and gone now says the data died with its
+holder.
 """
 
 from __future__ import annotations

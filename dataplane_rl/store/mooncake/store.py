@@ -203,13 +203,21 @@ class MooncakeStore(ColumnStore):
 
     def _not_found(self, pid: str, why: str = "is unknown or dropped"):
         """A partition that is not there, unless a holder this store saw is gone with it (health.py)."""
+        return self._lost(pid, f"partition {pid} {why} in {self.url}, and") or super()._not_found(pid, why)
+
+    def _unwritten(self, pid: str, err):
+        """Cells that look unwritten, unless a holder this store saw is gone: the master drops a dead holder's
+        keys, a commit's slot in the catalog too, so the rows that commit wrote look never written."""
+        return self._lost(pid, f"{err}; but") or err
+
+    def _lost(self, pid: str, said: str) -> StoreUnavailableError | None:
+        """The error naming the holder segments this store saw that are gone, after `said`; None if none is."""
         self._health.check(f"partition {pid}")
         lost = self._health.lost()
-        if lost:
-            return StoreUnavailableError(
-                f"partition {pid} {why} in {self.url}, and the holder segment(s) {', '.join(lost)} this store saw "
-                "are no longer mounted: its data died with its holder; restart the store and regenerate the step")
-        return super()._not_found(pid, why)
+        if not lost:
+            return None
+        return StoreUnavailableError(f"{said} the holder segment(s) {', '.join(lost)} this store saw are no longer "
+                                     "mounted: its data died with its holder; restart the store and regenerate the step")
 
     def _error(self, code: int, what: str) -> StoreUnavailableError:
         return self._health.error(code, what, self.url)
