@@ -140,6 +140,29 @@ def test_holder_lost_with_the_catalog_is_not_called_a_drop():
             client.close()
 
 
+def test_a_create_whose_meta_met_a_dead_holder_is_put_again_not_called_taken():
+    """A holder dies under a pure client that has talked to it: until the master drops its segment, the master
+    still places keys there, and their transfers fail (TRANSFER_FAIL). A create whose meta key lands there
+    published nothing, so the id is still free: it must put the meta again (counted as a retry), not report
+    PartitionExistsError for a partition nobody made (CI met it in a run on two hosts)."""
+    require_mooncake()
+    from dataplane_rl.store.mooncake.cluster import MooncakeCluster
+
+    with MooncakeCluster(num_holders=2, global_segment_size=16 << 20) as cluster:  # client_ttl 10 s
+        with open_store(cluster.url) as client:
+            for i in range(16):  # keys on both holders: the client's transfer engine knows both
+                client.create_partition(f"warm-{i}", "grpo", 4)
+            cluster.kill_holder(1, signal.SIGKILL)
+            before = client.counters().get("dataplane_store_retries_total", 0)
+            made = []
+            for i in range(8):  # each key goes to the dead holder with odds 1/2 until the master drops it
+                client.create_partition(f"p{i}", "grpo", 4)
+                made.append(f"p{i}")
+            assert client.counters()["dataplane_store_retries_total"] > before  # some key met the dead holder
+            with open_store(cluster.url) as fresh:  # every meta was published whole, on the live holder
+                assert [fresh.num_rows(p) for p in made] == [4] * 8
+
+
 def _holder_of(cluster, client, key: str) -> int:
     """The index of the holder whose segment has `key`: its replica's transfer endpoint is a port that holder
     listens on."""

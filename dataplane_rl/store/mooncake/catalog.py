@@ -56,6 +56,9 @@ _SLOT = 64 << 10  # bytes per catalog key in one batched read; a bigger value is
 # refs keys asked for beyond the last one known, per master RPC (doubling up to _MAX_PROBE while all are there)
 _PROBE = 8
 _MAX_PROBE = 64
+# put_if_absent: nothing was published (our transfer failed transiently, or the master discarded our
+# reservation), so the key is still free: put it again. Positive: no Mooncake answer is.
+AGAIN = 1
 
 
 def batches(n: int) -> Iterator[slice]:
@@ -158,9 +161,9 @@ class Catalog:
         return buf.array[:code].tobytes()
 
     def put_if_absent(self, key: str, data: bytes, must_exist: str | None = None) -> int:
-        """OK; OBJECT_ALREADY_EXISTS if the key exists or is being written (or our reservation of it was
-        discarded before we published it: nothing was); OBJECT_NOT_FOUND if the key `must_exist` does not
-        (checked in the same call, at no cost: reserving an existing key fails).
+        """OK; OBJECT_ALREADY_EXISTS if the key exists or is being written; AGAIN if we reserved it but
+        published nothing (a holder did not answer, or the master discarded the reservation); OBJECT_NOT_FOUND
+        if the key `must_exist` does not (checked in the same call, at no cost: reserving an existing key fails).
 
         Mooncake quirk: a plain put of an existing key returns OK and keeps the old value; a put session
         is its one atomic put-if-absent (another client's reservation or key: -705; our own: -600)."""
@@ -179,7 +182,17 @@ class Catalog:
         if codes[0] != OK:
             raise self._error(codes[0], f"writing catalog key {key}")
         lost = self.fill([(key, buf.ptr, len(data))], f"writing catalog key {key}")
-        return OBJECT_ALREADY_EXISTS if lost else OK
+        return AGAIN if lost else OK
+
+    def put_new(self, key: str, data: bytes, what: str, must_exist: str | None = None) -> int:
+        """put_if_absent, put again while it answers AGAIN (counted by `fill`), within the retry deadline."""
+        retries = Retries(lambda: None, self._check)
+        while (code := self.put_if_absent(key, data, must_exist)) == AGAIN:
+            if not retries.again(AGAIN, what):
+                raise StoreUnavailableError(f"{what}: not published in {retries.tries + 1} tries over "
+                                            f"{RETRY_DEADLINE_S:.0f} s (a holder did not answer, or the master "
+                                            "discarded each reservation); check the Mooncake holders")
+        return code
 
     def fill(self, items: list[tuple[str, int, int]], what: str, last: str | None = None) -> list[str]:
         """Fill and publish keys reserved by batch_put_session_start ((key, address, size) each); `last`
@@ -328,13 +341,12 @@ class Catalog:
         inc = uuid.uuid4().hex[:12]
         text = json.dumps({**json.loads(meta.to_json()), "incarnation": inc}).encode()
         marker = marker_key(meta.pid, inc)
-        retries = self.retries()
-        while self.put_if_absent(marker, b"1") != OK:  # a fresh key: only a discarded reservation lands here
-            if not retries.again(OBJECT_NOT_FOUND, f"partition {meta.pid}: writing catalog key {marker}"):
-                raise self._error(OBJECT_NOT_FOUND, f"partition {meta.pid}: writing catalog key {marker}")
+        code = self.put_new(marker, b"1", f"partition {meta.pid}: writing catalog key {marker}")
+        if code != OK:  # a fresh key
+            raise self._error(code, f"partition {meta.pid}: writing catalog key {marker}")
         code = None
-        try:
-            code = self.put_if_absent(meta_key(meta.pid), text)
+        try:  # AGAIN is not "taken": a create whose meta did not reach its holder must not say the id exists
+            code = self.put_new(meta_key(meta.pid), text, f"partition {meta.pid}: writing catalog key {meta_key(meta.pid)}")
         finally:
             if code != OK:
                 self._client.remove(marker, True)
@@ -380,7 +392,7 @@ class Catalog:
                     raise err
                 checked = n
             key = refs_key(pid, inc, n)
-            code = self.put_if_absent(key, payload, must_exist=marker_key(pid, inc))
+            code = self.put_new(key, payload, f"partition {pid}: writing catalog key {key}", marker_key(pid, inc))
             if code == OK:
                 self.appended(part, n, refs)
                 return
