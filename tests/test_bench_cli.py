@@ -51,6 +51,11 @@ def test_bench_store_json_and_plot(tmp_path):
         for key in ("put_us", "get_us", "remote_get_us", "put_full_us", "remote_get_full_us",
                     "put_full_first_step_us", "remote_get_full_first_step_us"):
             assert small[key]["median"] > 0, key
+    for name in ("shm", "mooncake", "shm_floor"):  # each process's CPU a steady round, the store's and the floor's
+        cpu = res[name]["round_cpu_ms"]
+        assert cpu["writers"]["median"] > 0 and cpu["readers"]["median"] > 0, (name, cpu)
+        writer = f"a writer {cpu['writers']['median']:.1f} ms, a reader {cpu['readers']['median']:.1f} ms"
+        assert writer in p.stderr + p.stdout, (name, writer)
     assert res["mooncake"]["ratio_to_raw_mooncake"] > 0 and res["raw_mooncake"]["e2e_gbps"]["median"] > 0
     assert png.stat().st_size > 1000
     assert "| shm |" in p.stdout and "| memcpy |" in p.stdout and "| fresh_pages |" in p.stdout

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -85,14 +86,15 @@ def _writer(conn, barrier, url: str, w: int, work: Workload, profile: str) -> No
             _, pid, size = msg
             groups, nbytes = mine[size]
             busy = cpu = 0.0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for (lo, hi), cols in groups:
                 a, c = time.perf_counter(), time.thread_time()
                 store.put(pid, cols, range(lo, hi))
                 busy += time.perf_counter() - a
                 cpu += time.thread_time() - c
             return {"t0": t0, "t1": time.perf_counter(), "calls": len(groups), "bytes": nbytes, "busy": busy,
-                    "cpu": cpu, "mem": memory(), "retries": store.counters()[RETRIES]}
+                    "cpu": cpu, "round_cpu": time.thread_time() - c0, "mem": memory(),
+                    "retries": store.counters()[RETRIES]}
 
         return handle, store.close
 
@@ -124,7 +126,7 @@ def _reader(conn, barrier, url: str, rows: tuple[int, int], profile: str, topk: 
             lo, hi = (rows if msg[0] == "get" else msg[2:4])
             step = (msg[2] or hi - lo) if msg[0] == "get" else hi - lo
             tables, busy, cpu = [], 0.0, 0.0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for a in range(lo, hi, max(step, 1)):
                 s, c = time.perf_counter(), time.thread_time()
                 tables.append(store.get(msg[1], fields, range(a, min(hi, a + step))))
@@ -133,7 +135,7 @@ def _reader(conn, barrier, url: str, rows: tuple[int, int], profile: str, topk: 
             touched = sum(touch(views_of(t)) for t in tables)
             t1 = time.perf_counter()
             return {"t0": t0, "t1": t1, "calls": len(tables), "bytes": touched, "busy": busy, "cpu": cpu,
-                    "mem": memory(), "retries": store.counters()[RETRIES]}
+                    "round_cpu": time.thread_time() - c0, "mem": memory(), "retries": store.counters()[RETRIES]}
 
         return handle, store.close
 
@@ -175,7 +177,11 @@ def summary(rounds: list[dict], nbytes: int) -> dict[str, Any]:
             "cold": {"write_s": cold["write_s"], "read_s": cold["read_s"],
                      "e2e_gbps": nbytes / (cold["write_s"] + cold["read_s"]) / 1e9},
             "rounds_e2e_gbps": [nbytes / (r["write_s"] + r["read_s"]) / 1e9 for r in rounds],
-            "reader_start_skew_ms": _stats([r["skew_s"] * 1e3 for r in steady])}
+            "reader_start_skew_ms": _stats([r["skew_s"] * 1e3 for r in steady]),
+            # each process's own CPU a steady round (its thread's: what it costs, not what it waited), the mean
+            # over the role's processes: a writer's puts, a reader's gets and touch (the references alike)
+            "round_cpu_ms": {role: _stats([statistics.mean(p["round_cpu"] for p in r[role]) * 1e3 for r in steady])
+                             for role in ("writers", "readers")}}
 
 
 def retries(last_round: dict) -> int:
@@ -261,7 +267,9 @@ def run(backends: list[str], work: Workload, log=print) -> dict[str, Any]:
         results[ref]["processes"] = pool.close()
     log(f"[bench] memcpy ceiling e2e {results['memcpy']['e2e_gbps']['median']:.2f} GB/s, fresh tmpfs pages "
         f"{results['fresh_pages']['e2e_gbps']['median']:.2f} GB/s" +
-        (f", shm floor {results['shm_floor']['e2e_gbps']['median']:.2f} GB/s" if "shm_floor" in results else ""))
+        (f", shm floor {results['shm_floor']['e2e_gbps']['median']:.2f} GB/s (CPU a steady round, a writer "
+         f"{results['shm_floor']['round_cpu_ms']['writers']['median']:.1f} ms, a reader "
+         f"{results['shm_floor']['round_cpu_ms']['readers']['median']:.1f} ms)" if "shm_floor" in results else ""))
     for name in backends:
         if name == "memory":
             log("[bench] memory:// is in-process only; it has no cross-process readers to measure")
@@ -275,7 +283,9 @@ def run(backends: list[str], work: Workload, log=print) -> dict[str, Any]:
         finally:
             store.close()
         log(f"[bench] {name} e2e {results[name]['e2e_gbps']['median']:.3f} GB/s steady, "
-            f"{results[name]['cold']['e2e_gbps']:.3f} GB/s cold; the workers retried {results[name]['retries']} "
+            f"{results[name]['cold']['e2e_gbps']:.3f} GB/s cold; CPU a steady round, a writer "
+            f"{results[name]['round_cpu_ms']['writers']['median']:.1f} ms, a reader "
+            f"{results[name]['round_cpu_ms']['readers']['median']:.1f} ms; the workers retried {results[name]['retries']} "
             "transient answers in these rounds")
     add_ratios(results, backends)
     results["targets"] = targets(results)

@@ -108,14 +108,15 @@ def _ref_writer(conn, barrier, path: str, w: int, work: Workload, checksum: bool
 
         def handle(msg) -> dict:
             dst = st["dst"]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for at, src in srcs:  # one copy and (floor) one checksum per piece, nothing else
                 part = dst[at:at + src.size]
                 np.copyto(part, src)
                 if checksum:
                     xxhash.xxh3_64_intdigest(part)
             t1 = time.perf_counter()
-            return {"t0": t0, "t1": t1, "calls": len(mine), "bytes": nbytes, "busy": t1 - t0, "mem": memory()}
+            return {"t0": t0, "t1": t1, "calls": len(mine), "bytes": nbytes, "busy": t1 - t0,
+                    "round_cpu": time.thread_time() - c0, "mem": memory()}
 
         def close() -> None:
             mm = st.pop("mm")
@@ -146,13 +147,14 @@ def _ref_reader(conn, barrier, path: str, rows: tuple[int, int], work: Workload,
         del data
 
         def handle(msg) -> dict:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if checksum:
                 for p in st["parts"]:
                     xxhash.xxh3_64_intdigest(p)
             touched = touch(st["parts"])
             t1 = time.perf_counter()
-            return {"t0": t0, "t1": t1, "calls": 1, "bytes": touched, "busy": t1 - t0, "mem": memory()}
+            return {"t0": t0, "t1": t1, "calls": 1, "bytes": touched, "busy": t1 - t0,
+                    "round_cpu": time.thread_time() - c0, "mem": memory()}
 
         def close() -> None:
             mm = st.pop("mm")
