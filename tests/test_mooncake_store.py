@@ -142,7 +142,8 @@ def test_holder_lost_with_the_catalog_is_not_called_a_drop():
 
 def test_a_create_whose_meta_met_a_dead_holder_is_put_again_not_called_taken():
     """A holder dies under a pure client that has talked to it: until the master drops its segment, the master
-    still places keys there, and their transfers fail (TRANSFER_FAIL). A create whose meta key lands there
+    still places keys there, and their transfers fail (TRANSFER_FAIL; a client that never reached that holder
+    gets INVALID_PARAMS at once, which the error explains). A create whose meta key lands there
     published nothing, so the id is still free: it must put the meta again (counted as a retry), not report
     PartitionExistsError for a partition nobody made (CI met it in a run on two hosts)."""
     require_mooncake()
@@ -152,7 +153,13 @@ def test_a_create_whose_meta_met_a_dead_holder_is_put_again_not_called_taken():
         with open_store(cluster.url) as client:
             for i in range(16):  # keys on both holders: the client's transfer engine knows both
                 client.create_partition(f"warm-{i}", "grpo", 4)
+            stranger = open_store(cluster.url)  # it will never have reached the holder that dies
             cluster.kill_holder(1, signal.SIGKILL)
+            with stranger:  # its fills on the dead holder answer -600 at once: named, not retried
+                with pytest.raises(StoreUnavailableError, match=r"INVALID_PARAMS\(-600\); a fill answers so when "
+                                                                r"the key's holder died before this client reached it"):
+                    for i in range(16):  # each key goes to the dead holder with odds 1/2
+                        stranger.create_partition(f"q{i}", "grpo", 4)
             before = client.counters().get("dataplane_store_retries_total", 0)
             made = []
             for i in range(8):  # each key goes to the dead holder with odds 1/2 until the master drops it

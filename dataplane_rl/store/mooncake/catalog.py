@@ -210,6 +210,11 @@ class Catalog:
                 for (k, _, n), w in zip(part, wrote):
                     if w in READ_TRANSIENT:  # the same transfer engine: a holder slow to answer
                         again.append(k)
+                    elif w == INVALID_PARAMS:  # measured: a dead holder this client never reached (mooncake_notes.md)
+                        raise StoreUnavailableError(
+                            f"{self._error(w, f'{what} ({w} of {n} bytes)')}; a fill answers so when the key's holder "
+                            "died before this client reached it (until the master drops its segment, after its "
+                            "client_ttl): check the Mooncake holders")
                     elif w != n:
                         raise self._error(w if w < 0 else TRANSFER_FAIL, f"{what} ({w} of {n} bytes)")
             if again:
