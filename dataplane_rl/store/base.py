@@ -197,6 +197,7 @@ class ColumnStore(Reads, Capabilities, ABC):
             raise SchemaError(f"{where} no columns given; pass {{column: data}}")
         arrays = {}
         types, by_name = arrow_types(meta.schema_json), schema.by_name
+        n, aligned = len(rows), True
         for name, data in columns.items():
             if not isinstance(name, str) or name not in by_name:
                 try:
@@ -204,10 +205,11 @@ class ColumnStore(Reads, Capabilities, ABC):
                 except SchemaError as e:  # name the partition and rows too
                     raise SchemaError(f"{where} {e}") from None
             want = types[name]
-            arrays[name] = data if type(data) is not pa.ChunkedArray and getattr(data, "type", None) == want \
+            arr = data if type(data) is not pa.ChunkedArray and getattr(data, "type", None) == want \
                 and isinstance(data, pa.Array) else to_arrow(by_name[name], data, where, want)
-        n = len(rows)
-        if any(len(a) != n for a in arrays.values()):
+            arrays[name] = arr
+            aligned = aligned and len(arr) == n
+        if not aligned:
             bad = {k: len(a) for k, a in arrays.items() if len(a) != n}
             desc = ", ".join(f"'{k}' has {m}" for k, m in bad.items())
             raise AlignmentError(f"{where} {desc} values for {len(rows)} rows; every column in one put must "

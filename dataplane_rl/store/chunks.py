@@ -113,7 +113,10 @@ class ChunkRef:
 
     @classmethod
     def of(cls, block: "Block", key: str, digests: tuple[int, ...]) -> "ChunkRef":
-        return cls(block.columns, block.rows, key, block.nbytes, digests, block.sizes)
+        ref = object.__new__(cls)  # as from_json: every put makes one
+        object.__setattr__(ref, "__dict__", {"columns": block.columns, "rows": block.rows, "key": key,
+                                             "nbytes": block.nbytes, "checksums": digests, "sizes": block.sizes})
+        return ref
 
 
 @lru_cache(maxsize=1024)

@@ -121,9 +121,10 @@ class ShmCommit:
             for a, b, at in runs:
                 buf = bytearray((b - a) * width)
                 os.preadv(claims, [buf], a * width)  # a hole (or a short file) reads as unclaimed
+                fresh = buf.count(0) == len(buf)  # no cell of these rows claimed yet: the common case, no numpy
                 cells = np.frombuffer(buf, dtype=np.uint8).reshape(-1, width)  # [b - a, columns]
-                taken = taken or bool((cells[at] & cols).any())
-                parts.append((a * width, buf, cells, at))
+                taken = taken or not fresh and bool((cells[at] & cols).any())
+                parts.append((a * width, buf, cells, at, fresh))
         if taken:  # claimed: committed, or claimed by a put that never committed
             with self._refs_lock:
                 self._follow(pid, log)
@@ -131,19 +132,22 @@ class ShmCommit:
             err = self._conflict(snap, refs)
             if err:
                 raise err
-        before = [bytes(buf) for _, buf, _, _ in parts]
+        before = [bytes(buf) for _, buf, _, _, _ in parts]
         text = chunks.refs_to_json(refs)
         with self._os_errors("commit a put to partition", 0, pid):
             try:
-                for start, buf, cells, at in parts:
-                    cells[at] |= cols
+                for start, buf, cells, at, fresh in parts:
+                    if fresh and type(at) is slice:  # every row of the stretch, none claimed: the claim row repeated
+                        buf[:] = cols.tobytes() * (len(buf) // width)
+                    else:
+                        cells[at] |= cols
                     os.pwrite(claims, buf, start)
                 with self._refs_lock:  # a snapshot in another thread must not read our record as another's
                     mine.end = mine.append(text)
                     log.keys.update(r.key for r in refs)
                     log.refs = log.refs + list(refs)
             except BaseException:
-                for (start, _, _, _), old in zip(parts, before):  # not committed: the cells are free again
+                for (start, _, _, _, _), old in zip(parts, before):  # not committed: the cells are free again
                     os.pwrite(claims, old, start)
                 raise
 
