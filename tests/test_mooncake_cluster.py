@@ -400,7 +400,7 @@ def test_raw_mooncake_benchmark_runs(mooncake_cluster):
         spec.loader.exec_module(raw)
         bufs = raw.synthetic_buffers(32, layout="per-column")
         res = raw.raw_mooncake_roundtrip(mooncake_cluster, [memoryview(b) for b in bufs], repeats=2, readers=2,
-                                         shard="bytes", warmup=0)
+                                         shard="bytes", warmup=0, touching=True)  # as bench store's reference
     finally:
         sys.path.remove(str(path.parent))
     assert res["bytes"] == 32 * sum(raw.DEFAULT_COLUMN_BYTES) and res["keys"] == 9 and res["readers"] == 2

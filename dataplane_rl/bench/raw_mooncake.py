@@ -85,11 +85,13 @@ def _chunks(n: int, per_call: int):
 
 
 def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: list[int],
-            payload: np.ndarray | None, ranges: list[tuple[int, int, int]] | None, per_call: int) -> None:
+            payload: np.ndarray | None, ranges: list[tuple[int, int, int]] | None, per_call: int,
+            touching: bool = False) -> None:
     """role 'writer': holds its buffers back to back in `payload` and puts `ranges`, a list of calls (a group's
-    [(key index, 0, size)]); role 'reader': reads `ranges` ((key index, byte lo, byte hi))."""
+    [(key index, 0, size)]); role 'reader': reads `ranges` ((key index, byte lo, byte hi)), then, if
+    `touching`, reads every byte it got (within its timed read, as `bench store`'s readers do)."""
     try:
-        from dataplane_rl.bench.store_work import memory
+        from dataplane_rl.bench.store_work import memory, touch
         from dataplane_rl.store.mooncake.client import connect_client, no_eviction_config
 
         t0 = time.monotonic()
@@ -142,6 +144,8 @@ def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: lis
                     codes = []
                     for lo, hi in _chunks(len(rkeys), per_call):
                         codes += client.batch_get_into(rkeys[lo:hi], ptrs[lo:hi], rsizes[lo:hi])
+                    if touching:
+                        touch([arena])
                     e = time.monotonic()
                     bad = [c for c, n in zip(codes, rsizes) if c != n]
                 else:  # the same byte range of every key: one ranged get
@@ -157,6 +161,8 @@ def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: lis
                     for lo, hi in _chunks(len(rkeys), per_call):
                         out = client.get_into_ranges([base], [rkeys[lo:hi]], [dst[lo:hi]], [src[lo:hi]], [ln[lo:hi]])
                         codes += [x[0] for x in out[0]]
+                    if touching:
+                        touch([arena])
                     e = time.monotonic()
                     bad = [c for c, (_, lo, hi) in zip(codes, ranges) if c != hi - lo]
                 err = (_codes(bad) or f"short reads {bad[:5]}") if bad else ""
@@ -202,7 +208,7 @@ def _expected_digest(arrays: list[np.ndarray], ranges: list[tuple[int, int, int]
 def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repeats: int = 10, readers: int = 1, *,
                            writers: int = 1, group_of: Sequence[int] | None = None, shard: str = "keys",
                            warmup: int = 1, verify: bool = True, max_keys_per_call: int = 1024,
-                           timeout: float = 300.0) -> dict[str, Any]:
+                           timeout: float = 300.0, touching: bool = False) -> dict[str, Any]:
     """Measure raw batch_put_from / batch_get_into GB/s for `writers` writer and `readers` reader processes.
 
     cluster_or_address: a started MooncakeCluster, or a master address 'HOST:PORT' / 'mooncake://HOST:PORT'
@@ -215,7 +221,8 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
     max_keys_per_call: batch calls are split into calls of at most this many keys, run back to back
     (Mooncake's TCP transport wedges on batches of more than ~2000 small keys; see store/mooncake/client.py).
     Each repeat writes fresh keys and removes them afterwards (put of an existing key would be a no-op).
-    write: the slowest writer's puts; read: the slowest reader's gets (each timed in its process).
+    write: the slowest writer's puts; read: the slowest reader's gets (each timed in its process), and with
+    `touching` its read of every byte it got (what a consumer does, and `bench store`'s readers time).
     Returns write/read/e2e GB/s stats (median, min, max over `repeats`), the per-repeat seconds, setup
     times, and every process's exit status and memory (`processes`).
     """
@@ -250,7 +257,7 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
     def start(role, data, ranges):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_worker, args=(role, child, master, protocol, device, sizes, data, ranges,
-                                              max_keys_per_call), daemon=True)
+                                              max_keys_per_call, touching), daemon=True)
         p.start()
         procs.append(p)
         conns.append(parent)
