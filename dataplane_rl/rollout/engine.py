@@ -103,8 +103,7 @@ class HFEngine:
                                  past_key_values=past, use_cache=True)
             logits, past = out.logits[:, -1], out.past_key_values
             version = self.slot.version
-        return [Generation(tokens[i], logps[i], truncated=not (tokens[i] and tokens[i][-1] == self.eos),
-                           versions=vers[i]) for i in range(B)]
+        return [Generation.ended(tokens[i], logps[i], self.eos, vers[i]) for i in range(B)]
 
 
 def nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:

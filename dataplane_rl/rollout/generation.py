@@ -30,6 +30,12 @@ class Generation:
     truncated: bool
     versions: list[int] | None = None  # per token, the weight version that sampled it; None: the job's version
 
+    @classmethod
+    def ended(cls, tokens: list[int], logprobs: list[float], eos: int | None,
+              versions: list[int] | None = None) -> "Generation":
+        """A response the engine stopped: truncated unless its last token is `eos` (the length limit cut it)."""
+        return cls(tokens, logprobs, truncated=not (tokens and tokens[-1] == eos), versions=versions)
+
 
 class GenerationEngine(Protocol):
     def generate(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, temperature: float,

@@ -136,7 +136,7 @@ class VLLMEngine:
             c = out.outputs[0]
             tokens = list(c.token_ids)
             logps = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]  # logprobs=0: the sampled token
-            gens.append(Generation(tokens, logps, truncated=not (tokens and tokens[-1] == self.eos)))
+            gens.append(Generation.ended(tokens, logps, self.eos))
         return gens
 
     def _generate_in_steps(self, prompts, params) -> list[Generation]:
@@ -186,8 +186,7 @@ class VLLMEngine:
                 vers[i] += [version] * len(c.token_ids)
                 if out.finished:
                     del live[out.request_id]
-        return [Generation(tokens[i], logps[i], truncated=not (tokens[i] and tokens[i][-1] == self.eos),
-                           versions=vers[i]) for i in range(B)]
+        return [Generation.ended(tokens[i], logps[i], self.eos, vers[i]) for i in range(B)]
 
     def _reload(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The new weights into the engine, in place. reload_weights, not model.load_weights: the CPU backend
