@@ -25,6 +25,7 @@ than the age bound at the step that trained it. A checkpoint's save waits for th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -110,6 +111,7 @@ def verify(run_dir: Path, steps: int, age: int = 2) -> dict:
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     ckpts = run_dir / "checkpoints"
 
+    @functools.lru_cache(maxsize=age + 3)  # a step's tokens come from its last few versions: each read once
     def weights(v: int) -> dict:
         return initial if v == 0 else checkpoint_model_state(ckpts / f"step_{v:06d}", build_tiny(0))
 
