@@ -186,7 +186,7 @@ class Catalog:
 
     def put_new(self, key: str, data: bytes, what: str, must_exist: str | None = None) -> int:
         """put_if_absent, put again while it answers AGAIN (counted by `fill`), within the retry deadline."""
-        retries = Retries(lambda: None, self._check)
+        retries = Retries.uncounted(self._check)
         while (code := self.put_if_absent(key, data, must_exist)) == AGAIN:
             if not retries.again(AGAIN, what):
                 raise StoreUnavailableError(f"{what}: not published in {retries.tries + 1} tries over "
@@ -406,7 +406,7 @@ class Catalog:
             self.catch_up(pid, part)  # another writer's commit: read it (and any after it)
             if part.puts == n:  # reserved, not yet published: its writer is filling it, or died (the master frees it)
                 # waiting, not a retry of an error: not counted; polled often, as its record is filled in a call
-                retries = retries or Retries(lambda: None, self._check, self.lock_timeout_s, 0.01)
+                retries = retries or Retries.uncounted(self._check, self.lock_timeout_s, 0.01)
                 if not retries.again(OBJECT_ALREADY_EXISTS, f"partition {pid}"):
                     raise StoreUnavailableError(f"partition {pid}: refs key {key} stayed reserved for "
                                                 f"{self.lock_timeout_s:.0f}s (a writer died inside its commit, and "

@@ -50,7 +50,7 @@ def put_objects(cat: Catalog, pid: str, objects: list[tuple[str, int, int]], ref
         if not objects:
             return held and record.key not in again
         record = None  # some blocks go again: the record waits for them, and commits the long way
-        retries = retries or Retries(lambda: None, cat.check)  # fill() counted them
+        retries = retries or Retries.uncounted(cat.check)  # fill() counted them
         if not retries.again(TRANSFER_FAIL, f"partition {pid} put: storing blocks"):
             raise cat.error(TRANSFER_FAIL, f"partition {pid} put: storing blocks {objects[0][0]}..")
 

@@ -47,6 +47,12 @@ class Retries:
         self.tries = 0
         self.seen: set[int] = set()  # the transient answers retried: TRANSFER_FAIL says a holder stopped answering
 
+    @classmethod
+    def uncounted(cls, check: Callable[[str], None], deadline_s: float = RETRY_DEADLINE_S,
+                  max_delay_s: float = _MAX_DELAY_S) -> "Retries":
+        """Retries that count nothing: a wait that is not an error's retry, or answers a caller counted already."""
+        return cls(_no_count, check, deadline_s, max_delay_s)
+
     def again(self, code: int, what: str) -> bool:
         now = time.monotonic()
         if self._t0 is None:
@@ -61,3 +67,7 @@ class Retries:
         time.sleep(self._delay)
         self._delay = min(2 * self._delay, self._max_delay)
         return True
+
+
+def _no_count() -> None:
+    pass
