@@ -103,19 +103,22 @@ class ChunkRef:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "ChunkRef":
-        # all fields at once: the frozen dataclass's __init__ sets each through object.__setattr__, and a
-        # reader makes one per put of every partition it reads
-        ref = object.__new__(cls)
-        object.__setattr__(ref, "__dict__", {
-            "columns": tuple(d["columns"]), "rows": spans_to_rows(d["rows"]), "key": d["key"],
-            "nbytes": int(d["nbytes"]), "checksums": tuple(map(int, d["checksums"])), "sizes": tuple(map(int, d["sizes"]))})
-        return ref
+        return cls._made({"columns": tuple(d["columns"]), "rows": spans_to_rows(d["rows"]), "key": d["key"],
+                          "nbytes": int(d["nbytes"]), "checksums": tuple(map(int, d["checksums"])),
+                          "sizes": tuple(map(int, d["sizes"]))})
 
     @classmethod
     def of(cls, block: "Block", key: str, digests: tuple[int, ...]) -> "ChunkRef":
-        ref = object.__new__(cls)  # as from_json: every put makes one
-        object.__setattr__(ref, "__dict__", {"columns": block.columns, "rows": block.rows, "key": key,
-                                             "nbytes": block.nbytes, "checksums": digests, "sizes": block.sizes})
+        return cls._made({"columns": block.columns, "rows": block.rows, "key": key, "nbytes": block.nbytes,
+                          "checksums": digests, "sizes": block.sizes})
+
+    @classmethod
+    def _made(cls, fields: dict[str, Any]) -> "ChunkRef":
+        """A ref with all its fields set at once: the frozen dataclass's __init__ sets each through
+        object.__setattr__, and a writer makes one per block it puts, a reader one per block of every
+        partition it reads."""
+        ref = object.__new__(cls)
+        object.__setattr__(ref, "__dict__", fields)
         return ref
 
 
