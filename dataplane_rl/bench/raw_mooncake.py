@@ -133,38 +133,26 @@ def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: lis
             elif msg[0] == "read":
                 whole = all(lo == 0 and hi == sizes[k] for k, lo, hi in ranges)
                 _wait_until(t_go)
+                rkeys = [keys[k] for k, _, _ in ranges]
+                rsizes = [hi - lo for _, lo, hi in ranges]
+                starts = np.cumsum([0] + rsizes[:-1]).tolist()  # each range's place in the arena, back to back
                 if whole:  # contiguous run of whole keys: one batch_get_into
-                    rkeys = [keys[k] for k, _, _ in ranges]
-                    rsizes = [hi - lo for _, lo, hi in ranges]
-                    ptrs, pos = [], 0
-                    for n in rsizes:
-                        ptrs.append(base + pos)
-                        pos += n
+                    ptrs = [base + at for at in starts]
                     s = time.monotonic()
                     codes = []
                     for lo, hi in _chunks(len(rkeys), per_call):
                         codes += client.batch_get_into(rkeys[lo:hi], ptrs[lo:hi], rsizes[lo:hi])
-                    if touching:
-                        touch([arena])
-                    e = time.monotonic()
-                    bad = [c for c, n in zip(codes, rsizes) if c != n]
                 else:  # the same byte range of every key: one ranged get
-                    rkeys = [keys[k] for k, _, _ in ranges]
-                    dst, src, ln, pos = [], [], [], 0
-                    for _, lo, hi in ranges:
-                        dst.append([pos])
-                        src.append([lo])
-                        ln.append([hi - lo])
-                        pos += hi - lo
+                    dst, src, ln = [[at] for at in starts], [[lo] for _, lo, _ in ranges], [[n] for n in rsizes]
                     s = time.monotonic()
                     codes = []
                     for lo, hi in _chunks(len(rkeys), per_call):
                         out = client.get_into_ranges([base], [rkeys[lo:hi]], [dst[lo:hi]], [src[lo:hi]], [ln[lo:hi]])
                         codes += [x[0] for x in out[0]]
-                    if touching:
-                        touch([arena])
-                    e = time.monotonic()
-                    bad = [c for c, (_, lo, hi) in zip(codes, ranges) if c != hi - lo]
+                if touching:
+                    touch([arena])
+                e = time.monotonic()
+                bad = [c for c, n in zip(codes, rsizes) if c != n]
                 err = (_codes(bad) or f"short reads {bad[:5]}") if bad else ""
                 conn.send(("done", s, e, err, xxhash.xxh3_64_intdigest(arena)))
             elif msg[0] == "remove":
