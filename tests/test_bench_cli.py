@@ -29,7 +29,7 @@ def test_bench_store_json_and_plot(tmp_path):
     assert res["workload"]["writers"] == 2 and res["workload"]["group_size"] == 4
     # --topk 8: the teacher's [L, 8] log-probs and ids ride along, 64 bytes a token on top of the GRPO columns
     assert res["workload"]["topk"] == 8 and res["workload"]["bytes_per_token"] > 64
-    for name in ("memcpy", "shm_floor", "raw_mooncake", "shm", "mooncake"):
+    for name in ("memcpy", "shm_floor", "raw_mooncake", "mooncake_floor", "shm", "mooncake"):
         procs = res[name]["processes"]
         assert [q["role"] for q in procs] == ["writer 0", "writer 1", "reader 0", "reader 1"], name
         assert all(q["exitcode"] == 0 and q["peak_rss_mb"] > 0 for q in procs), (name, procs)
@@ -37,6 +37,7 @@ def test_bench_store_json_and_plot(tmp_path):
         assert not any(q["copies_shard"] for q in procs), (name, procs)
     assert "fit" not in res["shm"]
     assert "| shm | reader 1 | 0 |" in p.stdout and "| raw_mooncake | writer 1 | 0 |" in p.stdout
+    assert "| mooncake_floor | reader 1 | 0 |" in p.stdout
     assert res["fresh_pages"]["e2e_gbps"]["median"] > 0
     for name in ("shm", "mooncake"):
         for key in ("write_gbps", "read_gbps", "e2e_gbps"):
@@ -57,6 +58,9 @@ def test_bench_store_json_and_plot(tmp_path):
         writer = f"a writer {cpu['writers']['median']:.1f} ms, a reader {cpu['readers']['median']:.1f} ms"
         assert writer in p.stderr + p.stdout, (name, writer)
     assert res["mooncake"]["ratio_to_raw_mooncake"] > 0 and res["raw_mooncake"]["e2e_gbps"]["median"] > 0
+    # the Mooncake floor: raw with the copies and checksums, its own column in the table
+    assert res["mooncake"]["ratio_to_mooncake_floor"] > 0 and res["mooncake_floor"]["e2e_gbps"]["median"] > 0
+    assert "x Mooncake floor" in p.stdout
     assert png.stat().st_size > 1000
     assert "| shm |" in p.stdout and "| memcpy |" in p.stdout and "| fresh_pages |" in p.stdout
     assert "get, other process" in p.stdout

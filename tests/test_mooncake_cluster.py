@@ -408,3 +408,28 @@ def test_raw_mooncake_benchmark_runs(mooncake_cluster):
         assert 0 < res[k]["min"] <= res[k]["median"] <= res[k]["max"]
     assert len(res["read_s"]) == 2 and len(res["per_reader_read_s"][0]) == 2
     assert mooncake_cluster.list_keys("raw-mooncake-") == []  # each repeat cleans up after itself
+
+
+def test_raw_mooncake_floor_copies_and_checksums_its_pieces(mooncake_cluster):
+    """The Mooncake floor (raw with the copies and checksums): each writer copies a key's pieces into its arena
+    inside its timed put, so the readers read the pieces' bytes. Pieces of other bytes than the buffers they
+    stand for are what the readers find (their digests differ from the buffers'), and pieces that do not add
+    up to a key are refused before any process starts."""
+    from dataplane_rl.bench.raw_mooncake import raw_mooncake_roundtrip
+
+    rng = np.random.default_rng(0)
+    pieces = [[rng.integers(0, 256, n, dtype=np.uint8) for n in (100, 4000, 12)] for _ in range(6)]
+    keys = [np.concatenate(p) for p in pieces]
+    res = raw_mooncake_roundtrip(mooncake_cluster, keys, repeats=2, readers=2, writers=2, group_of=range(6),
+                                 warmup=0, touching=True, pieces=pieces)
+    assert res["keys"] == 6 and 0 < res["e2e_gbps"]["min"] <= res["e2e_gbps"]["max"]
+    assert [p["exitcode"] for p in res["processes"]] == [0, 0, 0, 0]
+    others = [[255 - b for b in p] for p in pieces]  # same sizes, other bytes: the readers see these
+    with pytest.raises(RuntimeError, match="read different bytes than were written"):
+        raw_mooncake_roundtrip(mooncake_cluster, keys, repeats=1, readers=2, writers=2, group_of=range(6), warmup=0,
+                               pieces=others)
+    with pytest.raises(ValueError, match="a key's buffers must hold exactly its bytes"):
+        raw_mooncake_roundtrip(mooncake_cluster, keys, pieces=[p[:2] for p in pieces])
+    with pytest.raises(ValueError, match="shard='keys'"):
+        raw_mooncake_roundtrip(mooncake_cluster, keys, shard="bytes", pieces=pieces)
+    assert mooncake_cluster.list_keys("raw-mooncake-") == []

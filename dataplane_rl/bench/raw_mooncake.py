@@ -10,10 +10,10 @@ checksums, no catalog: just Mooncake's zero-copy batch calls.
     res = raw_mooncake_roundtrip(cluster, buffers, repeats=10, readers=2)   # a MooncakeCluster or "HOST:PORT"
     res["read_gbps"]["median"]
 
-Run standalone (starts its own cluster):
+Run standalone (starts its own cluster; the command line is raw_mooncake_main.py):
 
     python benchmarks/raw_mooncake.py --samples 512 --layout per-sample --layout per-column --readers 1 2
-    python -m dataplane_rl.bench.raw_mooncake ...          # the same
+    python -m dataplane_rl.bench.raw_mooncake_main ...     # the same
 
 GB/s are 1e9 bytes per second over the payload bytes. write: the slowest writer's batch_put_from calls.
 read: the slowest reader's calls (readers are released at the same instant).
@@ -23,11 +23,9 @@ without the coordination between them).
 
 from __future__ import annotations
 
-import argparse
-import json
+import contextlib
 import multiprocessing as mp
 import statistics
-import sys
 import time
 import uuid
 from typing import Any, Sequence
@@ -86,10 +84,12 @@ def _chunks(n: int, per_call: int):
 
 def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: list[int],
             payload: np.ndarray | None, ranges: list[tuple[int, int, int]] | None, per_call: int,
-            touching: bool = False) -> None:
+            touching: bool = False, pieces: list | None = None) -> None:
     """role 'writer': holds its buffers back to back in `payload` and puts `ranges`, a list of calls (a group's
     [(key index, 0, size)]); role 'reader': reads `ranges` ((key index, byte lo, byte hi)), then, if
-    `touching`, reads every byte it got (within its timed read, as `bench store`'s readers do)."""
+    `touching`, reads every byte it got (within its timed read, as `bench store`'s readers do).
+    `pieces` (checksummed): a writer's, per call, [(arena offset, source buffer)] that it copies into its
+    arena and checksums before the call; a reader's, [(arena offset, size)] that it checksums before its touch."""
     try:
         from dataplane_rl.bench.store_work import memory, touch
         from dataplane_rl.store.mooncake.client import connect_client, no_eviction_config
@@ -124,7 +124,11 @@ def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: lis
                 _wait_until(t_go)
                 s = time.monotonic()
                 codes = []
-                for ks, ps, ns in calls:
+                for i, (ks, ps, ns) in enumerate(calls):
+                    for at, src in pieces[i] if pieces else ():  # a store's copy of the caller's buffers
+                        part = arena[at:at + src.size]
+                        np.copyto(part, src)
+                        xxhash.xxh3_64_intdigest(part)
                     for lo, hi in _chunks(len(ks), per_call):
                         codes += client.batch_put_from(ks[lo:hi], ps[lo:hi], ns[lo:hi], cfg)
                 e = time.monotonic()
@@ -149,6 +153,8 @@ def _worker(role: str, conn, master: str, protocol: str, device: str, sizes: lis
                     for lo, hi in _chunks(len(rkeys), per_call):
                         out = client.get_into_ranges([base], [rkeys[lo:hi]], [dst[lo:hi]], [src[lo:hi]], [ln[lo:hi]])
                         codes += [x[0] for x in out[0]]
+                for at, n in pieces or ():
+                    xxhash.xxh3_64_intdigest(arena[at:at + n])
                 if touching:
                     touch([arena])
                 e = time.monotonic()
@@ -184,6 +190,17 @@ def _shards(sizes: list[int], readers: int, shard: str, group_of: Sequence[int])
     raise ValueError(f"shard must be 'keys' or 'bytes', got {shard!r}")
 
 
+def _places(calls: list[list[np.ndarray]]) -> list[list[tuple[int, np.ndarray]]]:
+    """Each call's buffers with their offsets, back to back across the calls (one arena)."""
+    at, out = 0, []
+    for bufs in calls:
+        out.append([])
+        for b in bufs:
+            out[-1].append((at, b))
+            at += b.nbytes
+    return out
+
+
 def _expected_digest(arrays: list[np.ndarray], ranges: list[tuple[int, int, int]]) -> int:
     parts = [arrays[k][lo:hi] for k, lo, hi in ranges]
     arr = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
@@ -196,7 +213,8 @@ def _expected_digest(arrays: list[np.ndarray], ranges: list[tuple[int, int, int]
 def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repeats: int = 10, readers: int = 1, *,
                            writers: int = 1, group_of: Sequence[int] | None = None, shard: str = "keys",
                            warmup: int = 1, verify: bool = True, max_keys_per_call: int = 1024,
-                           timeout: float = 300.0, touching: bool = False) -> dict[str, Any]:
+                           timeout: float = 300.0, touching: bool = False,
+                           pieces: Sequence[Sequence[Any]] | None = None) -> dict[str, Any]:
     """Measure raw batch_put_from / batch_get_into GB/s for `writers` writer and `readers` reader processes.
 
     cluster_or_address: a started MooncakeCluster, or a master address 'HOST:PORT' / 'mooncake://HOST:PORT'
@@ -211,6 +229,10 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
     Each repeat writes fresh keys and removes them afterwards (put of an existing key would be a no-op).
     write: the slowest writer's puts; read: the slowest reader's gets (each timed in its process), and with
     `touching` its read of every byte it got (what a consumer does, and `bench store`'s readers time).
+    pieces (checksummed, shard 'keys' only): each key's buffers, whose bytes back to back are the key's. A
+    writer then copies them into its arena and checksums each inside its timed put (as a store copies the
+    caller's columns), and a reader checksums each piece it read before its touch: with the puts and gets
+    themselves, the work no checksummed store on Mooncake can skip.
     Returns write/read/e2e GB/s stats (median, min, max over `repeats`), the per-repeat seconds, setup
     times, and every process's exit status and memory (`processes`).
     """
@@ -238,14 +260,24 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
     payloads = [np.concatenate([arrays[k] for group in mine for k, _, _ in group]) if mine else np.ones(1, np.uint8)
                 for mine in calls]
     expected = [_expected_digest(arrays, s) for s in shards] if verify else None
+    wpieces, rpieces = [None] * writers, [None] * readers
+    if pieces is not None:
+        if shard != "keys" or len(pieces) != len(sizes):
+            raise ValueError("pieces: one list of buffers per key, with shard='keys'")
+        srcs = [[as_bytes_array(b) for b in bs] for bs in pieces]
+        if [sum(b.nbytes for b in bs) for bs in srcs] != sizes:
+            raise ValueError("pieces: a key's buffers must hold exactly its bytes")
+        wpieces = [_places([[b for k, _, _ in group for b in srcs[k]] for group in mine]) for mine in calls]
+        rpieces = [[(at, b.nbytes) for at, b in _places([[b for k, _, _ in s for b in srcs[k]]])[0]]
+                   for s in shards]
 
     ctx = mp.get_context("spawn")  # a Mooncake client must not be forked
     procs, conns, roles = [], [], []
 
-    def start(role, data, ranges):
+    def start(role, data, ranges, places):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_worker, args=(role, child, master, protocol, device, sizes, data, ranges,
-                                              max_keys_per_call, touching), daemon=True)
+                                              max_keys_per_call, touching, places), daemon=True)
         p.start()
         procs.append(p)
         conns.append(parent)
@@ -263,8 +295,9 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
     write_s, read_s, per_reader, setups, mem0, mem1 = [], [], [], {}, [], []
     prefix_base = f"raw-mooncake-{uuid.uuid4().hex[:12]}"
     try:
-        writer_conns = [start("writer", payload, mine) for payload, mine in zip(payloads, calls) if mine]
-        reader_conns = [start("reader", None, s) for s in shards]
+        writer_conns = [start("writer", payload, mine, ps) for payload, mine, ps in zip(payloads, calls, wpieces)
+                        if mine]
+        reader_conns = [start("reader", None, s, ps) for s, ps in zip(shards, rpieces)]
         ready = [recv(c) for c in writer_conns + reader_conns]
         setups["writer_setup_s"] = [m[1] for m in ready[:len(writer_conns)]]
         setups["reader_setup_s"] = [m[1] for m in ready[len(writer_conns):]]
@@ -283,15 +316,15 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
             for c in reader_conns:
                 c.send(("read", prefix, t_go))
             results = [recv(c) for c in reader_conns]
+            for c in writer_conns:  # the repeat's keys go before any error is raised (pinned: nothing evicts them)
+                c.send(("remove", prefix, 0.0))
+            for c in writer_conns:
+                recv(c)
             for r, (_, s, e, err, digest) in enumerate(results):
                 if err:
                     raise RuntimeError(f"reader {r}: batch read failed: {err}")
                 if verify and digest != expected[r]:
                     raise RuntimeError(f"reader {r} read different bytes than were written (repeat {rep})")
-            for c in writer_conns:
-                c.send(("remove", prefix, 0.0))
-            for c in writer_conns:
-                recv(c)
             if rep >= warmup:
                 write_s.append(max(e - s for _, s, e, _ in wres))
                 read_s.append(max(e - s for _, s, e, _, _ in results))  # the slowest reader, as bench store times it
@@ -304,6 +337,9 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
             except (EOFError, TimeoutError):
                 mem1.append({})
     finally:
+        for c in conns[len(mem1):] if len(mem1) < len(conns) else ():  # an error above: stop the rest now
+            with contextlib.suppress(OSError, ValueError):
+                c.send(("stop",))
         for p in procs:
             p.join(10)
             if p.is_alive():
@@ -329,74 +365,3 @@ def raw_mooncake_roundtrip(cluster_or_address: Any, buffers: Sequence[Any], repe
         "write_s": write_s, "read_s": read_s, "e2e_s": e2e_s, "per_reader_read_s": per_reader,
         "processes": processes, **setups,
     }
-
-
-# ---- standalone --------------------------------------------------------------------------------
-def synthetic_buffers(samples: int = 512, column_bytes: Sequence[int] = DEFAULT_COLUMN_BYTES,
-                      layout: str = "per-sample", seed: int = 0) -> list[np.ndarray]:
-    """Random bytes shaped like a batch: per-sample = one key per (sample, column), sample-major;
-    per-column = one key per column holding all samples; per-row = one key per sample."""
-    rng = np.random.default_rng(seed)
-    cols = [rng.integers(0, 256, samples * w, dtype=np.uint8) for w in column_bytes]
-    if layout == "per-column":
-        return cols
-    if layout == "per-sample":
-        return [c[i * w:(i + 1) * w] for i in range(samples) for c, w in zip(cols, column_bytes)]
-    if layout == "per-row":
-        return [np.concatenate([c[i * w:(i + 1) * w] for c, w in zip(cols, column_bytes)]) for i in range(samples)]
-    raise ValueError(f"layout must be per-sample, per-column or per-row, got {layout!r}")
-
-
-def _fmt(s: dict) -> str:
-    return f"{s['median']:6.3f} ({s['min']:.3f}-{s['max']:.3f})"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--address", default="", help="existing master HOST:PORT (default: start a local cluster)")
-    p.add_argument("--holders", type=int, default=1)
-    p.add_argument("--segment-mb", type=int, default=256)
-    p.add_argument("--samples", type=int, default=512)
-    p.add_argument("--layout", action="append", choices=["per-sample", "per-column", "per-row"])
-    p.add_argument("--readers", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--shard", choices=["keys", "bytes", "auto"], default="auto",
-                   help="auto: keys for per-sample/per-row, bytes for per-column")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--json", default="", help="also write all results to this file")
-    args = p.parse_args(argv)
-    layouts = args.layout or ["per-sample", "per-column"]
-
-    from dataplane_rl.store.mooncake.cluster import MooncakeCluster
-
-    cluster = None
-    if args.address:
-        target: Any = args.address
-    else:
-        t0 = time.monotonic()
-        cluster = MooncakeCluster(args.holders, args.segment_mb << 20).start()
-        print(f"cluster {cluster.master_address}: {args.holders} holder(s) x {args.segment_mb} MB, "
-              f"started in {time.monotonic() - t0:.2f}s")
-        target = cluster
-    out = []
-    try:
-        for layout in layouts:
-            bufs = synthetic_buffers(args.samples, layout=layout)
-            shard = args.shard if args.shard != "auto" else ("bytes" if layout == "per-column" else "keys")
-            for r in args.readers:
-                res = raw_mooncake_roundtrip(target, bufs, args.repeats, r, shard=shard)
-                res["layout"] = layout
-                out.append(res)
-                print(f"{layout:10s} {res['keys']:5d} keys {res['bytes'] / 1e6:6.2f} MB  readers={r} shard={shard:5s} "
-                      f"GB/s median (min-max): write {_fmt(res['write_gbps'])}  read {_fmt(res['read_gbps'])}  "
-                      f"e2e {_fmt(res['e2e_gbps'])}", flush=True)
-    finally:
-        if cluster is not None:
-            cluster.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,8 @@ References in the same run, on the same bytes with the same N writers, M readers
   they read: only the work no checksummed shm store can skip;
 - fresh pages (in one process): the batch copied into a new tmpfs file's pages, then touched (the cold
   ceiling);
-- raw Mooncake: one batch_put_from per group by the same writers, one batch_get_into per shard.
+- raw Mooncake: one batch_put_from per group by the same writers, one batch_get_into per shard; and the
+  Mooncake floor: the same, with the writers copying and checksumming each piece and the readers checksumming.
 The fit (store_fit.py) runs the same rounds at several rows per call; every process's exit status and
 peak memory is reported, and a reader holding more than its shard is flagged.
 """
@@ -280,6 +281,7 @@ def run(backends: list[str], work: Workload, log=print) -> dict[str, Any]:
             results[name] = run_backend(name, store, work, nbytes)
             if name == "mooncake":
                 results["raw_mooncake"] = raw_mooncake(work, store.cluster)
+                results["mooncake_floor"] = raw_mooncake(work, store.cluster, checksummed=True)
         finally:
             store.close()
         log(f"[bench] {name} e2e {results[name]['e2e_gbps']['median']:.3f} GB/s steady, "
@@ -295,16 +297,14 @@ def run(backends: list[str], work: Workload, log=print) -> dict[str, Any]:
 def add_ratios(results: dict[str, Any], backends: list[str]) -> None:
     ceiling = results["memcpy"]["e2e_gbps"]["median"]
     fresh = results["fresh_pages"]["e2e_gbps"]["median"]
-    raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
-    floor = results.get("shm_floor", {}).get("e2e_gbps", {}).get("median")
+    refs = {ref: results[ref]["e2e_gbps"]["median"] for ref in ("shm_floor", "raw_mooncake", "mooncake_floor")
+            if ref in results}
     for name in backends:
         if name in results:
             results[name]["ratio_to_memcpy"] = results[name]["e2e_gbps"]["median"] / ceiling
-            if floor:
-                results[name]["ratio_to_shm_floor"] = results[name]["e2e_gbps"]["median"] / floor
             results[name]["cold"]["ratio_to_fresh_pages"] = results[name]["cold"]["e2e_gbps"] / fresh
-            if raw:
-                results[name]["ratio_to_raw_mooncake"] = results[name]["e2e_gbps"]["median"] / raw
+            for ref, gbps in refs.items():
+                results[name][f"ratio_to_{ref}"] = results[name]["e2e_gbps"]["median"] / gbps
 
 
 # ---- command line ----------------------------------------------------------------------------------

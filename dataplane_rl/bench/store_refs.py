@@ -1,4 +1,5 @@
-"""`bench store`'s references on the same bytes, writers and readers: memcpy, the shm floor, fresh tmpfs pages, raw Mooncake."""
+"""`bench store`'s references on the same bytes, writers and readers: memcpy, the shm floor, fresh tmpfs pages, raw
+Mooncake and the Mooncake floor (raw with the copies and checksums)."""
 
 from __future__ import annotations
 
@@ -56,18 +57,21 @@ def fresh_page_ceiling(batch: dict[str, pa.Array], repeats: int, folder: str = "
     return {"e2e_gbps": _stats(e2e)}
 
 
-def raw_mooncake(work: Workload, cluster) -> dict[str, Any]:
+def raw_mooncake(work: Workload, cluster, checksummed: bool = False) -> dict[str, Any]:
     """Raw Mooncake batch_put_from / batch_get_into of the same bytes: one key per group (its buffers back to
     back, as the store keeps one object per put), each put with its own batch_put_from by the same writers
     (groups interleaved as theirs), one batch_get_into per reader of its groups' keys, then its touch of every
-    byte it read, timed with the read, as the store's readers and the other references' readers touch theirs."""
+    byte it read, timed with the read, as the store's readers and the other references' readers touch theirs.
+    `checksummed` (the Mooncake floor): the writers also copy each group's buffers into their arena and
+    checksum each before its put, and the readers checksum each piece before the touch, as the shm floor does."""
     from dataplane_rl.bench.raw_mooncake import raw_mooncake_roundtrip
 
     groups = make_groups(work.samples, work.min_len, work.max_len, work.groups(), topk=work.topk)
-    bufs = [np.concatenate([v.view(np.uint8) for v in views_of(pa.table(cols))]) for cols in groups]
+    pieces = [[v.view(np.uint8) for v in views_of(pa.table(cols))] for cols in groups]
     del groups
-    res = raw_mooncake_roundtrip(cluster, bufs, repeats=work.repeats, readers=work.readers, writers=work.writers,
-                                 group_of=range(len(bufs)), touching=True)
+    res = raw_mooncake_roundtrip(cluster, [np.concatenate(p) for p in pieces], repeats=work.repeats,
+                                 readers=work.readers, writers=work.writers, group_of=range(len(pieces)),
+                                 touching=True, pieces=pieces if checksummed else None)
     return {k: res[k] for k in ("write_gbps", "read_gbps", "e2e_gbps", "processes")}
 
 

@@ -16,10 +16,11 @@ def table(results: dict[str, Any]) -> str:
     mem, fresh = results["memcpy"]["e2e_gbps"]["median"], results["fresh_pages"]["e2e_gbps"]["median"]
     raw = results.get("raw_mooncake", {}).get("e2e_gbps", {}).get("median")
     floor = results.get("shm_floor", {}).get("e2e_gbps", {}).get("median")
+    mfloor = results.get("mooncake_floor", {}).get("e2e_gbps", {}).get("median")
     rows = ["| backend | write GB/s | read GB/s | steady e2e GB/s (min-max) | x memcpy | x shm floor | x raw Mooncake | "
-            "cold e2e GB/s | cold x fresh pages |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name in ("memcpy", "fresh_pages", "shm_floor", "raw_mooncake", "shm", "mooncake", "ray"):
+            "x Mooncake floor | cold e2e GB/s | cold x fresh pages |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in ("memcpy", "fresh_pages", "shm_floor", "raw_mooncake", "mooncake_floor", "shm", "mooncake", "ray"):
         if name not in results:
             continue
         r = results[name]
@@ -28,10 +29,11 @@ def table(results: dict[str, Any]) -> str:
         rd = f"{r['read_gbps']['median']:.3f}" if "read_gbps" in r else "-"
         ratio_r = f"{e['median'] / raw:.2f}" if raw else "-"
         ratio_f = f"{e['median'] / floor:.2f}" if floor and name != "fresh_pages" else "-"
+        ratio_m = f"{e['median'] / mfloor:.2f}" if mfloor else "-"
         cold = r.get("cold")
         c = f"{cold['e2e_gbps']:.3f} | {cold['e2e_gbps'] / fresh:.2f}" if cold else "- | -"
         rows.append(f"| {name} | {w} | {rd} | {e['median']:.3f} ({e['min']:.3f}-{e['max']:.3f}) | "
-                    f"{e['median'] / mem:.2f} | {ratio_f} | {ratio_r} | {c} |")
+                    f"{e['median'] / mem:.2f} | {ratio_f} | {ratio_r} | {ratio_m} | {c} |")
     rows += fit_table(results) + process_table(results) + target_table(results)
     small = [n for n in ("shm", "mooncake", "ray") if n in results and "small" in results[n]]
     if small:
@@ -47,7 +49,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-LABELS = ("memcpy", "shm_floor", "raw_mooncake", "shm", "mooncake", "ray")
+LABELS = ("memcpy", "shm_floor", "raw_mooncake", "mooncake_floor", "shm", "mooncake", "ray")
 
 
 def fit_table(results: dict[str, Any]) -> list[str]:
@@ -133,7 +135,8 @@ def plot(results: dict[str, Any], path: str, title: str = "") -> None:
     small = [n for n in backends if "small" in results[n]]
     fig, axes = plt.subplots(1, 2 if small else 1, figsize=(11 if small else 6, 4), squeeze=False)
     ax = axes[0][0]
-    names = ["memcpy", "fresh_pages", *(n for n in ("shm_floor", "raw_mooncake") if n in results), *backends]
+    names = ["memcpy", "fresh_pages", *(n for n in ("shm_floor", "raw_mooncake", "mooncake_floor") if n in results),
+             *backends]
     x = np.arange(len(names))
     steady = [results[n]["e2e_gbps"]["median"] if n != "fresh_pages" else np.nan for n in names]
     cold = [results[n]["cold"]["e2e_gbps"] if "cold" in results[n] else
