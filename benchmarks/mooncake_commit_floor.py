@@ -17,6 +17,10 @@ per group, rounds released together; each mode is one way to publish a group, wi
             asking again while the slot it found is reserved and not yet published (as the store waits for it)
   log_next  the same, but a writer that finds a slot reserved takes the one after it at once (a store doing
             so must still wait for that slot's record before publishing its own: its conflict check)
+  sequencer the object in one batch_put_from as raw's, then its record to a sequencer process over TCP on
+            127.0.0.1 (one round trip; token checked at connect), which checks the rows against a bitmap,
+            appends the record and answers its position: a commit that coordinates outside Mooncake
+  sequencer_unix  the same over a Unix socket: what the round trip costs at its cheapest (one host only)
 The ratio is raw's median round over the mode's: a store whose commit is one of these cannot beat it.
 Prints one line per mode, and the lost slots of `log`.
 """
@@ -25,20 +29,93 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
+import struct
 import time
 import uuid
 
 import numpy as np
 
 ROWS, STEP_BYTES, RECORD = 4096, 161 << 20, 200
-MODES = ("raw", "session", "one_end", "claims", "claims9", "log", "log_next")
+MODES = ("raw", "session", "one_end", "claims", "claims9", "log", "log_next", "sequencer", "sequencer_unix")
+_COMMIT = struct.Struct("<qqq")  # a sequencer request: round, first row, end row (then the record's bytes)
 
 
-def _writer(conn, master: str, w: int, writers: int, group: int) -> None:
+def _sequencer(conn, token: bytes) -> None:
+    """A commit sequencer: one thread per writer's connection; a commit is refused if any of its rows is in
+    the round's bitmap, else appended. Sends its port and socket path, then serves until the parent closes
+    the pipe."""
+    import hmac
+    import socket
+    import tempfile
+    import threading
+
+    lock, rounds = threading.Lock(), {}
+
+    def serve(sock: socket.socket) -> None:
+        with sock:
+            if not hmac.compare_digest(_recv(sock, len(token)), token):
+                return
+            while head := _recv(sock, _COMMIT.size + RECORD):
+                r, lo, hi = _COMMIT.unpack_from(head)
+                with lock:
+                    bits, log = rounds.setdefault(r, (bytearray(ROWS), []))
+                    if bits.find(1, lo, hi) >= 0:
+                        at = -1
+                    else:
+                        bits[lo:hi] = b"\x01" * (hi - lo)
+                        log.append(head[_COMMIT.size:])
+                        at = len(log) - 1
+                    rounds.pop(r - 2, None)
+                sock.sendall(at.to_bytes(8, "little", signed=True))
+
+    def accept(listener: socket.socket) -> None:
+        while True:
+            sock = listener.accept()[0]
+            if sock.family == socket.AF_INET:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=serve, args=(sock,), daemon=True).start()
+
+    tcp = socket.create_server(("127.0.0.1", 0))
+    with tempfile.TemporaryDirectory() as folder:  # 0700: only this user reaches the socket
+        unix = socket.socket(socket.AF_UNIX)
+        unix.bind(f"{folder}/sequencer.sock")
+        unix.listen()
+        for listener in (tcp, unix):
+            threading.Thread(target=accept, args=(listener,), daemon=True).start()
+        conn.send((tcp.getsockname()[1], f"{folder}/sequencer.sock"))
+        try:
+            conn.recv()
+        except EOFError:
+            pass
+
+
+def _recv(sock, n: int) -> bytes:
+    """Exactly n bytes, or b"" when the peer closed first."""
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            return b""
+        buf += got
+    return bytes(buf)
+
+
+def _writer(conn, master: str, w: int, writers: int, group: int, seq: tuple[int, str, bytes]) -> None:
+    import socket
+
     from dataplane_rl.store.mooncake.client import connect_client, no_eviction_config
 
     client = connect_client(master, 0)
+    tcp = socket.create_connection(("127.0.0.1", seq[0]))
+    tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    unix = socket.socket(socket.AF_UNIX)
+    unix.connect(seq[1])
+    for sock in (tcp, unix):
+        sock.sendall(seq[2])
+    record = bytes(RECORD)
+    r = 0
     mine = list(range(w, ROWS // group, writers))
     size = STEP_BYTES // (ROWS // group)
     arena = np.ones(len(mine) * (size + RECORD), np.uint8)  # pages touched before timing
@@ -50,6 +127,7 @@ def _writer(conn, master: str, w: int, writers: int, group: int) -> None:
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         mode, prefix, go = msg
+        r += 1
         slot = lambda n: f"{prefix}/s/{n}"  # noqa: E731 - the shared log's slots
         known = lost = bad = 0
         while time.monotonic() < go:
@@ -57,8 +135,12 @@ def _writer(conn, master: str, w: int, writers: int, group: int) -> None:
         t0, cpu = time.monotonic(), time.process_time()
         for i, g in enumerate(mine):
             key, rec, at = f"{prefix}/b/{g}", f"{prefix}/r/{g}", base + i * (size + RECORD)
-            if mode == "raw":
+            if mode in ("raw", "sequencer", "sequencer_unix"):
                 bad += sum(c != 0 for c in client.batch_put_from([key], [at], [size], pin))
+                if mode != "raw":
+                    sock = tcp if mode == "sequencer" else unix
+                    sock.sendall(_COMMIT.pack(r, g * group, (g + 1) * group) + record)
+                    bad += int.from_bytes(_recv(sock, 8) or b"\xff" * 8, "little", signed=True) < 0
             elif mode in ("session", "one_end", "claims", "claims9"):
                 n = {"claims": cells, "claims9": 9}.get(mode, 0)
                 claims = [f"{prefix}/k/{g}/{j}" for j in range(n)]
@@ -100,6 +182,8 @@ def _writer(conn, master: str, w: int, writers: int, group: int) -> None:
         conn.recv()
         client.remove_by_regex(f"^{prefix}/", True)
         conn.send("removed")
+    tcp.close()
+    unix.close()
     client.close()
 
 
@@ -115,10 +199,17 @@ def main(argv: list[str] | None = None) -> int:
 
     with MooncakeCluster(num_holders=2, global_segment_size=512 << 20) as cluster:
         ctx = mp.get_context("spawn")  # a Mooncake client must not be forked
+        token = os.urandom(32)
+        seq_conn, child = ctx.Pipe()
+        seq = ctx.Process(target=_sequencer, args=(child, token), daemon=True)
+        seq.start()
+        if not seq_conn.poll(60):
+            raise RuntimeError(f"the sequencer (pid {seq.pid}) did not start (exit code {seq.exitcode})")
+        port, path = seq_conn.recv()
         workers = []
         for w in range(args.writers):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_writer, args=(child, cluster.master_address, w, args.writers, args.group_size),
+            p = ctx.Process(target=_writer, args=(child, cluster.master_address, w, args.writers, args.group_size, (port, path, token)),
                             daemon=True)
             p.start()
             workers.append((parent, p))
@@ -146,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         for c, p in workers:
             c.send(None)
             p.join(30)
+        seq_conn.close()
+        seq.join(30)
     puts = ROWS // args.group_size
     raw = statistics.median(x[0] for x in rounds["raw"]) if "raw" in rounds else None
     print(f"{args.writers} writers, {puts} puts of {STEP_BYTES // puts} B (groups of {args.group_size}), "
