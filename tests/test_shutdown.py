@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dataplane_rl.store import owners
+from dataplane_rl.pids import start_time
 
 from test_train_e2e import SMALL
 
@@ -40,7 +40,7 @@ class Tree:
             return []
         for p in kids:
             try:
-                created, cmd = owners.start_time(p.pid), " ".join(p.cmdline())[:400]  # not create_time: no wall clock
+                created, cmd = start_time(p.pid), " ".join(p.cmdline())[:400]  # not create_time: no wall clock
                 if created is None:
                     continue
                 # read again each time: a child seen between fork and exec still shows its parent's command
@@ -53,7 +53,7 @@ class Tree:
     def alive(self) -> list[str]:
         out = []
         for pid, (created, cmd) in self.seen.items():
-            if owners.start_time(pid) == created:  # None once gone or a zombie
+            if start_time(pid) == created:  # None once gone or a zombie
                 out.append(f"{pid} {cmd}")
         return out
 
@@ -61,7 +61,7 @@ class Tree:
         for pid, (created, _) in self.seen.items():
             try:
                 p = psutil.Process(pid)
-                if owners.start_time(pid) == created:
+                if start_time(pid) == created:
                     p.kill()
             except psutil.Error:
                 pass

@@ -21,6 +21,8 @@ import sys
 import threading
 from typing import Iterator
 
+from dataplane_rl.pids import start_time
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -43,9 +45,7 @@ def _descendants() -> list:
 def _key(p) -> tuple[int, float] | None:
     """A process by (PID, start time since boot): a PID reused by a newer process is another process (not
     psutil's create_time, which a step of the wall clock moves)."""
-    from dataplane_rl.store import owners  # imports the store package (pyarrow): only when reaping
-
-    started = owners.start_time(p.pid)
+    started = start_time(p.pid)
     return None if started is None else (p.pid, started)
 
 

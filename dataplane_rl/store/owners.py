@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from dataplane_rl.errors import CorruptChunkError
+from dataplane_rl.pids import start_time
 from dataplane_rl.store.files import create_file, framed, read_file, unframe, untrusted
 
 OWNER_FILE = ".owner"
@@ -55,21 +56,6 @@ def auto_root() -> str:
 
 def new_auto_path() -> str:
     return os.path.join(auto_root(), f"{AUTO_PREFIX}{uuid.uuid4().hex[:12]}")
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def start_time(pid: int) -> float | None:
-    """When process `pid` started, in seconds since boot (the kernel's starttime: no wall clock in it), or None
-    if it is gone (a zombie is gone: only its exit status is left). Linux's /proc, as is every store here."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2:].split()  # the command may hold spaces and ')': fields after the last
-    return None if fields[0] == b"Z" else int(fields[19]) / _CLOCK_TICKS  # state is field 3, starttime 22
 
 
 def _boot_id() -> str | None:
