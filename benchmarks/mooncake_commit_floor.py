@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         workers = []
         for w in range(args.writers):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_writer, args=(child, cluster.master_address, w, args.writers, args.group_size, (port, path, token)),
-                            daemon=True)
+            p = ctx.Process(target=_writer, args=(child, cluster.master_address, w, args.writers, args.group_size,
+                                                  (port, path, token)), daemon=True)
             p.start()
             workers.append((parent, p))
         for c, p in workers:
