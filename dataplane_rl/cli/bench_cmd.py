@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 
 BENCHES = {
-    "store": ("dataplane_rl.bench.store", "column-store GB/s vs the memcpy ceiling and raw Mooncake"),
+    "store": ("dataplane_rl.bench.store",
+              "column-store GB/s vs the memcpy ceiling, the shm and Mooncake floors and raw Mooncake"),
     "e2e": ("dataplane_rl.bench.e2e", "GRPO step time and the data plane's share, off vs shm vs Mooncake"),
     "generate": ("dataplane_rl.bench.generate", "Hugging Face vs vLLM generation tokens/s"),
     "train": ("dataplane_rl.bench.train", "train tokens/s: padded vs dynamic batching vs sequence packing"),
