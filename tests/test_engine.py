@@ -12,7 +12,7 @@ def test_greedy_is_the_argmax_whatever_the_seed(tmp_path):
     folder = resolve_model("tiny", 0, str(tmp_path))
     tok = load_tokenizer(folder)
     model = load_model(folder, torch.device("cpu"))
-    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    engine = HFEngine(model, [tok.eos_token_id], tok.pad_token_id)
     prompts = [tok("407", add_special_tokens=False).input_ids, tok("12", add_special_tokens=False).input_ids]
     a = engine.generate(prompts, [1, 2], 6, temperature=0.0)
     b = engine.generate(prompts, [3, 4], 6, temperature=0.0, top_k=3)

@@ -118,7 +118,7 @@ def test_hf_top_p_samples_the_nucleus_with_full_vocab_logprobs(tiny, temperature
     from dataplane_rl.model.logprobs import token_logprobs
 
     _, tok, model = tiny
-    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    engine = HFEngine(model, [tok.eos_token_id], tok.pad_token_id)
     prompts = [[tok.bos_token_id, 4 + d] for d in range(6) for _ in range(4)]
     seeds = [sample_seed(0, 1, 0, i, 0) for i in range(len(prompts))]
     gens = engine.generate(prompts, seeds, 6, temperature, top_k, top_p)

@@ -40,11 +40,21 @@ def test_vllm_backend_without_vllm_is_refused_before_ray(tmp_path, no_ray, monke
 def test_model_folder_without_weights_or_tokenizer_is_refused_before_ray(tmp_path, no_ray):
     folder = tmp_path / "model"
     folder.mkdir()
-    with pytest.raises(ConfigError, match="neither 'tiny' nor a local Hugging Face folder"):
+    with pytest.raises(ConfigError, match="neither 'tiny', a .gguf file nor a local Hugging Face folder"):
         train(tmp_path, f"policy.model={folder}")
     (folder / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="no weights and no tokenizer files"):
         train(tmp_path, f"policy.model={folder}")
+
+
+def test_a_gguf_file_missing_or_unreadable_is_refused_before_ray(tmp_path, no_ray):
+    with pytest.raises(ConfigError, match="names a .gguf file that does not exist"):
+        train(tmp_path, f"policy.model={tmp_path / 'nope.gguf'}")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)  # a header and nothing after it
+    with pytest.raises(ConfigError, match="could not read this GGUF file"):
+        train(tmp_path, f"policy.model={bad}", f"policy.model_cache_dir={tmp_path / 'cache'}")
+    assert not any((tmp_path / "cache").glob("gguf-*")), "a failed conversion leaves no folder in the cache"
 
 
 def test_task_file_missing_or_unreadable_is_refused_before_ray(tmp_path, no_ray):

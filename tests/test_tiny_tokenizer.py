@@ -52,5 +52,18 @@ def test_a_saved_copy_reads_the_same(tok, tmp_path):
 def test_the_chat_template_reaches_the_model_whole(tok):
     text = tok.apply_chat_template([{"role": "user", "content": "what is 2+2?"}], add_generation_prompt=True,
                                    tokenize=False)
-    assert text == "user: what is 2+2?\nassistant: "
-    assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text
+    assert text == "<bos>user: what is 2+2?\nassistant: "  # the template writes BOS, as Llama's do
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # "<bos>" is the token, not 5 characters
+    assert tok.decode(ids) == text
+
+
+def test_the_tokenizer_itself_adds_bos_to_a_text(tok):
+    # a text prompt is tokenizer(text): BOS comes from the tokenizer (tasks/prompts.py encode_prompt), never added
+    # again by the prompt encoder, so a real tokenizer that adds none gets none
+    from dataplane_rl.tasks.prompts import encode_prompt
+
+    assert tok("ab").input_ids == [tok.bos_token_id] + tok("ab", add_special_tokens=False).input_ids
+    assert encode_prompt(tok, "ab") == tok("ab").input_ids
+    chat = tok.apply_chat_template([{"role": "user", "content": "ab"}], add_generation_prompt=True, tokenize=False)
+    assert encode_prompt(tok, chat, chat=True).count(tok.bos_token_id) == 1

@@ -70,7 +70,7 @@ def test_dataset_rewards_are_the_users_function_and_the_row_columns_are_stored()
     """verl's layout as it is: chat prompts through the tiny model's template, every total_reward (float32) equals
     compute_score(data_source, response, ground_truth, extra_info) of the row, data_source/extra_info stored."""
     w = worker("task.name=dataset", f"task.path={TRAIN}", f"task.reward_function={REWARD}")
-    truth = {f"user: {r['prompt'][0]['content']}\nassistant: ": r for r in pq.read_table(TRAIN).to_pylist()}
+    truth = {f"<bos>user: {r['prompt'][0]['content']}\nassistant: ": r for r in pq.read_table(TRAIN).to_pylist()}
     fn, rows = user_fn(), generate(w, P=8)
     assert len(rows) == 16
     for r in rows:
@@ -236,21 +236,23 @@ def test_load_task_imports_the_module_once_and_passes_the_tokenizer(tmp_path):
         a, b = load_task(cfg.task, tok), load_task(cfg.task, tok)
         assert import_user_module(cfg.task.module).IMPORTS == 1 and a.train_rows.tolist() == b.train_rows.tolist()
         texts = [a.text(k) for k in [*a.train_rows, *a.val_rows]]
-        assert all(p.startswith("user: q") and p.endswith("assistant: ") for p in texts)
+        assert all(p.startswith("<bos>user: q") and p.endswith("assistant: ") for p in texts)
         first = int(a.train_rows[0])
         assert math.isclose(a.reward(first, str(a.row(first).ground_truth)), 1.0)
     finally:
         TASKS.pop("mine", None)
 
 
-def test_a_template_that_writes_the_bos_token_gets_no_second_one():
+def test_a_chat_prompt_is_its_templates_tokens_with_nothing_added():
+    """BOS in a chat prompt is the template's to write (the tiny one does, as Llama's do); the encoder adds none, so
+    a template that writes none gets none and one that writes it gets it once."""
     from dataplane_rl.rollout.worker import encode_prompt
     from dataplane_rl.tasks.dataset import render_prompt
 
     tok = load_tokenizer(build_tiny(0))
     messages = [{"role": "user", "content": "hi"}]
-    plain = encode_prompt(tok, render_prompt(messages, tok, "row 0"))
-    tok.chat_template = "<bos>" + tok.chat_template
-    with_bos = encode_prompt(tok, render_prompt(messages, tok, "row 0"))
-    assert plain == with_bos and plain.count(tok.bos_token_id) == 1 and plain[0] == tok.bos_token_id
-    assert plain[1:] == tok("user: hi\nassistant: ", add_special_tokens=False).input_ids
+    ids = encode_prompt(tok, render_prompt(messages, tok, "row 0"), chat=True)
+    assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+    assert ids[1:] == tok("user: hi\nassistant: ", add_special_tokens=False).input_ids
+    tok.chat_template = tok.chat_template.replace("{{ bos_token }}", "")
+    assert encode_prompt(tok, render_prompt(messages, tok, "row 0"), chat=True) == ids[1:]

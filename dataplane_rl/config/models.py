@@ -79,15 +79,21 @@ class DynamicBatchingConfig(_Section):
     sequence_length_round: int = Field(64, ge=1, description="A microbatch is padded up to a multiple of this, but never past the batch's longest row.")
 
 
+# policy.learning_rate's defaults: the tiny model learns its tasks at 1e-3 from random weights; a pre-trained model
+# is tuned at ~1e-6 (NeMo-RL's and verl's GRPO recipes), and 1e-3 collapsed a 135M one in a step.
+TINY_LEARNING_RATE = 1e-3
+REAL_MODEL_LEARNING_RATE = 1e-6
+
+
 class PolicyConfig(_Section):
     """`policy.*`: the trained model and its optimizer."""
 
-    model: str = Field("tiny", description="'tiny' builds a ~0.3M-parameter Qwen2-style model locally from the seed; otherwise a local Hugging Face folder.")
+    model: str = Field("tiny", description="'tiny' builds a ~0.3M-parameter Qwen2-style model locally from the seed; otherwise a local Hugging Face folder, or a .gguf file (dequantized to fp32 once into the model cache, with its tokenizer and chat template; needs the gguf extra). Nothing is downloaded (docs/models.md).")
     model_cache_dir: Optional[str] = Field(None, description="Where the tiny model and tokenizer are cached; default ~/.cache/dataplane-rl.")
     train_global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, over all ranks.")
     train_micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward on one rank; does not change the numbers, only memory.")
     dp_size: int = Field(1, ge=1, description="Data-parallel training workers (torch.distributed ranks).")
-    learning_rate: float = Field(1e-3, gt=0.0, description="AdamW learning rate (the peak, with policy.scheduler).")
+    learning_rate: Optional[float] = Field(None, gt=0.0, description="AdamW learning rate (the peak, with policy.scheduler). null: chosen by the model, 1e-3 for tiny (a randomly initialised 0.3M model) and 1e-6 for any other (a pre-trained model, as NeMo-RL's and verl's GRPO recipes); a pre-trained model at >= 1e-4 gets a loud warning at start-up.")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient norm clip.")
@@ -97,6 +103,12 @@ class PolicyConfig(_Section):
     max_total_sequence_length: Optional[int] = Field(None, ge=2, description="Most prompt + response tokens per sample; longer responses are cut to fit and marked truncated. None: prompt + generation.max_new_tokens.")
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+
+    @model_validator(mode="after")
+    def _model_learning_rate(self) -> "PolicyConfig":
+        if self.learning_rate is None:  # the model's default: a resolved config records the number
+            self.learning_rate = TINY_LEARNING_RATE if self.model == "tiny" else REAL_MODEL_LEARNING_RATE
+        return self
 
     def token_budgets(self) -> dict[str, int]:
         """{config key: token budget} of the enabled packing or dynamic batching, {} for padded microbatches."""
@@ -231,6 +243,7 @@ class CheckpointingConfig(_Section):
     checkpoint_dir: Optional[str] = Field(None, description="Where checkpoints go; default RUN_DIR/checkpoints.")
     save_period: int = Field(10, ge=1, description="Save every this many steps (and at the last step and on SIGTERM/SIGINT).")
     keep_top_k: Optional[int] = Field(3, ge=1, description="Keep the k most recent checkpoints; null keeps all.")
+    export_policy: bool = Field(True, description="A completed run writes its final policy as a Hugging Face folder, RUN_DIR/policy/ (weights in fp32: ~540 MB for a 135M model). false: none (`dataplane-rl export RUN_DIR OUT` writes one from a checkpoint).")
 
 
 class ClusterConfig(_Section):

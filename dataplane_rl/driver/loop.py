@@ -274,9 +274,10 @@ class RunLoop:
         if self.stop.requested and self.done < last:
             self.status, self.error = "interrupted", signal.Signals(self.stop.signum).name
             return
-        if fleet.policy_ref is None:
-            fleet.refit()
-        export_hf(ray.get(fleet.policy_ref), fleet.model_folder, self.run.path / "policy")
+        if self.cfg.checkpointing.export_policy:
+            if fleet.policy_ref is None:
+                fleet.refit()
+            export_hf(ray.get(fleet.policy_ref), fleet.model_folder, self.run.path / "policy")
         self.status = "completed"
 
     def close(self) -> dict:

@@ -43,11 +43,14 @@ def preflight(cfg: Config):
     private_ray.check_dashboard(cfg)
     check_prompt_lengths(cfg, task, tokenizer)
     sampler = PromptSampler(cfg, task, tokenizer, str(folder))
+    validates = (cfg.grpo.val_period or cfg.grpo.val_at_start) and callable(getattr(task, "val_prompts", None))
+    sampler.check_first(cfg.grpo.seed, cfg.grpo.num_prompts_per_step, cfg.grpo.max_val_samples if validates else 0)
     check_distillation(cfg, tokenizer)
     if cfg.generation.backend == "vllm":
         from dataplane_rl.rollout.vllm_engine import require_vllm
 
         require_vllm()
+    announce_model(cfg, folder, tokenizer)  # last: a run refused before it prints one line, its error
     return task, str(folder), sampler
 
 
@@ -157,6 +160,21 @@ def check_device(cfg: Config) -> None:
                           f"{device.type} (policy.device={cfg.policy.device}); use policy.precision=float32")
 
 
+def announce_model(cfg: Config, folder: Path, tokenizer) -> None:
+    """The start-up line naming the model (model/describe.py), and the loud warning a real model's lr may earn."""
+    import sys
+
+    from dataplane_rl.model.describe import lr_warning, model_line
+    from dataplane_rl.model.load import eos_token_ids
+
+    reference = cfg.loss_fn.reference_policy_kl_penalty > 0
+    print(model_line(cfg.policy.model, folder, tokenizer, eos_token_ids(folder, tokenizer), reference),
+          file=sys.stderr, flush=True)
+    warning = lr_warning(cfg.policy.model, cfg.policy.learning_rate)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
 def check_prompt_lengths(cfg: Config, task, tok) -> None:
     """Every prompt of a task's text pools (the built-in tasks') leaves room for a response within
     policy.max_total_sequence_length (else the rollout actor fails mid-run on the first long prompt it draws).
@@ -165,10 +183,10 @@ def check_prompt_lengths(cfg: Config, task, tok) -> None:
     pools = [getattr(task, name, None) for name in ("train_pool", "val_pool")]
     if max_total is None or not any(pools):
         return
-    from dataplane_rl.rollout.worker import encode_prompt, response_rooms
+    from dataplane_rl.rollout.worker import prompt_ids, response_rooms
 
     for prompt in (p for pool in pools if pool for p in pool if isinstance(p, str)):
-        ids = encode_prompt(tok, prompt)
+        ids = prompt_ids(task, prompt, tok, cfg.task.apply_chat_template)[0]
         if len(ids) >= max_total:
             response_rooms([ids], cfg.generation.max_new_tokens, max_total)  # its ConfigError, naming the limit
 

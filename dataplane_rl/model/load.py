@@ -1,4 +1,4 @@
-"""The policy model: the tiny local default or a local Hugging Face folder, its tokenizer, the device.
+"""The policy model: the tiny local default, a local Hugging Face folder or a GGUF file, its tokenizer, the device.
 
 The tiny model is a ~0.3M-parameter Qwen2 with a character tokenizer, built from the seed (no download)
 and saved as an ordinary Hugging Face folder, so every engine loads it like a real model. Its tokenizer reads
@@ -21,10 +21,13 @@ _CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=:?.,!() \n")
 # own would change the model's shape, and with it the seed's weights and every figure measured on them.
 _SPECIAL = ["<unk>", "<bos>", "<eos>"]
 # Part of the cached folder's name: bump it when what build_tiny writes changes, so no older build is reused
-# (version 1, "tiny-qwen2-seed{seed}", named id 0 <pad>, and transformers dropped its spaces; see read_tokenizer).
-TINY_VERSION = 2
-# The tiny model's chat template: every character in its vocabulary, so chat prompts render without a download.
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+# (version 1, "tiny-qwen2-seed{seed}", named id 0 <pad>, and transformers dropped its spaces; see read_tokenizer;
+# version 2's tokenizer added no BOS of its own, which the prompt encoder then prepended to every tokenizer's text).
+# The weights are the seed's in every version.
+TINY_VERSION = 3
+# The tiny model's chat template: every character in its vocabulary, so chat prompts render without a download. It
+# opens with BOS, as Llama's templates do: a rendered chat prompt is tokenized without adding special tokens.
+TINY_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}assistant: {% endif %}")
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -64,13 +67,15 @@ def build_tiny(seed: int, cache_dir: str | None = None) -> Path:
 def tiny_tokenizer():
     """The tiny model's character tokenizer: one token per Unicode code point (an emoji with a skin tone is two),
     `<unk>` for a character outside the vocabulary; decoding joins the tokens as they are."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(_SPECIAL + _CHARS)}, unk_token="<unk>"))
     # WordLevel alone would split on whitespace and drop it; "." would miss newlines (and fuse "\n\n" into one <unk>)
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()  # without a decoder, tokenizers joins tokens with a space: "a b" for "ab"
+    # the tokenizer itself adds BOS to a text (as Llama's and Gemma's do): `tokenizer(text)` is what the model means
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", _SPECIAL.index("<bos>"))])
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<unk>", bos_token="<bos>", eos_token="<eos>",
                                      unk_token="<unk>", clean_up_tokenization_spaces=False)
     hf_tok.chat_template = TINY_CHAT_TEMPLATE
@@ -78,13 +83,18 @@ def tiny_tokenizer():
 
 
 def resolve_model(name: str, seed: int, cache_dir: str | None = None) -> Path:
-    """'tiny' -> the built tiny folder; anything else must be a local Hugging Face folder."""
+    """'tiny' -> the built tiny folder; a `.gguf` file -> its fp32 Hugging Face folder in the model cache (converted
+    once); anything else must be a local Hugging Face folder."""
     if name == "tiny":
         return build_tiny(seed, cache_dir)
     p = Path(name).absolute()  # actors run in Ray's working directory: a relative folder would not be found there
+    if p.suffix.lower() == ".gguf":
+        from dataplane_rl.model.gguf import convert_gguf
+
+        return convert_gguf(p, cache_root(cache_dir))
     if not (p / "config.json").is_file():
-        raise ConfigError(f"policy.model '{name}' is neither 'tiny' nor a local Hugging Face folder with config.json; "
-                          "nothing is downloaded, so save the model locally first")
+        raise ConfigError(f"policy.model '{name}' is neither 'tiny', a .gguf file nor a local Hugging Face folder with "
+                          "config.json; nothing is downloaded, so save the model locally first")
     missing = [what for what, patterns in (("weights", ("*.safetensors", "*.bin")),
                                            ("tokenizer", ("tokenizer.json", "tokenizer_config.json")))
                if not any(next(p.glob(pat), None) for pat in patterns)]
@@ -133,6 +143,22 @@ def _word_level(folder: Path) -> bool:
         return json.loads(f.read_text()).get("model", {}).get("type") == "WordLevel"
     except (ValueError, AttributeError):
         return False  # AutoTokenizer names what is wrong with the file
+
+
+def eos_token_ids(folder: Path, tokenizer) -> list[int]:
+    """The ids that end a response: the model's generation config's eos_token_id (an id or a list: chat models often
+    stop at the end-of-turn token and at the end of text) and the tokenizer's EOS, in that order."""
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS alone
+        eos = None
+    for i in ([eos] if isinstance(eos, int) else list(eos or [])) + [tokenizer.eos_token_id]:
+        if isinstance(i, int) and i not in ids:
+            ids.append(i)
+    return ids
 
 
 def load_tokenizer(folder: Path):

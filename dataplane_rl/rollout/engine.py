@@ -25,9 +25,9 @@ class HFEngine:
     the old weights' keys and values (cheaper, and no token's log-prob is exactly any one version's).
     """
 
-    def __init__(self, model, eos_token_id: int | None, pad_token_id: int, recompute_kv_cache: bool = False) -> None:
+    def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, recompute_kv_cache: bool = False) -> None:
         self.model = model.eval()
-        self.eos = eos_token_id
+        self.eos = tuple(eos_token_ids)  # any of them ends a response (model/load.py eos_token_ids)
         self.pad = pad_token_id
         self.device = next(model.parameters()).device
         self.recompute_kv_cache = recompute_kv_cache
@@ -85,7 +85,7 @@ class HFEngine:
                     tokens[i].append(t)
                     logps[i].append(float(logp[i, t]))
                     vers[i].append(version)
-                    if t == self.eos:
+                    if t in self.eos:
                         done[i] = True
             if bool(done.all()):
                 break
@@ -121,19 +121,21 @@ def nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 def make_engine(cfg, model_folder, tokenizer) -> GenerationEngine:
     """The engine `generation.backend` names, for the model in `model_folder`; the rest of the loop sees
     only the GenerationEngine interface. `cfg` is the whole run Config."""
+    from dataplane_rl.model.load import eos_token_ids
+
     gen = cfg.generation
     if gen.backend == "vllm":
         from dataplane_rl.rollout.vllm_engine import VLLMEngine
 
         a = cfg.grpo.async_grpo
-        return VLLMEngine(model_folder, gen, tokenizer.eos_token_id, seed=cfg.grpo.seed,
+        return VLLMEngine(model_folder, gen, eos_token_ids(model_folder, tokenizer), seed=cfg.grpo.seed,
                           in_flight=a.in_flight_weight_updates,
                           recompute_kv_cache=a.recompute_kv_cache_after_weight_updates)
     if gen.backend == "hf":
         from dataplane_rl.model.load import load_model, pick_device
 
         model = load_model(model_folder, pick_device(cfg.policy.device))
-        return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id,
+        return HFEngine(model, eos_token_ids(model_folder, tokenizer), tokenizer.pad_token_id,
                         recompute_kv_cache=cfg.grpo.async_grpo.recompute_kv_cache_after_weight_updates)
     from dataplane_rl.errors import ConfigError
 

@@ -31,10 +31,11 @@ class Generation:
     versions: list[int] | None = None  # per token, the weight version that sampled it; None: the job's version
 
     @classmethod
-    def ended(cls, tokens: list[int], logprobs: list[float], eos: int | None,
+    def ended(cls, tokens: list[int], logprobs: list[float], eos: tuple[int, ...],
               versions: list[int] | None = None) -> "Generation":
-        """A response the engine stopped: truncated unless its last token is `eos` (the length limit cut it)."""
-        return cls(tokens, logprobs, truncated=not (tokens and tokens[-1] == eos), versions=versions)
+        """A response the engine stopped: truncated unless its last token is one of the `eos` ids (else the length
+        limit cut it)."""
+        return cls(tokens, logprobs, truncated=not (tokens and tokens[-1] in eos), versions=versions)
 
 
 class GenerationEngine(Protocol):

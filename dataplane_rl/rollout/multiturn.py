@@ -92,11 +92,11 @@ class Env:
     """The task's environment, called with the error handling a bad one needs: every failure names task, turn
     and row (and partition), in one line."""
 
-    def __init__(self, task, tokenizer, pid: str, retries: Retries | None = None) -> None:
+    def __init__(self, task, tokenizer, pid: str, retries: Retries | None = None, eos: tuple[int, ...] | None = None) -> None:
         self.task, self.tokenizer, self.pid = task, tokenizer, pid
         self.retries = retries if retries is not None else Retries(0)
         self.unk = getattr(tokenizer, "unk_token_id", None)
-        self.eos = tokenizer.eos_token_id
+        self.eos = eos if eos is not None else (tokenizer.eos_token_id,)  # the engine's (model/load.py eos_token_ids)
 
     def fail(self, ep: Episode, k: int, what: str) -> EpisodeError:
         what = " ".join(what.split())  # one line, whatever the environment put in its message
@@ -164,7 +164,7 @@ def run_episodes(engine, env: Env, episodes: list[Episode], *, max_turns: int, m
                 continue
             obs_ids = env.encode(e, k, obs)
             # cut by the length limit: more tokens than room, or exactly room < max_new_tokens without an eos
-            cut = cut or (len(tokens) == room < max_new_tokens and not (tokens and tokens[-1] == env.eos))
+            cut = cut or (len(tokens) == room < max_new_tokens and not (tokens and tokens[-1] in env.eos))
             if cut:
                 e.observations.append([])
                 e.end = "length"
@@ -229,7 +229,7 @@ def multi_turn_table(worker, job, prompt_ids: list[list[int]], texts: list[str],
     """A rollout job of a multi-turn task on `worker` (a RolloutWorker): G episodes per prompt, as columns."""
     cfg = worker.cfg
     check_config(cfg, worker.task)
-    env = Env(worker.task, worker.tokenizer, job.pid, retries)
+    env = Env(worker.task, worker.tokenizer, job.pid, retries, getattr(worker.engine, "eos", None))
     episodes = [Episode(prompt, job.row_start + p_i * G + s, seeds[p_i * G + s], list(prompt_ids[p_i]))
                 for p_i, prompt in enumerate(texts) for s in range(G)]
     run_episodes(worker.engine, env, episodes, max_turns=cfg.multi_turn.max_turns,

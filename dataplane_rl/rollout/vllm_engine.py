@@ -77,7 +77,7 @@ class VLLMEngine:
     reset before the next generation (vLLM refuses to reset it while blocks are in use).
     """
 
-    def __init__(self, model_folder: str | Path, gen: GenerationConfig, eos_token_id: int | None, seed: int = 0,
+    def __init__(self, model_folder: str | Path, gen: GenerationConfig, eos_token_ids: list[int], seed: int = 0,
                  in_flight: bool = False, recompute_kv_cache: bool = False) -> None:
         v = gen.vllm
         self.mode = logprobs_mode(gen.temperature, gen.top_k, gen.top_p)
@@ -90,7 +90,7 @@ class VLLMEngine:
 
         # dtype 'auto': fp32 on CPU (the log-prob parity with the fp32 trainer), bf16 on an accelerator
         dtype = v.dtype if v.dtype != "auto" else ("float32" if current_platform.is_cpu() else "bfloat16")
-        self.eos = eos_token_id
+        self.eos = tuple(eos_token_ids)
         self.last_refit_s = 0.0
         self.in_flight, self.recompute_kv_cache = in_flight, recompute_kv_cache
         self.slot = RefitSlot(self._reload)  # in-flight refits
@@ -121,10 +121,11 @@ class VLLMEngine:
             raise ConfigError(f"this engine was built to report {self.mode}, which are not the trainer's log-probs at "
                               f"temperature={temperature} top_k={top_k} top_p={top_p}; build the engine with these "
                               "generation settings")
-        stop = [self.eos] if self.eos is not None else None
+        stop = list(self.eos) or None
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=s,
                                  logprobs=0,
-                                 # stop where HFEngine stops (the tokenizer's eos), not also at generation_config's
+                                 # stop where HFEngine stops (model/load.py eos_token_ids), named here, not left
+                                 # to vLLM's own reading of the tokenizer and generation config
                                  ignore_eos=True, stop_token_ids=stop, detokenize=False)
                   for s in seeds]
         if self.in_flight:

@@ -14,8 +14,8 @@ from dataplane_rl.rollout.generation import Generation
 from dataplane_rl.rollout.retries import Retries, score_job
 from dataplane_rl.schema import GRPO_SCHEMA
 from dataplane_rl.store import schema_table
-from dataplane_rl.tasks import prompt_text, row_columns
-from dataplane_rl.tasks.prompts import encode_prompt, prompt_limit, truncate  # noqa: F401 (encode_prompt: API)
+from dataplane_rl.tasks import row_columns
+from dataplane_rl.tasks.prompts import encode_prompt, prompt_ids, prompt_limit, truncate  # noqa: F401 (encode_prompt: API)
 from dataplane_rl.tasks.multiturn import is_multi_turn
 
 
@@ -192,8 +192,7 @@ class RolloutWorker:
     def prompt(self, key) -> tuple[list[int], str]:
         """Prompt `key`'s token ids as the engine gets them, and its text; an overlong prompt cut as
         task.truncation says (the driver refused or replaced it for truncation=error or a filter)."""
-        text = prompt_text(self.task, key)
-        ids = encode_prompt(self.tokenizer, text)
+        ids, text = prompt_ids(self.task, key, self.tokenizer, self.cfg.task.apply_chat_template)
         cut = truncate(ids, self.prompt_limit, self.cfg.task.truncation)
         return cut, text if cut is ids else self.tokenizer.decode(cut, skip_special_tokens=True)
 

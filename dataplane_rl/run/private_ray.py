@@ -43,6 +43,12 @@ TOKEN_DIR_ENV = "DATAPLANE_RL_RAY_TOKEN_DIR"  # the token folder this run made, 
 NODE_IP_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 AUTH_MODE_ENV, TOKEN_PATH_ENV = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"
 TASK_EVENTS_ENV = "RAY_task_events_max_num_task_in_gcs"
+NICENESS_ENV = "RAY_worker_niceness"
+SPIN_ENV = "GOMP_SPINCOUNT"
+# torch's OpenMP threads (libgomp) spin 300,000 times at every barrier before they sleep, while another process
+# wants the core: on a shared 2-core machine the default run beside 2 busy loops took 545 s with that and 126 s
+# with 10,000 spins (docs/models.md, "A shared machine"); idle, 10,000 costs a few percent.
+SPIN_COUNT = "10000"
 SECURITY_DOC = "docs/security.md"
 
 
@@ -79,6 +85,11 @@ def private_env(env: dict[str, str]) -> dict[str, str]:
     # submits a few tasks a step, and its GCS grew ~2.4 MB per 100 steps through a 1000-step soak
     # (benchmarks/soak.py). The last 1,000 are kept.
     out.setdefault(TASK_EVENTS_ENV, "1000")
+    # Ray starts its workers at nice 15 (its worker_niceness), so beside any other work on the machine the train
+    # and rollout workers got what was left of the cores (a default run took 19 min instead of ~75 s): they run at
+    # the caller's own level, and `nice -n N dataplane-rl train` lowers the whole run.
+    out.setdefault(NICENESS_ENV, str(os.nice(0)))
+    out.setdefault(SPIN_ENV, SPIN_COUNT)
     if AUTH_MODE_ENV not in out:
         out.update(_new_token())
     if ADDRESS_ENV not in out:

@@ -143,6 +143,11 @@ class DatasetTask:
         f, i = self._locate(key)
         return render_prompt(f.value(i, self.input_key), self.tokenizer, f"task path '{f.path}' row {i}")
 
+    def is_chat(self, key: int) -> bool:
+        """Whether the row's prompt is chat messages (its text is then the template's rendering)."""
+        f, i = self._locate(key)
+        return not isinstance(f.value(i, self.input_key), str)
+
     def row(self, key: int) -> PromptRow:
         """The row's data_source, ground truth and extra_info: new objects on every call, so a reward function that
         changes its extra_info changes nobody else's."""

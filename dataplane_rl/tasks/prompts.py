@@ -22,28 +22,54 @@ MAX_REPLACEMENT_TRIES = 1000
 
 
 def prompt_limit(cfg, model_folder: str | None) -> int | None:
-    """task.max_prompt_length, else what the model's positions (config.json max_position_embeddings) leave after
-    generation.max_new_tokens; None for a model that states no positions."""
+    """task.max_prompt_length, else the most prompt tokens the run can take: what the model's positions (config.json
+    max_position_embeddings) leave after generation.max_new_tokens, and less than policy.max_total_sequence_length
+    (a response is cut to fit it, but needs one token); None for a model that states no positions and no total."""
     if cfg.task.max_prompt_length is not None:
         return cfg.task.max_prompt_length
+    limits = []
+    max_total = cfg.policy.max_total_sequence_length
+    if max_total is not None:
+        limits.append(max_total - 1)
     try:
         positions = json.loads((Path(model_folder) / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, TypeError, ValueError):
-        return None
-    if not isinstance(positions, int):
-        return None
-    if positions - cfg.generation.max_new_tokens < 1:
-        raise ConfigError(f"generation.max_new_tokens={cfg.generation.max_new_tokens} leaves no room for a prompt in "
-                          f"policy.model's {positions} positions (max_position_embeddings); lower it")
-    return positions - cfg.generation.max_new_tokens
+        positions = None
+    if isinstance(positions, int):
+        if positions - cfg.generation.max_new_tokens < 1:
+            raise ConfigError(f"generation.max_new_tokens={cfg.generation.max_new_tokens} leaves no room for a prompt "
+                              f"in policy.model's {positions} positions (max_position_embeddings); lower it")
+        limits.append(positions - cfg.generation.max_new_tokens)
+    return min(limits) if limits else None
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """A prompt's token ids as the engine gets them: BOS (if the tokenizer has one and a chat template did not
-    already put it in the text), then the text."""
-    ids = list(tokenizer(prompt, add_special_tokens=False).input_ids)
-    bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
+def encode_prompt(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """A prompt's token ids as the tokenizer means them: a text is `tokenizer(text)`, with BOS only where the
+    tokenizer itself adds one; a chat prompt rendered by the model's template is tokenized without adding special
+    tokens (a template that wants BOS writes it, as apply_chat_template(tokenize=True) does)."""
+    return list(tokenizer(prompt, add_special_tokens=not chat).input_ids)
+
+
+def render(task, key, tokenizer, apply_chat_template: bool) -> tuple[str, bool]:
+    """Prompt `key`'s text as the engine gets it, and whether a chat template rendered it: chat messages through the
+    model's template (the task's `is_chat(key)`), and with task.apply_chat_template a text prompt as one user turn."""
+    text = prompt_text(task, key)
+    is_chat = getattr(task, "is_chat", None)
+    if callable(is_chat) and is_chat(key):
+        return text, True
+    if not apply_chat_template:
+        return text, False
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("task.apply_chat_template=true but policy.model's tokenizer has no chat template; use a "
+                          "model whose tokenizer_config.json has a chat_template, or set task.apply_chat_template=false")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False), True
+
+
+def prompt_ids(task, key, tokenizer, apply_chat_template: bool) -> tuple[list[int], str]:
+    """Prompt `key`'s token ids (encode_prompt) and its rendered text."""
+    text, chat = render(task, key, tokenizer, apply_chat_template)
+    return encode_prompt(tokenizer, text, chat), text
 
 
 def truncate(ids: list[int], limit: int | None, side: str) -> list[int]:
@@ -58,9 +84,22 @@ class PromptSampler:
 
     def __init__(self, cfg, task, tokenizer, model_folder: str | None) -> None:
         self.task, self.tokenizer = task, tokenizer
+        self.template = cfg.task.apply_chat_template
         self.limit = prompt_limit(cfg, model_folder)
         self.filter, self.truncation = cfg.task.filter_overlong_prompts, cfg.task.truncation
         self.filtered = 0  # overlong prompts replaced (train) or left out (validation)
+
+    def check_first(self, seed: int, n_train: int, n_val: int) -> None:
+        """Step 1's prompts and the held-out ones, checked as the run will check them, before Ray starts: a prompt
+        refused by row (too long with task.truncation=error, a template the tokenizer lacks) is refused now, not
+        minutes later when the first step draws it. Counts nothing: the run draws them again."""
+        filtered = self.filtered
+        try:
+            self.draw(seed, 1, 0, n_train)
+            if n_val:
+                self.val(n_val)
+        finally:
+            self.filtered = filtered
 
     def counters(self) -> dict:
         return {"rollout/overlong_prompts_filtered_total": self.filtered}
@@ -77,7 +116,7 @@ class PromptSampler:
         """Whether prompt `key` fits; an overlong one is refused (truncation=error), counted (filter) or cut later."""
         if self.limit is None:
             return True
-        n = len(encode_prompt(self.tokenizer, prompt_text(self.task, key)))
+        n = len(prompt_ids(self.task, key, self.tokenizer, self.template)[0])
         if n <= self.limit:
             return True
         if self.filter:
