@@ -178,7 +178,11 @@ def test_dataset_refusals_name_the_row_and_the_fix(tmp_path):
     ("return float('nan')", r"returned nan"),
     ("return 'high'", r'returned "high" \(str\)'),
     ("return {'acc': 1.0}", r"returned a dict without 'score' \(keys \['acc'\]\)"),
-    ("return True", r"returned true \(bool\)"),
+    ("return True", r"returned true \(bool\), a bool, which is not a score \(return float\(\.\.\.\) for 1\.0/0\.0\)"),
+    # one rule for every kind of bool: float() took numpy's and torch's as 1.0 while Python's was refused
+    ("return __import__('numpy').bool_(True)", r"returned np\.True_ \(bool\), a bool, which is not a score .*"),
+    ("return __import__('numpy').array(False)", r"returned array\(False\) \(ndarray\), a bool, which .*"),
+    ("return __import__('torch').tensor(True)", r"returned tensor\(True\) \(Tensor\), a bool, which .*"),
 ])
 def test_a_bad_reward_is_a_data_failure_naming_function_source_and_value(tmp_path, body, what):
     (tmp_path / "bad.py").write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
