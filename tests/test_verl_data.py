@@ -251,6 +251,23 @@ def test_stored_json_is_strict_and_a_rewards_numpy_and_torch_extras_are_logged(t
                                      "train/reward_extra/tb": 0.0}
 
 
+def test_a_rewards_print_goes_to_the_run_folder_not_stdout(data, tmp_path, capsys):
+    """Ray carries a rollout actor's stdout to the CLI's stdout, whose one line is the run's summary (`| jq`): what a
+    reward prints goes to RUN_DIR/rollout_stdout.log."""
+    fn = reward_file(tmp_path, """
+        def compute_score(solution_str, ground_truth):
+            print("scoring", ground_truth)
+            return 1.0
+    """)
+    (tmp_path / "run").mkdir()
+    w = worker("task.name=dataset", f"task.path={data}", f"task.val_path={data}", f"task.reward_function={fn}",
+               f"logger.run_dir={tmp_path / 'run'}")
+    rows, _ = generate(w, [2, 5])
+    assert len(rows) == 4 and capsys.readouterr().out == ""
+    w.close()
+    assert (tmp_path / "run" / "rollout_stdout.log").read_text() == "scoring 4\n" * 2 + "scoring 6\n" * 2
+
+
 @pytest.mark.parametrize("body, what", [
     ("raise KeyboardInterrupt('stop')", r"raised KeyboardInterrupt: stop \(.*r\.py:3"),
     ("raise SystemExit(3)", r"raised SystemExit: 3 \(.*r\.py:3"),
