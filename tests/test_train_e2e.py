@@ -229,8 +229,12 @@ def test_train_cli_writes_the_run_folder(tmp_path):
 
     examples = Path(__file__).resolve().parents[1] / "examples"
     (tmp_path / "pid_task.py").write_text(PID_MODULE)
+    # the examples' reward, printing each score: a print in the rollout actors goes to the run folder, not stdout
+    (tmp_path / "reward.py").write_text((examples / "reward.py").read_text() + (
+        "\n\n_score = compute_score\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    print('scoring', repr(solution_str))\n    return _score(data_source, solution_str, ground_truth, extra_info)\n"))
     byo = [f"task.module={tmp_path / 'pid_task.py'}", "task.name=pid_dataset",
-           f"task.path={examples / 'data' / 'train.parquet'}", f"task.reward_function={examples / 'reward.py'}",
+           f"task.path={examples / 'data' / 'train.parquet'}", f"task.reward_function={tmp_path / 'reward.py'}",
            "generation.num_workers=2"]
     run_dir = tmp_path / "cli"
     p = cli("train", *SMALL, "grpo.max_num_steps=2", f"logger.run_dir={run_dir}", "data_plane.enabled=true", *byo)
@@ -238,6 +242,8 @@ def test_train_cli_writes_the_run_folder(tmp_path):
     # stdout is the summary alone (`| jq` works); logger.progress=false still prints the last step's line
     out = json.loads(p.stdout)
     assert out["status"] == "completed" and out["run_dir"] == str(run_dir)
+    printed = (run_dir / "rollout_stdout.log").read_text().splitlines()
+    assert len(printed) >= 2 * 32 and all(line.startswith("scoring ") for line in printed)
     assert out["plot"] == str(run_dir / "reward.png")
     assert "grpo step 2/2: reward " in p.stderr, p.stderr[-3000:]
     for f in ("config.yaml", "metrics.jsonl", "reward.png", "summary.json", "train_data/step_000001.jsonl",

@@ -125,6 +125,27 @@ def test_dataset_refusals_name_the_row_and_the_fix(tmp_path):
                  + json.dumps({"prompt": [{"role": "user", "content": None}], "reward_model": {"ground_truth": 1}}) + "\n")
     with pytest.raises(ConfigError, match=r"d\.jsonl' row 1: the prompt .* a chat message with a null role or content"):
         DatasetTask(str(f), tokenizer=tok)  # never rendered as the text "None"
+    # a null ground truth was scored against the text "None"; a message's content as a list of parts (verl's
+    # multimodal layout) or a number was a pyarrow traceback
+    ok = {"prompt": "q", "reward_model": {"ground_truth": 1}}
+    for row, what in (({"prompt": "q", "reward_model": {"ground_truth": None}}, "the ground truth"),
+                      ({"prompt": "q", "reward_model": {"style": "rule"}}, "the ground truth"),
+                      ({"prompt": "q"}, "the ground truth"),
+                      ({"prompt": "q", "reward_model": {"ground_truth": [1, "a"]}, "extra_info": None}, None)):
+        f.write_text(json.dumps(ok) + "\n" + json.dumps(row) + "\n")
+        if what is None:  # mixed types, written so: kept
+            assert DatasetTask(str(f), val_path=str(f)).row(1).ground_truth == [1, "a"]
+            continue
+        with pytest.raises(ConfigError, match=rf"d\.jsonl' row 1: {what} \('reward_model\.ground_truth', "
+                                              r"task\.output_key\) is null or missing; give the row its ground truth"):
+            DatasetTask(str(f), val_path=str(f))
+    parts = [{"type": "text", "text": "hi"}]
+    for content, held in ((parts, r"list<element: struct<type: string, text: string>>"), (7, "int64")):
+        pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": content}],
+                                              "reward_model": {"ground_truth": "1"}}] * 2), tmp_path / "m.parquet")
+        with pytest.raises(ConfigError, match=rf"m\.parquet' row 0: the chat messages' content \('prompt', "
+                                              rf"task\.input_key\) holds {held}, not text; only text is supported"):
+            DatasetTask(str(tmp_path / "m.parquet"), val_path=str(tmp_path / "m.parquet"), tokenizer=tok)
     f.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "reward_model": {"ground_truth": 1}}) + "\n")
     tok.chat_template = None
     with pytest.raises(ConfigError, match=r"chat messages but policy.model's tokenizer has no chat template"):
@@ -157,7 +178,11 @@ def test_dataset_refusals_name_the_row_and_the_fix(tmp_path):
     ("return float('nan')", r"returned nan"),
     ("return 'high'", r'returned "high" \(str\)'),
     ("return {'acc': 1.0}", r"returned a dict without 'score' \(keys \['acc'\]\)"),
-    ("return True", r"returned true \(bool\)"),
+    ("return True", r"returned true \(bool\), a bool, which is not a score \(return float\(\.\.\.\) for 1\.0/0\.0\)"),
+    # one rule for every kind of bool: float() took numpy's and torch's as 1.0 while Python's was refused
+    ("return __import__('numpy').bool_(True)", r"returned np\.True_ \(bool\), a bool, which is not a score .*"),
+    ("return __import__('numpy').array(False)", r"returned array\(False\) \(ndarray\), a bool, which .*"),
+    ("return __import__('torch').tensor(True)", r"returned tensor\(True\) \(Tensor\), a bool, which .*"),
 ])
 def test_a_bad_reward_is_a_data_failure_naming_function_source_and_value(tmp_path, body, what):
     (tmp_path / "bad.py").write_text(f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -198,6 +223,13 @@ def test_a_module_that_fails_to_import_is_one_error_line_before_ray(tmp_path, ca
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ConfigError: task.module ") and "broken.py:3" in err[0]
     rc = main(["train", "task.name=shout", f"logger.run_dir={tmp_path / 'never'}"])
     assert rc == 2 and "task.module=FILE.py" in capsys.readouterr().err
+    # a row the rollout actors could not render is refused by row before Ray, with task.val_path too
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                          "reward_model": {"ground_truth": "1"}}]), tmp_path / "m.parquet")
+    rc = main(["train", "task.name=dataset", f"task.path={tmp_path / 'm.parquet'}",
+               f"task.val_path={tmp_path / 'm.parquet'}", f"logger.run_dir={tmp_path / 'never'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ConfigError: task path ") and "row 0: the chat" in err[0]
 
 
 def test_a_modules_environment_runs_multi_turn_and_the_reward_function_scores_the_episode():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import textwrap
 from pathlib import Path
 
@@ -168,6 +169,105 @@ def test_a_reward_that_mutates_its_inputs_changes_no_other_call_and_no_stored_co
     assert {r["extra_info"] for r in rows} == {json.dumps({"index": 2, "split": "train"}, sort_keys=True)}
 
 
+def jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_row_values_reach_the_reward_exactly_as_written(tmp_path):
+    """Arrow types a column as one: JSONL ground truths 1 and 2.5 became 1.0 and 2.5, rows' extra_info dicts got each
+    other's keys as null, a list of mixed types was refused as missing; a folder's files were promoted alike. A
+    Parquet MAP arrived as a list of pairs and a pandas categorical prompt was refused. Each reaches the reward as it
+    was written, and is stored so."""
+    import pandas as pd
+
+    from dataplane_rl.tasks import prompt_row
+
+    fn = reward_file(tmp_path, """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return {"score": 0.0, "gt": [ground_truth, type(ground_truth).__name__], "extra": extra_info}
+    """)
+    rows = [{"prompt": "p0", "reward_model": {"ground_truth": 1}, "extra_info": {"x": 1}},
+            {"prompt": "p1", "reward_model": {"ground_truth": 2.5}, "extra_info": {"y": "q"}},
+            {"prompt": "p2", "reward_model": {"ground_truth": [1, "x"]}, "extra_info": {"x": 2.0, "z": [1]}}]
+    for folder, files in (("two", 2), ("three", 3)):  # a file per row: Parquet's int 1, JSONL's float 2.5, the list
+        (tmp_path / folder).mkdir()
+        pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / folder / "a.parquet")
+        for i in range(1, files):
+            jsonl(tmp_path / folder / f"{'abc'[i]}.jsonl", rows[i:i + 1])
+    for path, n in ((jsonl(tmp_path / "d.jsonl", rows), 3), (str(tmp_path / "two"), 2), (str(tmp_path / "three"), 3)):
+        task = load_task(load_config(None, ["task.name=dataset", f"task.path={path}", f"task.val_path={path}",
+                                            f"task.reward_function={fn}"]).task)
+        for k, r in enumerate(rows[:n]):
+            gt, extra = r["reward_model"]["ground_truth"], r["extra_info"]
+            got = task.score(k, "42")[1]
+            assert got == {"gt": [gt, type(gt).__name__], "extra": extra}, (path, k)
+            assert [type(v) for v in got["extra"].values()] == [type(v) for v in extra.values()]
+            stored = prompt_row(task, k)
+            assert json.loads(stored.extra_json) == extra and stored.ground_truth_text == json.dumps(gt)
+    # a Parquet MAP column is a dict; a dictionary-encoded (categorical) prompt column is text
+    pd.DataFrame({"prompt": pd.Categorical(["what is 1+1?", "what is 2+2?", "what is 1+1?"]), "gt": ["2", "4", "2"]}
+                 ).to_parquet(tmp_path / "cat.parquet")
+    table = pq.read_table(tmp_path / "cat.parquet").append_column(
+        "extra_info", pa.array([[("k", 1)], [("k", 2), ("j", 3)], []], pa.map_(pa.string(), pa.int64())))
+    assert pa.types.is_dictionary(table.schema.field("prompt").type)
+    pq.write_table(table, tmp_path / "cat.parquet")
+    task = DatasetTask(str(tmp_path / "cat.parquet"), val_path=str(tmp_path / "cat.parquet"), output_key="gt")
+    assert [task.text(k) for k in range(3)] == ["what is 1+1?", "what is 2+2?", "what is 1+1?"]
+    assert [task.row(k).extra_info for k in range(3)] == [{"k": 1}, {"k": 2, "j": 3}, {}]
+
+
+def test_stored_json_is_strict_and_a_rewards_numpy_and_torch_extras_are_logged(tmp_path):
+    """NaN and the infinities have no JSON literal: the extra_info, ground_truth and reward_extra_info columns hold
+    them as "NaN", "Infinity", "-Infinity" (bare NaN broke strict readers). A reward's numpy and torch values are
+    stored as the numbers they hold (np.float32 was stored as the string "0.25" and its metric vanished)."""
+    from dataplane_rl.driver.samples import reward_extras
+    from dataplane_rl.rollout.retries import Retries, score_job
+    from dataplane_rl.tasks.dataset import PromptRow
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in stored JSON {text}"))
+
+    row = PromptRow("s", [math.nan, math.inf], {"a": -math.inf, "b": np.float32(0.5), "c": {"d": math.nan}})
+    assert strict(row.extra_json) == {"a": "-Infinity", "b": 0.5, "c": {"d": "NaN"}}
+    assert strict(row.ground_truth_text) == ["NaN", "Infinity"]
+    fn = reward_file(tmp_path, """
+        import numpy as np
+        import torch
+
+        def compute_score(solution_str, ground_truth):
+            return {"score": np.float32(0.5), "f32": np.float32(0.25), "i64": np.int64(3), "t": torch.tensor(1.5),
+                    "ok": np.bool_(True), "tb": torch.tensor(False), "nan": float("nan"), "arr": np.arange(2)}
+    """)
+    data = jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "reward_model": {"ground_truth": "1"}}])
+    task = load_task(load_config(None, ["task.name=dataset", f"task.path={data}", f"task.val_path={data}",
+                                        f"task.reward_function={fn}"]).task)
+    rewards, extras = score_job(task, [0], [0], ["a", "b"], 2, Retries(0))
+    assert rewards == [0.5, 0.5]
+    for text in extras:
+        assert strict(text) == {"f32": 0.25, "i64": 3, "t": 1.5, "ok": True, "tb": False, "nan": "NaN", "arr": [0, 1]}
+    assert reward_extras(extras) == {"train/reward_extra/f32": 0.25, "train/reward_extra/i64": 3.0,
+                                     "train/reward_extra/ok": 1.0, "train/reward_extra/t": 1.5,
+                                     "train/reward_extra/tb": 0.0}
+
+
+def test_a_rewards_print_goes_to_the_run_folder_not_stdout(data, tmp_path, capsys):
+    """Ray carries a rollout actor's stdout to the CLI's stdout, whose one line is the run's summary (`| jq`): what a
+    reward prints goes to RUN_DIR/rollout_stdout.log."""
+    fn = reward_file(tmp_path, """
+        def compute_score(solution_str, ground_truth):
+            print("scoring", ground_truth)
+            return 1.0
+    """)
+    (tmp_path / "run").mkdir()
+    w = worker("task.name=dataset", f"task.path={data}", f"task.val_path={data}", f"task.reward_function={fn}",
+               f"logger.run_dir={tmp_path / 'run'}")
+    rows, _ = generate(w, [2, 5])
+    assert len(rows) == 4 and capsys.readouterr().out == ""
+    w.close()
+    assert (tmp_path / "run" / "rollout_stdout.log").read_text() == "scoring 4\n" * 2 + "scoring 6\n" * 2
+
+
 @pytest.mark.parametrize("body, what", [
     ("raise KeyboardInterrupt('stop')", r"raised KeyboardInterrupt: stop \(.*r\.py:3"),
     ("raise SystemExit(3)", r"raised SystemExit: 3 \(.*r\.py:3"),
@@ -322,3 +422,11 @@ def test_the_mapped_copy_is_made_once_per_version_of_the_file(tmp_path, monkeypa
     (copy,) = (tmp_path / "cache" / "datasets").iterdir()
     copy.write_bytes(b"not arrow")  # a damaged copy is derived data: made again
     assert open_dataset(f).num_rows == 3 and copy.stat().st_size > 9
+    # a file rewritten with the same size and mtime (a copy tool keeping times, a coarse clock) is a new version
+    g = jsonl(tmp_path / "g.jsonl", [{"prompt": "what is 1+1?", "reward_model": {"ground_truth": "2"}}])
+    assert open_dataset(g).column("reward_model").to_pylist() == [{"ground_truth": "2"}]
+    st = os.stat(g)
+    jsonl(tmp_path / "g.jsonl", [{"prompt": "what is 1+1?", "reward_model": {"ground_truth": "3"}}])
+    os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(g).st_size == st.st_size and os.stat(g).st_mtime_ns == st.st_mtime_ns
+    assert open_dataset(g).column("reward_model").to_pylist() == [{"ground_truth": "3"}]

@@ -15,7 +15,6 @@ it is raised before anything of the job is put, so nothing of it is stored.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from dataplane_rl.rollout.retries import DataFailure, Retries
 from dataplane_rl.schema import GRPO_SCHEMA
 from dataplane_rl.store import schema_table
 from dataplane_rl.tasks import row_columns
+from dataplane_rl.tasks.values import to_json
 
 
 class EpisodeError(DataPlaneError, ValueError):
@@ -244,7 +244,7 @@ def multi_turn_table(worker, job, prompt_ids: list[list[int]], texts: list[str],
                 try:
                     e.reward, extra = env.retries.call("reward", worker.task.score, e.prompt,
                                                        response_text(worker.tokenizer, e, p))
-                    extras[i] = json.dumps(extra, sort_keys=True, default=str)
+                    extras[i] = to_json(extra)
                 except DataFailure as f:
                     e.failure = f
     groups = [gid for gid in job.group_ids for _ in range(G)]

@@ -65,9 +65,8 @@ def score_job(task, keys: list, group_ids: list[int], responses: list[str], G: i
     """The rewards and reward_extra_info (JSON) of a job's responses (G per key, in order): one call per sample, or
     one for the job with task.reward_manager=batch. A failure fails the sample's group (a batch call that fails on
     every try, every group of the job); the failed rows' values are placeholders that are never stored."""
-    import json
-
     from dataplane_rl.tasks import score
+    from dataplane_rl.tasks.values import to_json
 
     n = len(responses)
     rewards, extras = [0.0] * n, [{}] * n
@@ -90,4 +89,4 @@ def score_job(task, keys: list, group_ids: list[int], responses: list[str], G: i
                 rewards[i], extras[i] = retries.call("reward", score, task, key, response)
             except DataFailure as f:
                 retries.fail(group_ids[i // G], f)
-    return rewards, [json.dumps(e, sort_keys=True, default=str) for e in extras]
+    return rewards, [to_json(e) for e in extras]  # strict JSON, numpy/torch scalars as numbers

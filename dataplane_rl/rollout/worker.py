@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -97,6 +100,35 @@ def rollout_columns(job: RolloutJob, gens, prompt_ids, texts: list[str], tokeniz
     }, lengths=n)
 
 
+USER_STDOUT = "rollout_stdout.log"
+
+
+class UserStdout(io.TextIOBase):
+    """Where print() in a rollout job goes (a reward function, a task, an environment): RUN_DIR/rollout_stdout.log,
+    made at the first line and appended a line at a time. Ray carries an actor's stdout to the CLI's stdout, which
+    holds the run's summary line alone (`| jq`); on a host without the run folder, to stderr."""
+
+    def __init__(self, run_dir: str | None) -> None:
+        self.path = os.path.join(run_dir, USER_STDOUT) if run_dir and os.path.isdir(run_dir) else None
+        self.file = None
+
+    def write(self, text: str) -> int:
+        if self.path is None:
+            return sys.stderr.write(text)
+        if self.file is None:
+            self.file = open(self.path, "a", buffering=1, encoding="utf-8")
+        return self.file.write(text)
+
+    def flush(self) -> None:
+        (self.file or sys.stderr).flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        super().close()
+
+
 def response_rooms(prompt_ids: list[list[int]], max_new_tokens: int, max_total: int | None) -> list[int]:
     """Most response tokens per prompt: generation.max_new_tokens, less where prompt + response would
     exceed policy.max_total_sequence_length."""
@@ -145,6 +177,7 @@ class RolloutWorker:
         self.io = ActorIO(store_url)
         self.in_flight = self.cfg.grpo.async_grpo.in_flight_weight_updates
         self._version = 0  # the last refit's step (with in-flight updates the engine keeps it: `version`)
+        self.stdout = UserStdout(self.cfg.logger.run_dir)
         trace.configure(self.cfg.logger.trace_max_events > 0)
 
     def ready(self) -> int:
@@ -200,6 +233,10 @@ class RolloutWorker:
     def generate(self, job: RolloutJob):
         """Generate G samples per prompt of the job with the current weights; returns (table, receipt):
         the table is None when the data plane put it, else the driver holds the columns."""
+        with contextlib.redirect_stdout(self.stdout):  # the user code's print(): the run folder's log (UserStdout)
+            return self.run_job(job)
+
+    def run_job(self, job: RolloutJob):
         from dataplane_rl.rollout.generation import sample_seed
 
         gen, G, seed = self.cfg.generation, self.cfg.grpo.num_generations_per_prompt, self.cfg.grpo.seed
@@ -255,8 +292,9 @@ class RolloutWorker:
         self.io = ActorIO(url)
 
     def close(self) -> list[dict]:
-        """Close the store client; returns the trace events not yet taken."""
+        """Close the store client and the user code's log; returns the trace events not yet taken."""
         self.io.close()
+        self.stdout.close()
         return trace.take()
 
 

@@ -26,8 +26,9 @@ import pyarrow.compute as pc
 
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.tasks.answers import answer_reward, extract_answer
-from dataplane_rl.tasks.dataset_file import json_columns, open_dataset
+from dataplane_rl.tasks.dataset_file import json_columns, open_dataset, python_values
 from dataplane_rl.tasks.pools import split_held_out
+from dataplane_rl.tasks.values import to_json
 
 
 @dataclass(frozen=True)
@@ -40,14 +41,14 @@ class PromptRow:
 
     @property
     def extra_json(self) -> str:
-        """extra_info as the store keeps it: JSON, keys sorted (default=str: dates and such become text)."""
-        return json.dumps(self.extra_info if self.extra_info is not None else {}, sort_keys=True, default=str)
+        """extra_info as the store keeps it: strict JSON, keys sorted (tasks/values.py: NaN as "NaN")."""
+        return to_json(self.extra_info if self.extra_info is not None else {})
 
     @property
     def ground_truth_text(self) -> str:
-        """The ground_truth column: text as it is, anything else as JSON."""
+        """The ground_truth column: text as it is, anything else as strict JSON."""
         gt = self.ground_truth
-        return gt if isinstance(gt, str) else json.dumps(gt, sort_keys=True, default=str)
+        return gt if isinstance(gt, str) else to_json(gt)
 
 
 def read_rows(path: str) -> list[dict]:
@@ -55,7 +56,8 @@ def read_rows(path: str) -> list[dict]:
     tests on small files (a run maps the file instead: DatasetTask)."""
     table = open_dataset(path)
     mixed = json_columns(table)
-    return [{k: json.loads(v) if k in mixed and v is not None else v for k, v in r.items()} for r in table.to_pylist()]
+    return [{k: json.loads(v) if k in mixed and v is not None else v for k, v in r.items()}
+            for r in python_values(table, f"task path '{path}'")]
 
 
 def pick(row: dict, key: str):
@@ -80,7 +82,8 @@ def render_prompt(prompt, tokenizer, where: str) -> str:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
     if not ok:
         raise ConfigError(f"{where}: the prompt is {json.dumps(prompt, default=str)[:60]}; it must be text or chat "
-                          "messages, a list of {role, content} with text in both")
+                          "messages, a list of {role, content} with text in both (only text content is supported, "
+                          "not a list of parts)")
     if tokenizer is None:
         raise ConfigError(f"{where}: the prompt is chat messages, and rendering them needs the model's tokenizer "
                           "(load the task with load_task(cfg.task, tokenizer))")
@@ -194,37 +197,60 @@ _NO_TEMPLATE = _NoTemplate()
 
 
 class _File:
-    """One dataset file, memory-mapped, its prompt column checked once, its rows read one at a time."""
+    """One dataset file, memory-mapped, its prompts and ground truths checked once, its rows read one at a time."""
 
     def __init__(self, path: str, input_key: str, output_key: str, check: bool = True) -> None:
-        self.path, self.table = path, open_dataset(path)
+        self.path, self.table, self.input_key = path, open_dataset(path), input_key
         self.rows = self.table.num_rows
         self.mixed = json_columns(self.table)
         if not self.rows:
             raise ConfigError(f"task path '{path}' holds no rows")
         for key, which in ((input_key, "task.input_key"), (output_key, "task.output_key")):
-            if _column(self.table, key) is None:
+            if _column(self.table, key) is None and not self.in_json(key):  # a JSON column's keys: checked per row
                 raise ConfigError(f"task path '{path}' has no '{key}' ({which}); its columns: "
                                   f"{', '.join(self.table.column_names)}; set {which} to the column that holds it")
-        self.prompt = _column(self.table, input_key)
+        self.prompt = (self.table.column(self._root(input_key)) if self.in_json(input_key)
+                       else _column(self.table, input_key))
         if not check:
             return
-        if input_key.split(".")[0] not in self.mixed:
+        if not self.in_json(input_key):
             check_prompts(self.prompt, f"task path '{path}'", input_key)
         else:  # a JSONL column of mixed types, kept as JSON text: each prompt checked as it will be rendered
             for i in range(self.rows):
                 prompt = self.value(i, input_key, None)
                 if not isinstance(prompt, str):
                     render_prompt(prompt, _NO_TEMPLATE, f"task path '{path}' row {i}")
+        self.check_ground_truths(output_key)
+
+    def _root(self, key: str) -> str:
+        return key if key in self.table.column_names else key.split(".")[0]
+
+    def in_json(self, key: str) -> bool:
+        """Whether `key` lives in a column kept as JSON text (tasks/dataset_file.py)."""
+        return self._root(key) in self.mixed
+
+    def check_ground_truths(self, key: str) -> None:
+        """Refuse a row whose ground truth is null or missing, naming the first: the reward would get None, and the
+        default reward would score it as the text "None"."""
+        if self.in_json(key):
+            first = next((i for i in range(self.rows) if self.value(i, key, None) is None), None)
+        else:
+            nulls = np.flatnonzero(pc.is_null(_column(self.table, key)).to_numpy(zero_copy_only=False))
+            first = int(nulls[0]) if nulls.size else None
+        if first is not None:
+            raise ConfigError(f"task path '{self.path}' row {first}: the ground truth ('{key}', task.output_key) is "
+                              "null or missing; give the row its ground truth or drop the row (or set task.output_key "
+                              "to the column that holds it)")
 
     def value(self, i: int, key: str, *default):
-        """Row i's `key` (dotted: into structs) as a Python value; `default` where the row has none."""
-        root = key if key in self.table.column_names else key.split(".")[0]
+        """Row i's `key` (dotted: into structs) as a Python value (a MAP as a dict); `default` where the row has
+        none."""
+        root = self._root(key)
         if root not in self.table.column_names:
             if default:
                 return default[0]
             raise KeyError(key)
-        v = self.table.column(root)[i].as_py()
+        v = python_values(self.table.column(root)[i], f"task path '{self.path}' row {i} column '{root}'")
         if root in self.mixed and v is not None:
             v = json.loads(v)
         if root == key:
@@ -239,9 +265,20 @@ class _File:
     def held_out(self) -> np.ndarray:
         """[rows] bool: the rows whose prompt is held out for validation (pools.split_held_out of the distinct
         prompts), so every copy of a prompt falls on one side."""
-        canon = _canonical(self.prompt)
+        if self.in_json(self.input_key):  # the same text per prompt as _canonical gives a typed column
+            canon = pa.chunked_array([pa.array([_canonical_text(self.value(i, self.input_key, None))
+                                                for i in range(self.rows)], pa.string())])
+        else:
+            canon = _canonical(self.prompt)
         held = split_held_out(pc.unique(canon).to_pylist())[1]
         return pc.is_in(canon, value_set=pa.array(held, canon.type)).to_numpy(zero_copy_only=False)
+
+
+def _canonical_text(prompt) -> str:
+    """One prompt as _canonical makes it: text as it is; messages as role and content per line, joined."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n\n".join(f"{m['role']}\n{m['content']}" for m in prompt)
 
 
 def _column(table: pa.Table, key: str):
@@ -281,6 +318,13 @@ def check_prompts(col: pa.ChunkedArray, where: str, key: str) -> None:
     if not (pa.types.is_string(t) or pa.types.is_large_string(t) or chat):
         raise ConfigError(f"{where}: the prompt column '{key}' (task.input_key) holds {t}; it must hold text or chat "
                           "messages, a list of {role, content}")
+    for part in ("role", "content") if chat else ():
+        pt = t.value_type.field(part).type
+        if not (pa.types.is_string(pt) or pa.types.is_large_string(pt)):  # verl's multimodal parts, a number
+            has = pc.fill_null(pc.greater(pc.list_value_length(col), 0), False).to_numpy(zero_copy_only=False)
+            raise ConfigError(f"{where} row {int(np.argmax(has))}: the chat messages' {part} ('{key}', "
+                              f"task.input_key) holds {pt}, not text; only text is supported (not a list of parts, as "
+                              f"for images): give each message's {part} as a string")
     start = 0
     for chunk in col.chunks:
         if chat:

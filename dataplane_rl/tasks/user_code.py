@@ -171,9 +171,18 @@ class UserReward:
         return number, extras
 
 
+def is_bool(value) -> bool:
+    """A bool of any kind: Python's, numpy's (np.bool_, a bool array) or torch's (a bool tensor)."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
 def finite_number(value, fail) -> float:
-    """`value` as a finite float; else fail(what it was) raised. A bool is no number (True is not a score)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+    """`value` as a finite float; else fail(what it was) raised. No bool of any kind is a number: True is not a
+    score, whether Python's, numpy's or torch's (float() would take numpy's and torch's as 1.0)."""
+    if is_bool(value):
+        raise fail(f"returned {_show(value)} ({type(value).__name__}), a bool, which is not a score (return "
+                   "float(...) for 1.0/0.0)")
+    if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
         raise fail(f"returned {_show(value)} ({type(value).__name__})")
     try:
         number = float(value)
