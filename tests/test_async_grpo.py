@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from dataplane_rl.tasks import get_task
-from test_train_e2e import SMALL, TRAIN_KEYS, assert_close, assert_store_failure_left_a_consistent_run, run
+from test_train_e2e import SMALL, TRAIN_KEYS, assert_close, assert_store_failure_left_a_consistent_run, overriding, run
 
 STEPS = "grpo.max_num_steps=3"
 ASYNC = ["grpo.async_grpo.enabled=true"]
@@ -266,7 +266,8 @@ def test_a_rollout_actor_killed_mid_run_fails_clearly(tmp_path):
     import psutil
 
     run_dir = tmp_path / "kill"
-    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "grpo.max_num_steps=300", "fault_tolerance.max_generation_failures=0",
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train",
+                             *overriding(SMALL, "grpo.max_num_steps=300"), "fault_tolerance.max_generation_failures=0",
                              f"logger.run_dir={run_dir}", "data_plane.enabled=true", *AGE1],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))

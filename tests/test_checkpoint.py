@@ -22,6 +22,7 @@ import torch
 
 from dataplane_rl.config import dump_config, load_config
 from dataplane_rl.errors import ConfigError
+from test_train_e2e import overriding
 
 # 4 prompts x 4 samples = 16 rows; 2 optimizer steps per rollout step; checkpoints at steps 2 and 3 (the last)
 TINY = ["grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=3",
@@ -75,8 +76,8 @@ def kill_after_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
     """Start a CLI run, kill -9 its driver once checkpoint `step` is complete, reap what it started."""
     import psutil
 
-    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *TINY,
-                             f"logger.run_dir={run_dir}", *overrides],
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train",
+                             *overriding(TINY, f"logger.run_dir={run_dir}", *overrides)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
     wait_for(proc, ckpt.is_dir, f"checkpoint {ckpt.name}")
@@ -128,8 +129,8 @@ def kill_rollout_actors(run_dir: Path, kills: list[tuple], *overrides: str) -> t
     when="start": SIGSTOP it as soon as actors.json appears, SIGKILL it once step 1's partition exists, so it
     dies with its step-1 job sent and unfinished (a tiny model generates a job in ~30 ms: a kill after a
     metrics line finds no job in flight). Returns (exit code, output)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *TINY,
-                             f"logger.run_dir={run_dir}", *overrides],
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train",
+                             *overriding(TINY, f"logger.run_dir={run_dir}", *overrides)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics, actors = run_dir / "metrics.jsonl", run_dir / "actors.json"
     try:

@@ -124,6 +124,31 @@ def test_closed_pipe_exits_quietly():
     assert proc.returncode == 141  # 128 + SIGPIPE, what `cat` reports in the same place
 
 
+CTRL_C_IN = """
+import sys
+class CtrlC:  # a Ctrl-C that lands while this module is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, CtrlC())
+from dataplane_rl.cli.main import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("module,argv", [
+    ("dataplane_rl.bench.store", ["--help"]),       # the benchmarks' modules (numpy, pyarrow) load with the parser
+    ("dataplane_rl.errors", ["schema", "show"]),   # what the command line itself imports first
+    ("dataplane_rl.config.load", ["config", "show", "grpo.seed=1"]),
+])
+def test_ctrl_c_while_the_command_loads_is_one_line(module, argv):
+    """A Ctrl-C in the first second of `dataplane-rl ...` printed a traceback: the command modules (and their numpy
+    and pyarrow) were imported before the KeyboardInterrupt guard. Every import now happens inside it."""
+    p = subprocess.run([sys.executable, "-c", CTRL_C_IN.format(module=module, argv=argv)], capture_output=True,
+                       text=True, timeout=120)
+    assert (p.returncode, p.stderr) == (130, "interrupted\n"), p.stderr[-3000:]
+
+
 def test_whatever_crossed_ray_is_one_error_line(monkeypatch, capsys):
     """An environment's bad step reached the user as `error: RayTaskError(EpisodeError): ESC[36mray::...` and a
     remote traceback; a cancelled task (a reward raising KeyboardInterrupt) as ~60 lines. Each of Ray's errors,
@@ -196,13 +221,14 @@ def test_an_environments_bad_step_is_one_line_from_a_real_run(tmp_path):
     naming error.log, which holds the remote traceback."""
     from pathlib import Path
 
-    from test_train_e2e import SMALL
+    from test_train_e2e import SMALL, overriding
 
     module = tmp_path / "bad_env.py"
     module.write_text(BAD_ENV.format(examples=str(Path(__file__).parent.parent / "examples")))
     run_dir = tmp_path / "run"
-    p = run("train", *SMALL, "task.name=bad_step", f"task.module={module}", "policy.max_total_sequence_length=48",
-            "generation.max_new_tokens=2", "multi_turn.max_turns=3", f"logger.run_dir={run_dir}", timeout=600)
+    p = run("train", *overriding(SMALL, "task.name=bad_step", f"task.module={module}",
+                                 "policy.max_total_sequence_length=48", "generation.max_new_tokens=2",
+                                 "multi_turn.max_turns=3", f"logger.run_dir={run_dir}"), timeout=600)
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith("error: EpisodeError: task 'bad_step' turn 1 row "), p.stderr[-3000:]

@@ -1,8 +1,11 @@
 """Config: YAML + dotted overrides, validated before anything starts; errors name the key."""
 
+import re
+
 import pytest
 
 from dataplane_rl.config import config_reference, load_config
+from dataplane_rl.config.load import check_overrides
 from dataplane_rl.errors import ConfigError
 
 
@@ -201,3 +204,65 @@ def test_machine_dependent_config_is_refused_before_ray(overrides, match):
 
     with pytest.raises(ConfigError, match=match):
         preflight(load_config(None, overrides))
+
+
+@pytest.mark.parametrize("typed,value", [
+    ("no", "no"), ("yes", "yes"), ("on", "on"), ("Off", "Off"), ("y", "y"),  # YAML 1.1 booleans: strings
+    ("true", True), ("False", False), ("TRUE", True),
+    ("0123", 123), ("0o17", 15), ("0x1F", 31), ("-7", -7),                  # 1.1 read 0123 as octal 83
+    ("1:30", "1:30"), ("1_000", "1_000"), ("2024-01-01", "2024-01-01"),     # 1.1: sexagesimal 90, 1000, a date
+    ("1e-6", 1e-6), ("2.5", 2.5), (".inf", float("inf")), ("~", None), ("null", None), ("", None),
+    ("[no, 1e3]", ["no", 1000.0]), ("{lang: no}", {"lang": "no"}),
+])
+def test_override_values_are_read_by_yaml_1_2s_core_schema(typed, value):
+    """`task.reward_kwargs.lang=no` became False and `=0123` became 83 (YAML 1.1, PyYAML's default)."""
+    cfg = load_config(None, [f"task.reward_kwargs.k={typed}"])
+    assert cfg.task.reward_kwargs["k"] == value and type(cfg.task.reward_kwargs["k"]) is type(value)
+
+
+def test_config_files_follow_the_same_rule_and_round_trip(tmp_path):
+    from dataplane_rl.config import dump_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text("task:\n  reward_kwargs:\n    lang: no\n    code: 0123\n    at: 1:30\n    tag: '1e3'\n    lr: 1e-3\n")
+    cfg = load_config(p)
+    assert cfg.task.reward_kwargs == {"lang": "no", "code": 123, "at": "1:30", "tag": "1e3", "lr": 1e-3}
+    # config.yaml (what --resume reads) quotes every string either YAML version would read as something else
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_config(cfg))
+    assert load_config(again).task.reward_kwargs == cfg.task.reward_kwargs
+    import yaml
+
+    assert yaml.safe_load(again.read_text())["task"]["reward_kwargs"] == cfg.task.reward_kwargs
+
+
+def test_yaml_merge_keys_are_accepted_and_explicit_keys_win(tmp_path):
+    """`<<: *anchor` was refused as invalid YAML. A merged key is overridden by one written in the mapping; a key
+    written twice is still refused."""
+    p = tmp_path / "merge.yaml"
+    p.write_text("policy:\n  sequence_packing: &budget\n    train_mb_tokens: 64\n    logprob_mb_tokens: 96\n"
+                 "  dynamic_batching:\n    <<: *budget\n    train_mb_tokens: 128\n")
+    policy = load_config(p).policy
+    assert (policy.sequence_packing.train_mb_tokens, policy.sequence_packing.logprob_mb_tokens) == (64, 96)
+    assert (policy.dynamic_batching.train_mb_tokens, policy.dynamic_batching.logprob_mb_tokens) == (128, 96)
+    p.write_text(p.read_text() + "    train_mb_tokens: 256\n")
+    with pytest.raises(ConfigError, match=r"found key 'train_mb_tokens' twice \(line 8\)"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["grpo.seed=1", "grpo.seed=2"], "override key 'grpo.seed' is given twice ('grpo.seed=1' and 'grpo.seed=2')"),
+    (["grpo.async_grpo.enabled=true", "grpo.async_grpo={}"],
+     "overrides 'grpo.async_grpo.enabled=true' and 'grpo.async_grpo={}' overlap: 'grpo.async_grpo.enabled' is "
+     "inside 'grpo.async_grpo'"),
+    (["grpo.async_grpo={}", "grpo.async_grpo.enabled=true"], "overlap"),
+    (["task.reward_kwargs={a: 1, a: 2}"], "override 'task.reward_kwargs={a: 1, a: 2}': found key 'a' twice"),
+])
+def test_a_command_line_sets_each_key_once(overrides, says):
+    """The last of two `key=value` for one key won silently, and a section given after one of its keys reset it."""
+    from dataplane_rl.cli.main import main
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        check_overrides(overrides)
+    assert main(["config", "show", *overrides]) == 2
+    check_overrides(["grpo.seed=1", "grpo.seed_x=2", "grpo.async_grpo.enabled=true", "grpo.async_grpo_x=1"])

@@ -21,13 +21,13 @@ import psutil
 import pytest
 
 from test_shutdown import Tree, wait_for
-from test_train_e2e import SMALL
+from test_train_e2e import SMALL, overriding
 
 from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
 
 GRACE_S = 30  # SLURM's default KillWait: after it, the job gets SIGKILL
-RUN = [*SMALL, "grpo.max_num_steps=100", "data_plane.enabled=true", "checkpointing.enabled=true",
-       "checkpointing.save_period=1", "checkpointing.keep_top_k=2", "grpo.val_period=0"]
+RUN = overriding(SMALL, "grpo.max_num_steps=100", "data_plane.enabled=true", "checkpointing.enabled=true",
+                "checkpointing.save_period=1", "checkpointing.keep_top_k=2", "grpo.val_period=0")
 
 
 def group_members(pgid: int) -> list[str]:

@@ -27,6 +27,7 @@ from dataplane_rl.errors import ConfigError
 from dataplane_rl.store import owners
 from dataplane_rl.run import private_ray
 from test_shutdown import CHILD, Tree, wait_for
+from test_train_e2e import overriding
 
 TINY = ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
         "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2", "generation.max_new_tokens=4",
@@ -51,7 +52,7 @@ def kept_run(tmp_path_factory):
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{owners.ROOT_ENV: str(root)})
     for key in ("RAY_AUTH_MODE", private_ray.REEXEC_ENV, private_ray.NODE_IP_ENV, "RAY_ADDRESS"):
         env.pop(key, None)  # the run must make its own choices
-    p = subprocess.run([sys.executable, "-c", CHILD, "train", *TINY, "grpo.max_num_steps=1", "checkpointing.enabled=false",
+    p = subprocess.run([sys.executable, "-c", CHILD, "train", *overriding(TINY, "grpo.max_num_steps=1", "checkpointing.enabled=false"),
                         "data_plane.keep_partitions=true", f"logger.run_dir={run_dir}"], capture_output=True, text=True,
                        env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]

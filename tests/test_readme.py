@@ -145,7 +145,9 @@ def prepare(part: str, ray_address: str | None) -> tuple[str, list[str]]:
     if argv and argv[0] == "train":
         steps = [w.split("=", 1)[1] for w in argv if w.startswith("grpo.max_num_steps=")]
         small = bool(steps) and steps[-1].isdigit() and int(steps[-1]) <= MAX_STEPS
-        argv += TRAIN_BUDGET + ([] if small else ["grpo.max_num_steps=1"])
+        budget = TRAIN_BUDGET + ([] if small else ["grpo.max_num_steps=1"])
+        keys = {w.split("=", 1)[0] for w in budget}  # in place of the page's own: a command line sets a key once
+        argv = [w for w in argv if w.split("=", 1)[0] not in keys] + budget
         if ray_address and not any(w.startswith("cluster.address=") for w in argv):
             argv.append(f"cluster.address={ray_address}")  # one Ray start for every command, not one each
     cli = f"{shlex.quote(sys.executable)} -m dataplane_rl.cli.main"

@@ -19,7 +19,7 @@ import pytest
 
 from dataplane_rl.pids import start_time
 
-from test_train_e2e import SMALL
+from test_train_e2e import SMALL, overriding
 
 # Python keeps an inherited SIG_IGN for SIGINT (e.g. under `nohup` or a CI runner), so the child puts
 # back the default Ctrl-C behaviour itself before running the CLI.
@@ -84,7 +84,7 @@ def metrics_lines(run_dir: Path) -> int:
 @pytest.mark.parametrize("moment", ["start-up", "mid-step-then-shutdown"])
 def test_interrupt_leaves_no_process_and_no_shm_folder(tmp_path, moment):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, "train", *SMALL, "grpo.max_num_steps=100",
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, "train", *overriding(SMALL, "grpo.max_num_steps=100"),
                              "data_plane.enabled=true", f"logger.run_dir={run_dir}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))

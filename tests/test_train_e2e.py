@@ -23,6 +23,14 @@ from dataplane_rl.tasks import get_task
 SMALL = ["grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=1",
          "policy.train_global_batch_size=16", "policy.train_micro_batch_size=4", "generation.max_new_tokens=6",
          "logger.progress=false"]
+
+
+def overriding(base: list[str], *overrides: str) -> list[str]:
+    """`base` with `overrides` in place of its own values for the same keys: a command line sets a key once."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [o for o in base if o.split("=", 1)[0] not in keys] + list(overrides)
+
+
 TRAIN_KEYS = ("train/loss", "train/pg_loss", "train/kl_penalty", "train/positive_nll_loss", "train/clip_fraction",
               "train/grad_norm", "train/global_valid_toks", "train/reward", "train/filtered_reward",
               "train/probs_ratio_mean", "train/approx_entropy", "train/logprob_mismatch")
@@ -237,7 +245,7 @@ def test_train_cli_writes_the_run_folder(tmp_path):
            f"task.path={examples / 'data' / 'train.parquet'}", f"task.reward_function={tmp_path / 'reward.py'}",
            "generation.num_workers=2"]
     run_dir = tmp_path / "cli"
-    p = cli("train", *SMALL, "grpo.max_num_steps=2", f"logger.run_dir={run_dir}", "data_plane.enabled=true", *byo)
+    p = cli("train", *overriding(SMALL, "grpo.max_num_steps=2"), f"logger.run_dir={run_dir}", "data_plane.enabled=true", *byo)
     assert p.returncode == 0, p.stderr[-3000:]
     # stdout is the summary alone (`| jq` works); logger.progress=false still prints the last step's line
     out = json.loads(p.stdout)
@@ -318,7 +326,7 @@ def test_a_signal_ends_the_step_and_leaves_a_consistent_run_folder(tmp_path, sig
     run_dir = tmp_path / "int"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     extra = ["checkpointing.enabled=true", "checkpointing.save_period=100"] if sig == "SIGTERM" else []
-    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "grpo.max_num_steps=200",
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *overriding(SMALL, "grpo.max_num_steps=200"),
                              f"logger.run_dir={run_dir}", "data_plane.enabled=true", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             preexec_fn=_sigint_default if sig == "SIGINT" else _sigint_ignored)
@@ -428,7 +436,7 @@ def test_mooncake_holder_killed_mid_run_fails_clearly(tmp_path):
         backend_unavailable("mooncake", str(e))
     run_dir = tmp_path / "mc"
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *SMALL, "grpo.max_num_steps=500",
+        proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *overriding(SMALL, "grpo.max_num_steps=500"),
                                  f"logger.run_dir={run_dir}", "data_plane.enabled=true",
                                  f"data_plane.backend={cluster.url}"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,7 +1,9 @@
 """`dataplane-rl`: train, inspect schemas, configs and live stores, benchmark.
 
 Each command lives in its own module with `add_parser(subparsers)`; heavy imports happen inside the
-command so `dataplane-rl --help` stays fast.
+command so `dataplane-rl --help` stays fast. Only the standard library is imported before `main` runs: every
+other import (the command modules, the benchmarks' numpy and pyarrow) happens inside its Ctrl-C guard, so a
+Ctrl-C in the first second prints `interrupted`, not a traceback.
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ import importlib
 import os
 import signal
 import sys
-
-from dataplane_rl.errors import DataPlaneError, crossed_ray, one_line, unwrap
 
 # module name -> its add_parser registers one top-level command
 COMMANDS = ("train_cmd", "export_cmd", "schema_cmd", "config_cmd", "store_cmd", "bench_cmd", "trace_cmd")
@@ -36,10 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
+    from dataplane_rl.errors import DataPlaneError, crossed_ray, one_line, unwrap
+
     parser = build_parser()
     args = parser.parse_args(argv)
     args.from_command_line = argv is None or list(argv) == sys.argv[1:]  # this process is the command: it may re-exec
     try:
+        if getattr(args, "overrides", None):  # a key given twice would silently take the last
+            from dataplane_rl.config.load import check_overrides
+
+            check_overrides(args.overrides)
         rc = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
         return rc
@@ -57,9 +71,6 @@ def main(argv: list[str] | None = None) -> int:
             raise  # a bug of ours outside a run: its traceback is what is useful
         print(f"error: {line or one_line(e)}", file=sys.stderr)
         return 2 if isinstance(unwrap(e), DataPlaneError) else 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

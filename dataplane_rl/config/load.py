@@ -16,7 +16,7 @@ from dataplane_rl.config.foreign_keys import foreign_hint
 from dataplane_rl.config.models import Config
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.resources import data_dir
-from dataplane_rl.yaml_load import load_yaml_mapping
+from dataplane_rl.yaml_load import DuplicateKeyError, dump_yaml, load_yaml, load_yaml_mapping
 
 DEFAULT_CONFIG = "grpo_tiny.yaml"
 
@@ -69,6 +69,9 @@ def _check_keys(tree: dict, source: str, prefix: str = "") -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` -> (key, value), the value read as YAML 1.2's core schema reads a plain scalar (yaml_load.py):
+    `true`/`false`, `null`, integers (`0o17`, `0x1F`), floats (`1e-6`, `.inf`), `[a, b]` and `{k: v}`; anything
+    else (`no`, `0123:45`, `2024-01-01`, text YAML cannot parse) is the string as typed."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' is not key=value; write e.g. data_plane.enabled=true")
     key, raw = text.split("=", 1)
@@ -76,10 +79,30 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override '{text}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
+    except DuplicateKeyError as e:  # `k={a: 1, a: 2}`: refused as in a file, not kept as a string
+        raise ConfigError(f"override '{text}': {e.problem}") from None
     except yaml.YAMLError:
         value = raw
     return key, value
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """The `key=value` arguments of one command line set each key once: a key given twice, or a section given
+    beside one of its keys (`grpo.async_grpo={}` with `grpo.async_grpo.enabled=true`), is a ConfigError naming
+    both, as a key given twice in a YAML file is; the last one would otherwise win silently."""
+    seen: dict[str, str] = {}
+    for text in overrides:
+        key, _ = parse_override(text)
+        for other, earlier in seen.items():
+            if other == key:
+                raise ConfigError(f"override key '{key}' is given twice ('{earlier}' and '{text}'); keep one: the "
+                                  "last would win silently")
+            if key.startswith(other + ".") or other.startswith(key + "."):
+                section, inner = sorted((key, other), key=len)
+                raise ConfigError(f"overrides '{earlier}' and '{text}' overlap: '{inner}' is inside '{section}', so "
+                                  f"one would silently undo the other; give '{section}' whole or its keys one by one")
+        seen[key] = text
 
 
 def apply_overrides(tree: dict, overrides: list[str]) -> dict:
@@ -135,7 +158,7 @@ def validate_tree(tree: dict, source: str = "<dict>", overrides: dict[str, str] 
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)
+    return dump_yaml(cfg.model_dump(mode="json", by_alias=True))
 
 
 def config_reference() -> str:

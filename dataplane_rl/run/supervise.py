@@ -37,10 +37,13 @@ def supervise(cmd: list[str]) -> int:
             os._exit(137)
 
     saved = {s: signal.getsignal(s) for s in FORWARDED}
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=child)
+    proc = None
+    early: list[int] = []  # signals that came before the driver existed: passed on once it does
 
     def forward(signum, frame) -> None:
-        if proc.returncode is None:
+        if proc is None:
+            early.append(signum)
+        elif proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signum)
 
@@ -48,6 +51,9 @@ def supervise(cmd: list[str]) -> int:
         for s in FORWARDED:
             if saved[s] != signal.SIG_IGN:  # one ignored here (`nohup`, `&`) stays ignored: the driver inherited that
                 signal.signal(s, forward)
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=child)
+        for s in early:  # the driver ends as it would for a signal in its own first moments
+            proc.send_signal(s)
         code = proc.wait()  # PEP 475: a forwarded signal does not interrupt the wait
     finally:
         for s, h in saved.items():
@@ -73,4 +79,8 @@ if __name__ == "__main__":
     if len(sys.argv) < 2:
         print("usage: python -m dataplane_rl.run.supervise CMD [ARG...]", file=sys.stderr)
         sys.exit(2)
-    sys.exit(supervise(sys.argv[1:]))
+    try:
+        sys.exit(supervise(sys.argv[1:]))
+    except KeyboardInterrupt:  # a Ctrl-C before the handlers were set: no driver started yet
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
