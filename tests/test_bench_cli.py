@@ -112,6 +112,34 @@ def test_bench_store_rejects_unknown_backend():
     assert p.returncode == 2 and "unknown backend 'redis'" in p.stderr
 
 
+def test_bench_store_refuses_out_of_range_values_up_front(capsys):
+    """`--samples 1000000000000` (numpy's MemoryError) and `--group-size 0` (the raw Mooncake reference's ValueError,
+    after the shm rounds had run) ended in tracebacks. Each value is refused before anything runs, in one line
+    naming the flag, the value and the range it may take."""
+    import argparse
+
+    from dataplane_rl.bench.store import run_args
+    from dataplane_rl.bench.store_args import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv, says in (
+            (["--samples", "1000000000000"], r"error: --samples 1000000000000: rows of 256-1024 tokens make a batch of "
+                                             r"about \d+ MiB, .* use 1-\d+ samples at these lengths"),
+            (["--max-len", "100000000000"], r"error: --max-len 100000000000: one row of up to 100000000000 tokens"),
+            (["--group-size", "0"], r"error: --group-size 0: 512 samples make 1 group\(s\) for 2 readers, .* use a "
+                                    r"--group-size of 1-511 \(0: one group per writer, so --writers at least --readers\)"
+                                    r", or leave mooncake out of --backends"),
+            (["--group-size", "600"], r"error: --group-size 600: .* use a --group-size of 1-511, or leave mooncake"),
+            (["--topk", "2000000"], r"error: --topk 2000000: a token of a shaped column holds at most 1048576 values; "
+                                    r"use 0-1048576"),
+            (["--writers", "100000", "--samples", "100000"], r"error: --writers 100000 and --readers 2: 100002 "
+                                                             r"processes of about 128 MiB each")):
+        assert run_args(parser.parse_args(argv)) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.match(says, err[0]), (argv, err)
+
+
 def test_bench_generate_without_vllm_benches_hf_alone_or_refuses_in_one_line(monkeypatch, capsys):
     """vllm made unimportable: the default backends are hf alone, said in one line; naming vllm is one
     `error:` line (as `train` gives), not a worker's nested traceback."""

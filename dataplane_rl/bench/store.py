@@ -34,6 +34,7 @@ import sys
 import time
 from typing import Any
 
+from dataplane_rl.bench.store_args import add_arguments, checked
 from dataplane_rl.bench.store_fit import fit_all, observations, targets
 from dataplane_rl.bench.store_procs import Pool, WorkerFailed, serve
 from dataplane_rl.bench.store_refs import fresh_page_ceiling, raw_mooncake, ref_pool
@@ -51,11 +52,10 @@ from dataplane_rl.bench.store_work import (
     views_of,
     writer_groups,
 )
+from dataplane_rl.errors import ConfigError
 
-DEFAULT_BACKENDS = "shm,mooncake,ray"
 RETRIES = "dataplane_store_retries_total"
-DEFAULT_FIT_SIZES = "4,16,64"
-__all__ = ["Workload", "fresh_page_ceiling", "make_batch", "payload_bytes", "plot", "raw_mooncake", "run",
+__all__ = ["Workload", "add_arguments", "fresh_page_ceiling", "make_batch", "payload_bytes", "plot", "raw_mooncake", "run",
            "table", "touch", "views_of"]
 
 
@@ -308,89 +308,15 @@ def add_ratios(results: dict[str, Any], backends: list[str]) -> None:
 
 
 # ---- command line ----------------------------------------------------------------------------------
-def default_group_size() -> int:
-    from dataplane_rl.config.models import GRPOConfig
-
-    return GRPOConfig.model_fields["num_generations_per_prompt"].default
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backends", default=DEFAULT_BACKENDS, help=f"comma list of shm, mooncake, ray (default {DEFAULT_BACKENDS})")
-    p.add_argument("--samples", type=int, default=512, help="rows in the batch (default %(default)s)")
-    p.add_argument("--min-len", type=int, default=256, help="shortest row in tokens; lengths are drawn uniformly "
-                   "from [min-len, max-len] with a fixed seed (default %(default)s)")
-    p.add_argument("--max-len", type=int, default=1024, help="longest row in tokens (default %(default)s)")
-    p.add_argument("--writers", type=int, default=1, help="writer processes, putting disjoint groups into one "
-                   "partition, interleaved as a run's rollout actors (default %(default)s)")
-    p.add_argument("--readers", type=int, default=2, help="reader processes, each getting a contiguous shard of "
-                   "the rows (default %(default)s)")
-    p.add_argument("--group-size", type=int, default=default_group_size(), help="rows per put, a GRPO group "
-                   "(grpo.num_generations_per_prompt); 0: each writer puts all its rows at once (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=10, help="steady rounds of create, put, get and drop, timed "
-                   "after a cold round and a warm-up round; their median is reported (default %(default)s)")
-    p.add_argument("--fit-sizes", default=DEFAULT_FIT_SIZES, help="rows per call of the passes that fit "
-                   "time = calls x per_call + bytes / bandwidth for put and get; at least two sizes, or 'none' "
-                   f"(default {DEFAULT_FIT_SIZES})")
-    p.add_argument("--fit-repeats", type=int, default=3, help="timed rounds per fit size, after one warm-up "
-                   "(default %(default)s)")
-    p.add_argument("--small-repeats", type=int, default=20, help="timed calls of each small-call kind; 0 skips "
-                   "them (default %(default)s)")
-    p.add_argument("--profile", help="a folder: every worker runs its calls under cProfile (timing its thread's "
-                   "CPU time, so time other processes took from it is not counted) and saves its stats there; the "
-                   "top entries of writer 0 and reader 0 are printed (the run's times then include the profiler's)")
-    p.add_argument("--topk", type=int, default=0, help="add a teacher's top-k columns to the workload: "
-                   "teacher_topk_logprobs (float32) and teacher_topk_ids (int32), [L, K] per row, 8*K bytes per token "
-                   "(on-policy distillation; 0: none) (default %(default)s)")
-    p.add_argument("--json", help="write results as JSON here")
-    p.add_argument("--plot", help="write a bar chart PNG here")
-
-
-def _fit_sizes(text: str) -> tuple[int, ...] | str:
-    if text.strip().lower() in ("", "none"):
-        return ()
-    try:
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        return f"--fit-sizes {text!r}: give a comma list of rows per call, such as {DEFAULT_FIT_SIZES}, or none"
-    if len(sizes) < 2 or sizes[0] < 1:
-        return f"--fit-sizes {text!r}: the fit needs at least two different sizes of at least 1 row"
-    return sizes
-
-
 def run_args(args) -> int:
-    backends = [b for b in args.backends.split(",") if b]
-    for b in backends:
-        if b not in ("shm", "mooncake", "ray", "memory"):
-            print(f"error: unknown backend '{b}'; use shm, mooncake, ray", file=sys.stderr)
-            return 2
-    for flag in ("samples", "min_len", "max_len", "readers", "repeats", "writers", "fit_repeats"):
-        if getattr(args, flag, 1) < 1:
-            print(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1", file=sys.stderr)
-            return 2
-    for flag in ("small_repeats", "group_size", "topk"):
-        if getattr(args, flag, 0) < 0:
-            print(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 0", file=sys.stderr)
-            return 2
-    if args.min_len > args.max_len:
-        print(f"error: --min-len {args.min_len} is above --max-len {args.max_len}; swap them", file=sys.stderr)
+    try:
+        backends, work = checked(args)  # every flag, before a process starts or a byte is made
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    sizes = _fit_sizes(getattr(args, "fit_sizes", "none") or "none")
-    if isinstance(sizes, str):
-        print(f"error: {sizes}", file=sys.stderr)
-        return 2
-    writers = getattr(args, "writers", 1)
-    if writers > args.samples or args.readers > args.samples:
-        print(f"error: --writers {writers} / --readers {args.readers}: at most --samples {args.samples} each",
-              file=sys.stderr)
-        return 2
-    profile = getattr(args, "profile", None) or ""
+    profile = work.profile
     if profile:
-        import os
-
         os.makedirs(profile, exist_ok=True)
-    work = Workload(args.samples, args.min_len, args.max_len, writers, args.readers,
-                    getattr(args, "group_size", default_group_size()), args.repeats, sizes,
-                    getattr(args, "fit_repeats", 3), args.small_repeats, profile, getattr(args, "topk", 0))
     try:
         res = run(backends, work, log=lambda s: print(s, file=sys.stderr, flush=True))
     except WorkerFailed as e:  # one line naming the worker, its backend and the error: no traceback

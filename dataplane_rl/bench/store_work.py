@@ -131,6 +131,14 @@ def shard_pieces(lengths: np.ndarray, ranges: list[tuple[int, int]], starts: lis
     return [p for p in out if p[1]]
 
 
+def batch_bytes(samples: int, min_len: int, max_len: int, topk: int = 0) -> int:
+    """About the bytes make_batch gives for these arguments (rows of the mean length), made without the batch."""
+    per_row = 0.0
+    for col, size in _columns(topk):
+        per_row += 4 + size * (min_len + max_len) / 2 if col.kind == "token" else size
+    return int(samples * per_row)
+
+
 def payload_bytes(batch: dict[str, pa.Array]) -> int:
     return sum(a.nbytes for a in batch.values())
 
