@@ -82,6 +82,20 @@ def test_sighup_stops_as_sigterm_does(tmp_path):
     assert not Path(summary["store_url"][len("shm://"):].partition("?")[0]).exists(), "the store outlived the run"
 
 
+def test_group_sigterm_while_ray_starts_stops_as_interrupted(tmp_path):
+    """A SIGTERM while ray.init ran ended the run "failed" with exit 15 (Ray's own handler, sys.exit(15)), and just
+    after it with exit 134 and a C++ stack (the core worker's failure handler), no summary.json. The run's handler
+    stays in place through ray.init, and a stop signal while the run starts abandons the start at once: exit 143,
+    summary "interrupted", no step run, nothing left behind."""
+    run_dir = tmp_path / "run"
+    returncode, out = group_kill(run_dir, "ray-init")
+    assert returncode == 128 + signal.SIGTERM, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["signal"], summary["error"], summary["steps_completed"]) == \
+        ("interrupted", signal.SIGTERM, "SIGTERM", 0), summary
+    assert "Traceback" not in out, out[-3000:]
+
+
 def group_kill(run_dir: Path, moment: str, sig: int = signal.SIGTERM) -> tuple[int, str]:
     """Start a run in its own process group, send the whole group `sig` at `moment`; (exit status, output).
     On a clean stop it also checks that no process of the run or its group outlived it."""
@@ -96,6 +110,8 @@ def group_kill(run_dir: Path, moment: str, sig: int = signal.SIGTERM) -> tuple[i
     try:
         if moment == "step":  # step 1 is saved: step 2 is under way
             wait_for("first checkpoint", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), proc, tree)
+        elif moment == "ray-init":  # gcs_server is up: ray.init goes on to start the raylet and wait for it
+            wait_for("Ray's gcs_server", lambda: any("gcs_server" in cmd for _, cmd in tree.seen.values()), proc, tree)
         else:  # a save after a complete one: that one must stay the resumable latest
             wait_for("second checkpoint save in progress",
                      lambda: (run_dir / "checkpoints" / "step_000001").is_dir() and saving(run_dir), proc, tree)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -226,3 +230,29 @@ def test_one_damaged_partition_hides_no_other(tmp_path):
     assert p.returncode == 2 and "damaged" in p.stderr and "unknown or dropped" not in p.stderr
     p = run("drop", url, "step-000002", "--force")  # a damaged partition can be dropped (this process made the store)
     assert p.returncode == 0, p.stderr
+
+
+def test_a_ray_url_never_waits_on_a_dead_or_recorded_cluster(tmp_path):
+    """`store ls ray://127.0.0.1:1` hung over 6 minutes, and a `ray://` without an address joined whatever
+    ray_current_cluster named, retrying a dead or foreign address for minutes (11 seen). Now a given address that
+    does not answer is one error line at once, and `ray://` starts a Ray of its own whatever is recorded."""
+    p = run("ls", "ray://127.0.0.1:1")
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        "error: StoreUnavailableError: cannot reach Ray at 127.0.0.1:1 (connection refused); start it (`ray start "
+        "--head --port=1`) or give the address `ray start` printed; ray:// without an address starts a local Ray of "
+        "this process's own"), p.stderr
+    # a stale record of a dead cluster where Ray looks for one (RAY_TMPDIR: a folder of this test's own, so no
+    # other process on the machine sees it; Ray reads RAY_TMPDIR/ray/ray_current_cluster as it would /tmp/ray's)
+    ray_tmp = tempfile.mkdtemp(prefix="dprl-", dir="/tmp")  # short: Ray's socket paths live under it
+    try:
+        (Path(ray_tmp) / "ray").mkdir()
+        (Path(ray_tmp) / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "store", "ls", "ray://", "--json"],
+                           capture_output=True, text=True, timeout=300, env={**env, "RAY_TMPDIR": ray_tmp})
+        assert p.returncode == 0, p.stderr[-3000:]
+        doc = json.loads(p.stdout)
+        assert doc["partitions"] == [] and not doc["url"].startswith("ray://127.0.0.1:1/"), doc
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -118,8 +118,12 @@ def train(cfg: Config, resume: bool = False) -> dict:
             loop.steps(first)
             loop.end()
     except KeyboardInterrupt:
-        loop.status, loop.error = "interrupted", "KeyboardInterrupt"
-        raise
+        if not loop.stop.abandoned:
+            loop.status, loop.error = "interrupted", "KeyboardInterrupt"
+            raise
+        # a stop signal while the run started (preempt.StartInterrupted, or Ray's own KeyboardInterrupt for it):
+        # 128 + the signal, as for a stop between steps
+        loop.status, loop.error = "interrupted", signal.Signals(loop.stop.signum).name
     except BaseException as e:
         # a SIGTERM to the whole process group stopped Ray too: RayLost, or an actor's death seen first.
         # Stop now, without waiting on Ray, as the interrupted run it is (exit 143 all the same)
@@ -156,8 +160,9 @@ class RunLoop:
         """Start the fleet (and Ray), restore a --resume's checkpoint, open the loggers; the first step to run."""
         cfg, run = self.cfg, self.run
         self.fleet = self.new_fleet()
-        self.fleet.start()
-        self.stop.install()  # ray.init replaced the SIGTERM handler
+        with self.stop.starting_up():  # a stop signal abandons the start at once: there is no step to finish
+            self.fleet.start()
+        self.stop.install()  # again, should anything the start loaded have set a handler of its own
         if run.ray.started:
             self.stop.watch_ray()
         first = 1
@@ -180,7 +185,7 @@ class RunLoop:
         print(f"run folder {run.path}" + (f"; store {fleet.store_url} (dataplane-rl store ls {run.path})"
                                           if fleet.store_url else ""), file=sys.stderr, flush=True)
         run.open_loggers(cfg)  # after the start: a run refused before it touches nothing in the folder
-        if cfg.grpo.val_at_start and first == 1:
+        if cfg.grpo.val_at_start and first == 1 and not self.stop.requested:
             start_metrics = {"step": 0, **validation.validate(fleet, 0)}
             run.folder.log_validation(start_metrics)
             run.loggers.log(start_metrics, 0)
@@ -204,6 +209,8 @@ class RunLoop:
         the step (or the steps since the last checkpoint) again."""
         step, last = first, self.cfg.grpo.max_num_steps
         self.done = first - 1  # the last step finished
+        if self.stop.requested:  # a stop signal after the start: no step is under way, so none is begun
+            return
         trained = None  # the step under way once grpo_step returned: [metrics, samples, logged]
         while step <= last:
             step_started = time.perf_counter()

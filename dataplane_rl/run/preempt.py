@@ -2,8 +2,11 @@
 a closed terminal or ssh session sends SIGHUP, which once ended the run at once with no summary).
 
 The first signal only sets a flag that the loop reads between steps; a second SIGINT raises
-KeyboardInterrupt at once, for a user who does not want to wait for the step. A SIGINT or SIGHUP that this
-process inherited as ignored (started with `&` or `nohup`) stays ignored; SIGTERM always stops the run.
+KeyboardInterrupt at once, for a user who does not want to wait for the step. While the run starts (Ray,
+the store, the actors: tens of seconds on a busy machine) there is no step to finish, so the first signal
+abandons the start at once (StartInterrupted) and the run ends 'interrupted' all the same. A SIGINT or
+SIGHUP that this process inherited as ignored (started with `&` or `nohup`) stays ignored; SIGTERM always
+stops the run.
 
 A SIGTERM to the whole process group (`timeout`, `kill -- -PGID`, SLURM's scancel, a pod stop) reaches
 Ray's gcs_server, raylet and actors too: they exit at once, the step can never finish, and the driver's
@@ -65,9 +68,22 @@ def _ray_processes() -> list:
     return out
 
 
+class StartInterrupted(KeyboardInterrupt):
+    """A stop signal while the run was starting: nothing to finish or save, so the start is abandoned at once.
+    A KeyboardInterrupt: Ray's waits (ray.get, ray.init) end on that one only (any other exception raised by a
+    handler inside them becomes a SystemError), and hand on a KeyboardInterrupt of their own, so the run asks
+    StopSignals.abandoned, not the exception's type."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class StopSignals:
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.starting = False  # inside starting_up(): the first signal raises StartInterrupted
+        self.abandoned = False  # the start was abandoned for a stop signal
         self._saved: dict[int, object] = {}
         self.ray_lost = False
         self._ray_gone = False
@@ -88,6 +104,9 @@ class StopSignals:
             raise KeyboardInterrupt
         first = self.signum is None
         self.signum = signum
+        if first and self.starting:
+            self.starting, self.abandoned = False, True
+            raise StartInterrupted(signum)
         if signum in TERMINATING and first and self._procs:
             # the main thread may be inside ray.get: look from another thread, so the handler returns at once
             threading.Thread(target=self._watch, name="ray-lost-watch", daemon=True).start()
@@ -106,6 +125,18 @@ class StopSignals:
                 return False  # only the driver was signalled: the step finishes, as for SIGINT
             time.sleep(0.05)
         return bool(self._procs)
+
+    @contextlib.contextmanager
+    def starting_up(self):
+        """The run's start: a stop signal within it (or already received) raises StartInterrupted at once."""
+        if self.requested:
+            self.abandoned = True
+            raise StartInterrupted(self.signum)
+        self.starting = True
+        try:
+            yield
+        finally:
+            self.starting = False
 
     def watch_ray(self) -> None:
         """Remember Ray's processes under this driver, once its actors are up; none when it joined a cluster

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from dataplane_rl.errors import ConfigError
+from dataplane_rl.ray_calls import init
 from dataplane_rl.run import private_ray
 from dataplane_rl.run.ledger import FaultLedger
 
@@ -30,10 +32,12 @@ class RayOwner:
             self.unprivate = private_ray.make_private()
         # set first: a Ctrl-C inside ray.init must still shut down what it started (stop())
         self.started = True
-        # address="local": without it ray.init() joins whatever /tmp/ray/ray_current_cluster names,
-        # even a dead `ray start` head, instead of starting this run's own instance
-        ray.init(address=cfg.cluster.address or "local", num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None,
-                 include_dashboard=cfg.cluster.include_dashboard, logging_level="WARNING", log_to_driver=True)
+        # the run's own local Ray, never one /tmp/ray/ray_current_cluster names; a cluster.address joined within a
+        # bound; the run's stop signals kept in place while Ray starts (ray_calls.init)
+        init(cfg.cluster.address, ConfigError, "check cluster.address (the address `ray start --head` printed), or "
+             "leave it unset for a local Ray of the run's own", include_dashboard=cfg.cluster.include_dashboard,
+             num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None, logging_level="WARNING",
+             log_to_driver=True)
         private_ray.stop_unused(cfg)  # Ray's dashboard and monitor, which nothing of the run uses
         # after the join: ray.init(address="auto") turns token auth on when it finds the user's token
         for line in (private_ray.open_warning(cfg), private_ray.security_line(cfg)):

@@ -1,8 +1,9 @@
 """`ray://[HOST:PORT][/NAME]`: columns in the Ray object store, the baseline users would otherwise pick.
 
-`ray://` joins the running Ray (the one this process is in, else a cluster found by address="auto",
-else a local one it starts); `ray://HOST:PORT` joins that cluster. NAME (default "default") picks a
-catalog, so several stores can share one cluster.
+`ray://` uses the Ray this process is in, else starts a local one of its own (never the cluster
+/tmp/ray/ray_current_cluster names, which may be dead or another user's); `ray://HOST:PORT` joins that
+cluster, within a bound (ray_calls.init). NAME (default "default") picks a catalog, so several stores can
+share one cluster.
 
 Chunk bytes are Ray objects. A named, detached catalog actor (`dataplane-rl-catalog-NAME` in namespace
 `dataplane-rl`) holds partition metas, committed refs and the ObjectRefs of their bytes.
@@ -32,6 +33,7 @@ from dataplane_rl.errors import (
     PartitionExistsError,
     StoreUnavailableError,
 )
+from dataplane_rl.ray_calls import init
 import uuid
 
 import pyarrow as pa
@@ -122,20 +124,15 @@ def _use_local_token() -> None:
 def _connect(address: str | None) -> None:
     if ray.is_initialized():
         return  # inside a Ray worker or a driver that already joined: use that cluster
-    quiet = dict(logging_level=logging.WARNING, log_to_driver=False)
-    try:
-        if address:
-            if _on_this_machine(address):
-                _use_local_token()
-            ray.init(address=address, **quiet)
-            return
-        try:
-            ray.init(address="auto", **quiet)
-        except ConnectionError:  # no running cluster: start a local one
-            ray.init(address="local", include_dashboard=False, **quiet)
-    except Exception as e:
-        raise StoreUnavailableError(f"cannot connect to Ray at {address or 'auto/local'}: {e}; start one with "
-                                    "`ray start --head` or use ray:// for a local one") from e
+    if address and _on_this_machine(address):
+        _use_local_token()
+    if address:
+        fix = (f"start it (`ray start --head --port={address.rpartition(':')[2]}`) or give the address `ray start` "
+               "printed; ray:// without an address starts a local Ray of this process's own")
+        init(address, StoreUnavailableError, fix, logging_level=logging.WARNING, log_to_driver=False)
+    else:
+        init(None, StoreUnavailableError, "Ray's logs are under /tmp/ray/session_latest/logs",
+             include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
 
 
 class RayStore(ColumnStore):
