@@ -243,6 +243,12 @@ def test_resume_refuses_a_number_changing_override(straight, tmp_path):
     (tmp_path / "empty" / "config.yaml").write_text(dump_config(load_config(None, TINY)))
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         train(resume_config(tmp_path / "empty", []), resume=True)
+    # the keys the run's own errors name as fixes change no number: a resume takes them
+    fixes = ["data_plane.shm.arena_mb=1024", "data_plane.shm.prefault_mb=0", "fault_tolerance.max_restarts=5",
+             "fault_tolerance.max_generation_failures=9", "fault_tolerance.max_data_retries=4",
+             "fault_tolerance.max_failed_groups=20", "grpo.async_grpo.wait_timeout_s=60", "grpo.max_gen_batches=9",
+             "grpo.val_period=0", "grpo.val_at_start=false"]
+    assert resume_config(run_dir, fixes).fault_tolerance.max_restarts == 5
 
 
 @pytest.fixture
