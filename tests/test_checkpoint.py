@@ -72,15 +72,18 @@ def descendants(pid: int) -> list[int]:
     return [c.pid for c in psutil.Process(pid).children(recursive=True)]
 
 
-def kill_after_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
-    """Start a CLI run, kill -9 its driver once checkpoint `step` is complete, reap what it started."""
+def kill_after_checkpoint(run_dir: Path, step: int, *overrides: str, shared: Path | None = None) -> None:
+    """Start a CLI run, kill -9 its driver once checkpoint `step` is complete, reap what it started. shared: the
+    run's checkpointing.checkpoint_dir, where its checkpoints go in a folder of the run's own."""
     import psutil
 
     proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train",
-                             *overriding(TINY, f"logger.run_dir={run_dir}", *overrides)],
+                             *overriding(TINY, f"logger.run_dir={run_dir}", *overrides,
+                                         *([f"checkpointing.checkpoint_dir={shared}"] if shared else []))],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
-    wait_for(proc, ckpt.is_dir, f"checkpoint {ckpt.name}")
+    name = f"step_{step:06d}"
+    done = (lambda: any(shared.glob(f"*/{name}"))) if shared else (run_dir / "checkpoints" / name).is_dir
+    wait_for(proc, done, f"checkpoint {name}")
     kids = descendants(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
@@ -106,14 +109,32 @@ def straight(tmp_path_factory, ray_session) -> tuple[Path, list[dict]]:
 
 
 def test_kill_9_then_resume_on_two_ranks_with_the_data_plane_on(straight, tmp_path):
-    """Elastic dp 1->2, and the data plane switched on (portability): only the reduction order changes."""
-    _, expected = straight
+    """Elastic dp 1->2, and the data plane switched on (portability): only the reduction order changes.
+    The killed run, of the straight run's YAML, saves into the straight run's checkpoint folder (two runs of a
+    sweep sharing checkpointing.checkpoint_dir): in a folder of its own, never replacing the straight run's
+    step_000002 (it once did, and a resume of either then continued the other's weights)."""
+    from dataplane_rl.checkpoint.files import damage
+    from dataplane_rl.checkpoint.identity import read_run_id
+
+    straight_dir, expected = straight
+    shared = straight_dir / "checkpoints"
+    before = {p.name: (p / "manifest.json").read_bytes() for p in shared.glob("step_*")}
     run_dir = tmp_path / "killed"
-    kill_after_checkpoint(run_dir, 2)
-    latest = max(int(c.name.split("_")[1]) for c in (run_dir / "checkpoints").glob("step_*"))
+    kill_after_checkpoint(run_dir, 2, shared=shared)
+    own = shared / read_run_id(run_dir)
+    assert [p.name for p in own.iterdir()] == ["step_000002"] and not (run_dir / "checkpoints").exists()
+    latest = max(int(c.name.split("_")[1]) for c in own.glob("step_*"))
     p = cli("train", "--resume", str(run_dir), "logger.progress=false", "policy.dp_size=2", "data_plane.enabled=true")
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resumed {run_dir} from its checkpoint of step {latest}" in p.stderr, p.stderr[-3000:]
+    assert sorted(c.name for c in own.iterdir()) == ["step_000002", "step_000003"]
+    assert {c.name: (c / "manifest.json").read_bytes() for c in shared.glob("step_*")} == before
+    for c in shared.glob("step_*"):  # the straight run's, whole and still recording it
+        assert damage(c) is None
+        assert json.loads((c / "driver.json").read_text())["run"]["id"] == read_run_id(straight_dir)
+    from dataplane_rl.checkpoint.export import export_run
+
+    assert export_run(run_dir, tmp_path / "hf")[1] == 3  # export finds the run's own folder of the shared one
     got = read_metrics(run_dir)
     assert_same_steps(got, expected, rel=1e-4)  # no step twice, none missing, same numbers
     assert got[-1]["data_plane/enabled"] and not expected[-1]["data_plane/enabled"]
@@ -244,6 +265,67 @@ def test_resume_refuses_a_number_changing_override(straight, tmp_path):
     (tmp_path / "empty" / "config.yaml").write_text(dump_config(load_config(None, TINY)))
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         train(resume_config(tmp_path / "empty", []), resume=True)
+    # the keys the run's own errors name as fixes change no number: a resume takes them
+    fixes = ["data_plane.shm.arena_mb=1024", "data_plane.shm.prefault_mb=0", "fault_tolerance.max_restarts=5",
+             "fault_tolerance.max_generation_failures=9", "fault_tolerance.max_data_retries=4",
+             "fault_tolerance.max_failed_groups=20", "grpo.async_grpo.wait_timeout_s=60", "grpo.max_gen_batches=9",
+             "grpo.val_period=0", "grpo.val_at_start=false"]
+    assert resume_config(run_dir, fixes).fault_tolerance.max_restarts == 5
+
+
+def test_resume_refuses_another_runs_checkpoint_naming_both(straight, tmp_path):
+    """Another run's checkpoint in this run's checkpoint folder (copied, or a sweep's runs sharing one before they
+    had a folder each): refused before Ray starts, naming both runs, unless --accept-mismatch."""
+    import shutil
+
+    from dataplane_rl.checkpoint.identity import CheckpointMismatchError, read_run_id
+    from dataplane_rl.checkpoint.resume import resume_config
+    from dataplane_rl.driver.loop import train
+
+    run_dir, _ = straight
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    shutil.copy(run_dir / "config.yaml", other / "config.yaml")
+    (other / "run.json").write_text('{"run_id": "other-0123abcd"}\n')
+    shutil.copytree(run_dir / "checkpoints" / "step_000003", other / "checkpoints" / "step_000003")
+    summary = (run_dir / "summary.json").read_bytes()
+    with pytest.raises(CheckpointMismatchError) as e:
+        train(resume_config(other, []), resume=True)
+    line = str(e.value)
+    assert "\n" not in line and f"saved by run {read_run_id(run_dir)} (in {run_dir})" in line, line
+    assert "this run other-0123abcd" in line and f"--resume {run_dir}" in line and "--accept-mismatch" in line, line
+    assert sorted(p.name for p in other.iterdir()) == ["checkpoints", "config.yaml", "run.json"], "refused: untouched"
+    with pytest.raises(ConfigError, match="past grpo.max_num_steps=2"):  # told: on to the next check
+        train(resume_config(other, ["grpo.max_num_steps=2"]), resume=True, accept_mismatch=True)
+    assert (run_dir / "summary.json").read_bytes() == summary
+
+
+def test_a_checkpoint_record_names_what_differs(tmp_path, capsys):
+    """What a resume compares (checkpoint/identity.py), each difference one line naming both sides: another run,
+    a value the numbers depend on, and a data file rewritten in place (task.path keeps its name, its cached
+    Arrow copy would follow the new bytes); a checkpoint without a record; --accept-mismatch only warns."""
+    from dataplane_rl.checkpoint.identity import CheckpointMismatchError, check, record
+
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    cfg = load_config(None, ["task.name=math_jsonl", f"task.path={data}", f"logger.run_dir={tmp_path / 'run'}"])
+    saved = record(cfg, "run-1", tmp_path / "run")
+    assert saved["config"]["task.path"] == str(data) and "grpo.max_num_steps" not in saved["config"]
+    assert check(cfg, tmp_path, 2, saved, "run-1") == saved["data"]  # its own run: no complaint
+    cases = {"another run": ({**saved, "id": "run-2"}, "saved by run run-2"),
+             "no record": (None, "records no run"),
+             "a value": ({**saved, "config": {**saved["config"], "grpo.seed": 7}},
+                         f"grpo.seed=7, and this run has {cfg.grpo.seed}")}
+    for what, (rec, words) in cases.items():
+        with pytest.raises(CheckpointMismatchError, match=words):
+            check(cfg, tmp_path, 2, rec, "run-1")
+    data.write_text('{"question": "1+1", "answer": "3"}\n')  # rewritten: same name, same size
+    with pytest.raises(CheckpointMismatchError) as e:
+        check(cfg, tmp_path, 2, saved, "run-1")
+    assert f"trained on task.path={data} with xxh3 {saved['data']['task.path']}, and its contents have changed (xxh3 " \
+        in str(e.value)
+    now = check(cfg, tmp_path, 2, saved, "run-1", accept=True)
+    assert now["task.path"] != saved["data"]["task.path"] and "warning: " in capsys.readouterr().err
 
 
 @pytest.fixture
@@ -550,6 +632,8 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_summary_says_it(tmp
     from test_shm_faults import need_root
     from test_train_e2e import SMALL
 
+    from dataplane_rl.checkpoint.identity import read_run_id
+
     need_root("mounting a tmpfs")
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
@@ -561,13 +645,14 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_the_summary_says_it(tmp
                            capture_output=True, text=True, timeout=600)
         lines = [x for x in p.stderr.splitlines() if x.startswith("error:")]
         assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
-        assert lines[0].startswith(f"error: CheckpointError: the checkpoint of step 1 could not be written to {mnt}: "
+        own = mnt / read_run_id(run_dir)  # the run's folder of the checkpoint_dir other runs may share
+        assert lines[0].startswith(f"error: CheckpointError: the checkpoint of step 1 could not be written to {own}: "
                                    "No space left on device ("), lines[0]
         assert "checkpointing.checkpoint_dir" in lines[0] and "Traceback" not in p.stderr, p.stderr[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "failed" and f"error: {summary['error']}" == lines[0], summary
         assert "Traceback" in (run_dir / "error.log").read_text()
-        assert not list(mnt.iterdir()), "a half-written checkpoint was left"
+        assert list(mnt.iterdir()) == [own] and not list(own.iterdir()), "a half-written checkpoint was left"
         assert not [f.name for f in run_dir.rglob("*") if ".tmp" in f.name]
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -93,6 +93,57 @@ def test_scheduler_is_a_torch_lr_scheduler_whose_state_round_trips():
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] < 0.01
 
 
+def test_a_resumed_cosine_schedule_follows_the_resumed_runs_total_steps(tmp_path):
+    """A 2-step cosine run extended to 4 steps on resume once trained at lr 0 from step 3 on: the checkpoint
+    brought back the schedule's old total. Saved and loaded as a train rank does (DCP, the optimizer under
+    "policy" and the scheduler beside it), the rates after the checkpoint are the 4-step schedule's."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    from dataplane_rl.checkpoint.files import dcp_load
+    from dataplane_rl.checkpoint.manager import single_process
+    from dataplane_rl.train.state import PolicyState
+
+    # 4 prompts x 4 samples / a global batch of 8: 2 optimizer steps per rollout step
+    small = ["policy.scheduler.name=cosine", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
+             "policy.train_global_batch_size=8", "policy.learning_rate=0.001"]
+    two, four = (load_config(None, [*small, f"grpo.max_num_steps={n}"]) for n in (2, 4))
+
+    def rank(cfg):
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.policy.learning_rate)
+        return model, opt, build_scheduler(opt, cfg)
+
+    model, opt, sched = rank(two)
+    rates = []
+    for _ in range(4):  # the 2-step run: optimizer steps 0..3, cosine over 4
+        rates.append(opt.param_groups[0]["lr"])
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        sched.step()
+    assert rates == pytest.approx([1e-3, 7.5e-4, 2.5e-4, 0.0])
+    with single_process():
+        dcp.save({"policy": PolicyState(model, opt), "scheduler": sched}, checkpoint_id=tmp_path, no_dist=True)
+    model2, opt2, sched2 = rank(four)
+    with single_process():
+        dcp_load({"policy": PolicyState(model2, opt2), "scheduler": sched2}, tmp_path, no_dist=True)
+    assert sched2.last_epoch == 4 and torch.equal(model2.weight, model.weight)
+    assert get_state_dict(model2, opt2)[1]["state"], "the AdamW moments came back"
+    resumed = []
+    for _ in range(4):  # steps 3-4 of the 4-step run: optimizer steps 4..7, cosine over 8
+        resumed.append(opt2.param_groups[0]["lr"])
+        opt2.step()
+        sched2.step()
+    schedule = WarmupSchedule("cosine", 0, 8)
+    assert resumed == pytest.approx([1e-3 * schedule(s) for s in range(4, 8)]) and resumed[0] > 3e-4
+    # a state saved by a scheduler that kept its settings (LambdaLR's lr_lambdas) loads, its total not taken
+    old = torch.optim.lr_scheduler.LambdaLR(opt, WarmupSchedule("cosine", 0, 4)).state_dict()
+    assert "lr_lambdas" in old
+    sched3 = rank(four)[2]
+    sched3.load_state_dict({**old, "last_epoch": 4})
+    assert sched3.get_last_lr() == pytest.approx([1e-3 * schedule(4)])
+
+
 def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     # probs 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps 0.5 + 0.3 (0.5 alone < 0.7); top_p=0.5 keeps 0.5 only
     logp = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()  # [1, 4]

@@ -137,22 +137,39 @@ def test_lock_file_names_the_live_pid(tmp_path):
 
 def test_resume_and_overwrite_drop_later_step_files_of_both_kinds(tmp_path):
     """train_data/step_N.jsonl and (logger.save_rollouts) rollouts/step_N.parquet: a resume from step 1 drops
-    the later steps' files of both kinds (they are run again); an overwrite drops them all."""
+    the later steps' files of both kinds (they are run again); an overwrite drops them all. A resume is the same
+    run (its id in run.json kept; a folder without one gets one); an overwrite is a new run, and the replaced
+    run's checkpoints in RUN_DIR/checkpoints go with it (a --resume of the new run once took the old run's later
+    checkpoint for its own), while a folder of a shared checkpointing.checkpoint_dir stays."""
+    from dataplane_rl.checkpoint.identity import read_run_id
+
     folder = tmp_path / "run"
     previous_run(folder)
     (folder / "train_data" / "step_000002.jsonl").write_text("{}\n")
     (folder / "rollouts").mkdir()
     for k in (1, 2):
         (folder / "rollouts" / f"step_00000{k}.parquet").write_bytes(b"PAR1")
+    for name in ("step_000001", "step_000002", ".step_000003.tmp", "shared-run-1a2b3c4d/step_000002"):
+        (folder / "checkpoints" / name).mkdir(parents=True)
+    assert read_run_id(folder) is None  # a folder from before runs had ids
     run = RunDir(folder, resume=True)
     run.resume_from("grpo: {}\n", 1)
     run.close()
+    first = read_run_id(folder)
+    assert first and first.startswith("run-") and first == run.run_id
     left = sorted(str(p.relative_to(folder)) for p in folder.rglob("step_*"))
-    assert left == ["rollouts/step_000001.parquet", "train_data/step_000001.jsonl"]
+    assert left == ["checkpoints/shared-run-1a2b3c4d/step_000002", "checkpoints/step_000001",
+                    "checkpoints/step_000002", "rollouts/step_000001.parquet", "train_data/step_000001.jsonl"]
+    run = RunDir(folder, resume=True)
+    run.resume_from("grpo: {}\n", 1)
+    run.close()
+    assert read_run_id(folder) == first
     run = RunDir(folder, overwrite=True)
     run.begin("grpo: {}\n")
     run.close()
-    assert not list(folder.rglob("step_*"))
+    assert read_run_id(folder) not in (None, first)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*step_*")) == [
+        "checkpoints/shared-run-1a2b3c4d/step_000002"]
 
 
 def test_a_full_disk_at_the_end_is_one_line_and_leaves_no_tmp(tmp_path, capsys):

@@ -64,6 +64,7 @@ def checkpoint_model_state(path: Path, model_folder: str | Path) -> dict[str, to
 def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> tuple[Path, int]:
     """`dataplane-rl export`: the checkpoint of `step` (default the latest) of a run, as a HF folder."""
     from dataplane_rl.config import load_config
+    from dataplane_rl.checkpoint.identity import read_run_id
     from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
     from dataplane_rl.model.load import resolve_model
 
@@ -71,6 +72,6 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run folder (no config.yaml); pass the RUN_DIR of a training run")
     cfg = load_config(run_dir / "config.yaml", [f"logger.run_dir={run_dir}"])
-    path = CheckpointManager.for_config(cfg).find(step)  # verified against its manifest before any load
+    path = CheckpointManager.for_config(cfg, read_run_id(run_dir)).find(step)  # verified before any load
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     return export_hf(checkpoint_model_state(path, folder), folder, out), step_of(path)

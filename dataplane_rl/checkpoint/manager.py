@@ -1,10 +1,12 @@
 """Distributed checkpoints: one manager decides what is saved, as `Stateful` objects (STYLE §13).
 
-A checkpoint is a folder RUN_DIR/checkpoints/step_NNNNNN/ holding
+A checkpoint is a folder RUN_DIR/checkpoints/step_NNNNNN/ (with checkpointing.checkpoint_dir=DIR set,
+DIR/RUN_ID/step_NNNNNN/: runs sharing DIR never replace or prune each other's) holding
   train/          torch.distributed.checkpoint: each train rank writes its own model/optimizer shards and RNG
                   (what a rank saves: train/state.py);
                   loaded resharded for any policy.dp_size
-  driver.json     the driver's state: step, its RNG, every rollout actor's RNG, the async schedule
+  driver.json     the driver's state: step, its RNG, every rollout actor's RNG, the async schedule, and the
+                  record of the run that saved it (checkpoint/identity.py), which --resume checks
   partitions/     async GRPO: the rounds generated ahead of the trainer, as Arrow IPC (checkpoint/ahead.py)
   config.yaml     the run's resolved config
   manifest.json   every other file with its size and xxh3, written last (checkpoint/files.py)
@@ -58,16 +60,23 @@ def step_of(path: Path) -> int:
 class CheckpointManager:
     """Saves, finds, verifies and prunes the checkpoints of one run; the driver calls it between steps."""
 
-    def __init__(self, root: str | Path, keep_top_k: int | None = None) -> None:
+    def __init__(self, root: str | Path, keep_top_k: int | None = None, record: dict | None = None) -> None:
         # absolute: the train workers write their shards from their own working directory (Ray's), so a
         # relative logger.run_dir would put them somewhere the driver never looks
         self.root = Path(root).absolute()
         self.keep_top_k = keep_top_k
+        self.record = record  # the saving run's (checkpoint/identity.py), written into every driver.json
 
     @classmethod
-    def for_config(cls, cfg) -> "CheckpointManager":
+    def for_config(cls, cfg, run_id: str | None = None, record: dict | None = None) -> "CheckpointManager":
+        """The checkpoints of the run `run_id` (RUN_DIR/run.json) of `cfg`: RUN_DIR/checkpoints, the run's own
+        folder, or a folder of the run's own inside a checkpointing.checkpoint_dir that other runs may share."""
         c = cfg.checkpointing
-        return cls(c.checkpoint_dir or Path(cfg.logger.run_dir) / "checkpoints", c.keep_top_k)
+        if c.checkpoint_dir:
+            root = Path(c.checkpoint_dir) / run_id if run_id else Path(c.checkpoint_dir)  # no id: an older run's
+        else:
+            root = Path(cfg.logger.run_dir) / "checkpoints"
+        return cls(root, c.keep_top_k, record)
 
     def all(self) -> list[Path]:
         """Checkpoint folders, oldest first (temporary folders never match the name)."""
@@ -79,8 +88,9 @@ class CheckpointManager:
         """The checkpoint of `step` (default: the latest), its bytes verified against its manifest."""
         done = self.all()
         if not done:
-            raise ConfigError(f"no complete checkpoint in {self.root}; the run saved none (checkpointing.enabled "
-                              "was false, or it died before checkpointing.save_period steps)")
+            raise ConfigError(f"no complete checkpoint in {self.root}; the run saved none there (checkpointing."
+                              "enabled was false, it died before checkpointing.save_period steps, or checkpointing."
+                              "checkpoint_dir names another folder than the one it saved into)")
         path = done[-1] if step is None else next((p for p in done if step_of(p) == step), None)
         if path is None:
             raise ConfigError(f"no checkpoint of step {step} in {self.root}; have steps {[step_of(p) for p in done]}")
@@ -124,6 +134,8 @@ class CheckpointManager:
             driver = {"step": step, "rng": RNGState().state_dict(),
                       "rollout_rng": fleet.call_rollouts(f"step {step}: checkpoint", "rng_state"),
                       "ahead": save_ahead(fleet, tmp)}
+            if self.record is not None:
+                driver["run"] = self.record
             (tmp / DRIVER).write_text(json.dumps(driver))
             (tmp / "config.yaml").write_text(config_yaml)
             write_manifest(tmp, step)  # last: a folder without it is incomplete

@@ -12,6 +12,9 @@ def add_parser(sub) -> None:
     p.add_argument("--config", help="YAML config (default: the embedded configs/grpo_tiny.yaml)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest complete checkpoint, "
                    "with its config.yaml plus the overrides (those that change the numbers are refused)")
+    p.add_argument("--accept-mismatch", action="store_true", help="with --resume: continue from the checkpoint even "
+                   "if another run saved it, or task.path / task.val_path changed since (refused otherwise: the "
+                   "resumed steps would not be this run's)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. data_plane.enabled=true grpo.max_num_steps=5")
     p.set_defaults(func=run)
 
@@ -22,6 +25,8 @@ def run(args) -> int:
 
     if args.resume and args.config:
         raise ConfigError("--resume uses the run's own config.yaml; drop --config and pass changes as key=value")
+    if args.accept_mismatch and not args.resume:
+        raise ConfigError("--accept-mismatch applies to --resume RUN_DIR only; drop it for a new run")
     if args.resume:
         from dataplane_rl.checkpoint.resume import resume_config
 
@@ -39,7 +44,7 @@ def run(args) -> int:
     from dataplane_rl.run.reaper import owns_descendants
 
     with owns_descendants():  # this process is the run: nothing it started outlives it
-        summary = train(cfg, resume=bool(args.resume))
+        summary = train(cfg, resume=bool(args.resume), accept_mismatch=args.accept_mismatch)
     # stdout holds only this line (progress and logs go to stderr), so `dataplane-rl train ... | jq` works
     print(json.dumps({k: summary.get(k) for k in ("status", "steps_completed", "reward_first_quarter",
                                                   "reward_last_quarter", "final_validation_reward", "run_dir",

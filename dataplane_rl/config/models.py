@@ -216,7 +216,7 @@ class LoggerConfig(_Section):
     """`logger.*`: the run folder and console output."""
 
     run_dir: Optional[str] = Field(None, description="Run folder: config.yaml, metrics.jsonl, train_data/, reward.png, summary.json. Unset: a fresh runs/YYYYmmdd-HHMMSS, with runs/latest pointing at it.")
-    overwrite: bool = Field(False, description="Let a run replace the run already in logger.run_dir (its files go once the new run has started).")
+    overwrite: bool = Field(False, description="Let a run replace the run already in logger.run_dir (its files, and its checkpoints in RUN_DIR/checkpoints, go once the new run has started).")
     save_rollouts: bool = Field(False, description="Write each step's trained rows, every column written on all of them (token columns as lists, shaped ones as lists of fixed-size lists), to RUN_DIR/rollouts/step_NNNNNN.parquet, as `dataplane-rl store export` does (TRL's completions files, slime's saved rollouts).")
     progress: bool = Field(True, description="Show a progress bar.")
     log_every_n_steps: int = Field(10, ge=1, description="With logger.progress=false: print one line (step, reward, loss, seconds) every this many steps and at the last, for logs without a terminal.")
@@ -240,7 +240,7 @@ class CheckpointingConfig(_Section):
     """`checkpointing.*`: distributed checkpoints for --resume and export (NeMo-RL's key names)."""
 
     enabled: bool = Field(False, description="Save checkpoints (model, optimizer, RNG of every process, step, driver state, config).")
-    checkpoint_dir: Optional[str] = Field(None, description="Where checkpoints go; default RUN_DIR/checkpoints.")
+    checkpoint_dir: Optional[str] = Field(None, description="Where checkpoints go: DIR/RUN_ID/step_N, a folder per run (RUN_ID is in RUN_DIR/run.json), so runs may share DIR; default RUN_DIR/checkpoints.")
     save_period: int = Field(10, ge=1, description="Save every this many steps (and at the last step and on SIGTERM/SIGINT).")
     keep_top_k: Optional[int] = Field(3, ge=1, description="Keep the k most recent checkpoints; null keeps all.")
     export_policy: bool = Field(True, description="A completed run writes its final policy as a Hugging Face folder, RUN_DIR/policy/ (weights in fp32: ~540 MB for a 135M model). false: none (`dataplane-rl export RUN_DIR OUT` writes one from a checkpoint).")

@@ -16,6 +16,7 @@ from dataplane_rl import trace
 from dataplane_rl.config import Config, dump_config
 from dataplane_rl.errors import ConfigError, DataPlaneError
 from dataplane_rl.driver import validation
+from dataplane_rl.checkpoint import identity
 from dataplane_rl.checkpoint.manager import CheckpointManager, step_of
 from dataplane_rl.checkpoint.export import export_hf
 from dataplane_rl.run.reaper import deferred_sigint
@@ -91,27 +92,31 @@ def ray_lost(stop: StopSignals, run: Run | None) -> bool:
     return stop.ray_lost
 
 
-def train(cfg: Config, resume: bool = False) -> dict:
+def train(cfg: Config, resume: bool = False, accept_mismatch: bool = False) -> dict:
     """Run GRPO as configured; returns the summary. The run folder is consistent however it ends: a run
     refused its folder (held by a live run, or holding a finished one) touches nothing there; any other
     failure, before or after the start, leaves a summary.json saying so.
 
-    resume: continue the run in cfg.logger.run_dir from its latest complete checkpoint.
+    resume: continue the run in cfg.logger.run_dir from its latest complete checkpoint, which must be the run's
+    own, saved on the data the run has now (checkpoint/identity.py), unless accept_mismatch (`--accept-mismatch`).
     SIGTERM/SIGHUP/SIGINT end the current step, checkpoint (when checkpointing is on) and return status
     'interrupted' with the signal's number in summary["signal"].
     """
-    start = saved = None
+    start = saved = data = None
     if resume:  # refused before the folder is opened, so a refusal leaves the run's summary as it was
-        start = CheckpointManager.for_config(cfg).find()  # its bytes verified against its manifest
+        run_id = identity.read_run_id(cfg.logger.run_dir)
+        ckpt = CheckpointManager.for_config(cfg, run_id)
+        start = ckpt.find()  # its bytes verified against its manifest
+        saved = ckpt.check(start)  # every file parsed, no code run, before Ray
+        data = identity.check(cfg, start, step_of(start), saved.get("run"), run_id, accept_mismatch)
         if step_of(start) > cfg.grpo.max_num_steps:
             raise ConfigError(f"--resume: the latest checkpoint is step {step_of(start)}, past grpo.max_num_steps="
                               f"{cfg.grpo.max_num_steps}; raise grpo.max_num_steps to continue the run")
-        saved = CheckpointManager.for_config(cfg).check(start)  # every file parsed, no code run, before Ray
     run = Run(RunDir(cfg.logger.run_dir, overwrite=cfg.logger.overwrite, resume=resume))
     if cfg.logger.run_dir is None:  # the fresh runs/<time> folder: record it, so --resume and the checkpoints find it
         cfg = cfg.model_copy(deep=True)
         cfg.logger.run_dir = str(run.path)
-    loop = RunLoop(cfg, run, start)
+    loop = RunLoop(cfg, run, start, data)
     try:
         with loop.stop:
             first = loop.open(saved)
@@ -141,9 +146,12 @@ def train(cfg: Config, resume: bool = False) -> dict:
 class RunLoop:
     """One `train`: the Run, the Fleet of the moment and the steps between; each method one stage of it."""
 
-    def __init__(self, cfg: Config, run: Run, start) -> None:
+    def __init__(self, cfg: Config, run: Run, start, data: dict | None = None) -> None:
         self.cfg, self.run, self.start = cfg, run, start  # start: the checkpoint a --resume continues from
-        self.ckpt = CheckpointManager.for_config(cfg)
+        run_id = run.folder.run_id
+        # what each checkpoint records of the run; data: the digests of its files a --resume has taken already
+        record = identity.record(cfg, run_id, run.path, data) if cfg.checkpointing.enabled else None
+        self.ckpt = CheckpointManager.for_config(cfg, run_id, record)
         self.config_yaml = dump_config(cfg)
         self.fleet: Fleet | None = None
         self.timeline = self.bar = None

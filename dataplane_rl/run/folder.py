@@ -13,6 +13,8 @@ Who may write a folder (the policy, docs/run-folder.md):
   and a failure before that still writes `summary.json` (status failed, `started: false`) in a folder the
   user named.
 - `store.json` names the run's store from the start (`dataplane-rl store ls RUN_DIR` on a live run).
+- `run.json` holds the run's id, made when it starts and kept by --resume: its checkpoints record it
+  (checkpoint/identity.py), so a resume can tell its own checkpoints from another run's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
+from dataplane_rl.checkpoint.identity import RUN_FILE, new_run_id, read_run_id
 from dataplane_rl.errors import ConfigError, one_line, strip_ansi
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json")
@@ -156,6 +159,8 @@ class RunDir:
             raise ConfigError(f"logger.run_dir={self.path} already holds a run; continue it with "
                               f"`dataplane-rl train --resume {self.path}`, replace it with logger.overwrite=true, "
                               "or leave logger.run_dir unset for a fresh runs/<time> folder")
+        # a resume continues the run (a folder from before runs had ids gets one); any other start is a new run
+        self.run_id = (read_run_id(self.path) if resume else None) or new_run_id(self.path)
 
     def _lock(self) -> int:
         lock = self.path / ".lock"
@@ -178,7 +183,12 @@ class RunDir:
                 (self.path / stale).unlink(missing_ok=True)
             for old in self._step_files():
                 old.unlink()
+            # the replaced run's checkpoints: left, a --resume of this run could find one of them the latest
+            # (a shared checkpointing.checkpoint_dir holds a folder per run, which stays)
+            for old in (*(self.path / "checkpoints").glob("step_*"), *(self.path / "checkpoints").glob(".step_*.tmp")):
+                shutil.rmtree(old, ignore_errors=True)
         (self.path / "train_data").mkdir(exist_ok=True)
+        _atomic_write(self.path / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
         _atomic_write(self.path / "config.yaml", config_yaml)
         self.started = True
         if self.fresh:
@@ -216,6 +226,7 @@ class RunDir:
             if int(f.stem.split("_")[1]) > step:
                 f.unlink()
         (self.path / "summary.json").unlink(missing_ok=True)
+        _atomic_write(self.path / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
         _atomic_write(self.path / "config.yaml", config_yaml)
         self.started = True
 
