@@ -1,0 +1,92 @@
+"""Peak memory of a process and every process below it, sampled in a thread while it runs.
+
+Each sample walks the root's children recursively (a run's Ray workers are the raylet's children, which is the
+driver's) and sums each process's PSS, its proportional set size: a page shared by k processes counts 1/k in each,
+so the shared libraries, the model weights a forked worker inherits and a mapped store file are counted once in the
+sum. PSS comes from /proc/PID/smaps_rollup (psutil `memory_full_info`); where a process's cannot be read (another
+user's process, a kernel without it) the whole run falls back to RSS, which counts shared pages once per process,
+and says so: `kind` is "pss" or "rss".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+
+
+class TreeMemory:
+    """Sample the memory of `pid`'s process tree every `interval` seconds until stop(); a context manager."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        self.root = psutil.Process(pid)
+        self.interval = interval
+        self.kind = "pss"
+        self.peak_bytes = 0
+        self.peak_processes = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tree-memory-{pid}", daemon=True)
+
+    def __enter__(self) -> TreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> dict:
+        """Stop sampling (one last sample first) and return the result."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10 * self.interval + 5)
+        return self.result()
+
+    def result(self) -> dict:
+        return {"peak_mb": self.peak_bytes / 2**20, "kind": self.kind, "processes_at_peak": self.peak_processes,
+                "samples": self.samples}
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval):
+                self.sample()
+                return
+
+    def sample(self) -> int:
+        """One walk of the tree: the summed memory now (also kept as the peak when it is the largest yet)."""
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:  # the root has exited: nothing left to count
+            return 0
+        kind = self.kind
+        total, counted = self._sum(procs)
+        if self.kind != kind:  # fell back to RSS part-way: count this sample again, all by RSS
+            total, counted = self._sum(procs)
+        self.samples += 1
+        if total > self.peak_bytes:
+            self.peak_bytes, self.peak_processes = total, counted
+        return total
+
+    def _sum(self, procs: list[psutil.Process]) -> tuple[int, int]:
+        total = counted = 0
+        for p in procs:
+            try:
+                total += self._memory(p)
+                counted += 1
+            except psutil.NoSuchProcess:
+                pass  # exited between the listing and the read
+        return total, counted
+
+    def _memory(self, p: psutil.Process) -> int:
+        if self.kind == "pss":
+            try:
+                pss = getattr(p.memory_full_info(), "pss", None)
+            except psutil.AccessDenied:
+                pss = None
+            if pss is not None:
+                return pss
+            # one unreadable PSS would make the sum mix measures: count every process by RSS from here on
+            self.kind, self.peak_bytes, self.peak_processes = "rss", 0, 0
+        return p.memory_info().rss
