@@ -295,5 +295,11 @@ def test_tree_memory_sums_pss_over_a_real_process_tree_counting_shared_pages_onc
         p.wait(timeout=60)
     assert len(tree) == 3 and got["kind"] == "pss" and got["processes_at_peak"] == 3 and got["samples"] >= 2, got
     assert 96 <= got["peak_mb"] < 96 + 50, got
+    # each process's share of the peak, largest first, named by its program
+    shares = got["at_peak"]
+    assert sorted(x["pid"] for x in shares) == sorted(q.pid for q in tree) and all(x["process"].startswith("python")
+                                                                                   for x in shares), shares
+    assert [x["mb"] for x in shares] == sorted((x["mb"] for x in shares), reverse=True)
+    assert abs(sum(x["mb"] for x in shares) - got["peak_mb"]) < 1e-6
     assert rss - got["peak_mb"] > 50, (rss, got)  # RSS counts the shared 64 MiB in both processes
     assert mem.sample() == 0 and mem.result() == got  # the tree has exited: nothing to count, the peak kept

@@ -241,6 +241,11 @@ def table(results: list[dict]) -> str:
         if "phases_s" in r:
             rows.append(f"{r['run']} phases, median s: "
                         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["phases_s"].items())))
+    for r in results:
+        top = r["memory"]["at_peak"][:5]
+        rows.append(f"{r['run']} at its peak, MiB: " + ", ".join(f"{x['process']} {x['mb']:.0f}" for x in top)
+                    + (f" (+{r['memory']['processes_at_peak'] - len(top)} more)" if r["memory"]["processes_at_peak"]
+                       > len(top) else ""))
     return "\n".join(rows)
 
 

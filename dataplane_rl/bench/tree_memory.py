@@ -10,8 +10,8 @@ and says so: `kind` is "pss" or "rss".
 
 from __future__ import annotations
 
+import os
 import threading
-import time
 
 import psutil
 
@@ -25,6 +25,7 @@ class TreeMemory:
         self.kind = "pss"
         self.peak_bytes = 0
         self.peak_processes = 0
+        self.at_peak: list[dict] = []  # each process's share of the peak, largest first
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"tree-memory-{pid}", daemon=True)
@@ -45,7 +46,7 @@ class TreeMemory:
 
     def result(self) -> dict:
         return {"peak_mb": self.peak_bytes / 2**20, "kind": self.kind, "processes_at_peak": self.peak_processes,
-                "samples": self.samples}
+                "at_peak": self.at_peak, "samples": self.samples}
 
     def _run(self) -> None:
         while True:
@@ -61,23 +62,25 @@ class TreeMemory:
         except psutil.Error:  # the root has exited: nothing left to count
             return 0
         kind = self.kind
-        total, counted = self._sum(procs)
+        sizes = self._sizes(procs)
         if self.kind != kind:  # fell back to RSS part-way: count this sample again, all by RSS
-            total, counted = self._sum(procs)
+            sizes = self._sizes(procs)
+        total = sum(b for _, b in sizes)
         self.samples += 1
         if total > self.peak_bytes:
-            self.peak_bytes, self.peak_processes = total, counted
+            self.peak_bytes, self.peak_processes = total, len(sizes)
+            self.at_peak = sorted(({"process": label(p), "pid": p.pid, "mb": b / 2**20} for p, b in sizes),
+                                  key=lambda x: -x["mb"])
         return total
 
-    def _sum(self, procs: list[psutil.Process]) -> tuple[int, int]:
-        total = counted = 0
+    def _sizes(self, procs: list[psutil.Process]) -> list[tuple[psutil.Process, int]]:
+        out = []
         for p in procs:
             try:
-                total += self._memory(p)
-                counted += 1
+                out.append((p, self._memory(p)))
             except psutil.NoSuchProcess:
                 pass  # exited between the listing and the read
-        return total, counted
+        return out
 
     def _memory(self, p: psutil.Process) -> int:
         if self.kind == "pss":
@@ -90,3 +93,17 @@ class TreeMemory:
             # one unreadable PSS would make the sum mix measures: count every process by RSS from here on
             self.kind, self.peak_bytes, self.peak_processes = "rss", 0, 0
         return p.memory_info().rss
+
+
+def label(p: psutil.Process) -> str:
+    """A short name: a Ray worker's title (ray::Class), the module of `python -m`, else the program's name."""
+    try:
+        cmd = p.cmdline()
+    except psutil.Error:
+        return "?"
+    head = cmd[0] if cmd else ""
+    if head.startswith("ray::"):  # Ray retitles a worker ray::Class.method (or ray::IDLE)
+        return head.split()[0].split(".")[0]
+    if "-m" in cmd[:-1]:
+        return cmd[cmd.index("-m") + 1]
+    return os.path.basename(head) or "?"
