@@ -225,3 +225,109 @@ def test_a_failed_bench_worker_is_one_line_naming_worker_backend_and_error(capfd
     assert str(failed.value) == ("mooncake writer 1: StoreUnavailableError: partition bench-00000 put: "
                                  "Mooncake answered LEASE_EXPIRED(-707)")
     assert "Traceback" not in capfd.readouterr().err
+
+
+def peers_args(*argv):
+    import argparse
+
+    from dataplane_rl.bench.peers import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_bench_peers_refuses_bad_options_before_anything_runs():
+    """Each bad option is one ConfigError naming the option, its value and the fix; an override of a setting both
+    sides mirror is refused (it would make the dataplane-rl run differ from TRL's), naming the option that sets it."""
+    from dataplane_rl.bench.peers import check_args
+    from dataplane_rl.errors import ConfigError
+
+    assert check_args(peers_args()) == ["sync"]
+    assert check_args(peers_args("--variants", "sync,async,packing", "policy.sequence_packing.algorithm=concatenative",
+                                 "policy.model=tiny")) == ["sync", "async", "packing"]
+    for argv, says in ((["--steps", "1"], "--steps 1: the first step is not timed, so at least 2 are needed"),
+                       (["--generations", "1"], "--generations 1: must be at least 2"),
+                       (["--micro-batches", "3"], "--micro-batches 3: a step's 16 samples"),
+                       (["--variants", "sync,fast"], "unknown variant 'fast'; use a comma list of sync, async, "
+                                                     "packing"),
+                       (["--trl-only", "--variants", "async"], "the variants are dataplane-rl runs"),
+                       (["data_plane.enabled"], "override 'data_plane.enabled' is not key=value"),
+                       (["grpo.num_prompts_per_step=8"], "a setting both mirror; use --prompts"),
+                       (["policy.scheduler.name=cosine"], "a setting both mirror; the bench fixes it for both sides"),
+                       (["task.path=x.parquet"], "a setting both mirror; use --data"),
+                       (["--data", "nope.parquet"], "--data nope.parquet: no such file")):
+        with pytest.raises(ConfigError) as e:
+            check_args(peers_args(*argv))
+        assert says in str(e.value) and str(e.value).startswith("bench peers") and "\n" not in str(e.value), argv
+    with pytest.raises(SystemExit):  # argparse: not allowed together
+        peers_args("--dataplane-only", "--trl-only")
+
+
+def test_bench_peers_without_trl_is_one_line_naming_the_extra():
+    """TRL made unimportable: one `error:` line naming the `peers` extra, before any run starts."""
+    no_trl = "import sys; sys.modules['trl'] = None; from dataplane_rl.cli.main import main; sys.exit(main())"
+    p = subprocess.run([sys.executable, "-c", no_trl, "bench", "peers", "--steps", "2"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: ConfigError: bench peers: TRL is not installed; install "
+                                                     "the `peers` extra (pip install -e '.[peers]')"), p.stderr
+    assert len(p.stderr.splitlines()) == 1 and p.stdout == "", p.stderr
+
+
+# a process that fills 64 MiB, forks a child that shares those pages (copy-on-write, never written) and starts a
+# grandchild filling 32 MiB of its own; each waits for stdin to close
+TREE = r"""
+import os, subprocess, sys
+MiB = 2**20
+def fill(n):
+    b = bytearray(n)
+    for i in range(0, n, 4096):
+        b[i] = 1
+    return b
+shared = fill(64 * MiB)
+pid = os.fork()
+if pid == 0:
+    grand = subprocess.Popen([sys.executable, "-c", "import sys\nb = bytearray(32 * 2**20)\nfor i in range(0, len(b), "
+                              "4096): b[i] = 1\nprint('filled', flush=True)\nsys.stdin.read()"], stdout=subprocess.PIPE)
+    grand.stdout.readline()
+    print("ready", flush=True)
+    sys.stdin.read()
+    grand.wait()
+    os._exit(0)
+sys.stdin.read()
+os.waitpid(pid, 0)
+"""
+
+
+def test_tree_memory_sums_pss_over_a_real_process_tree_counting_shared_pages_once():
+    """The sampler walks the tree (root, forked child, grandchild) and sums PSS: the 64 MiB the root and its forked
+    child share count once, so the sum is 64 + 32 MiB plus three interpreters (~10 MiB each here), where RSS would
+    count the shared 64 MiB twice (160 MiB and up)."""
+    import select
+
+    import psutil
+
+    from dataplane_rl.bench.tree_memory import TreeMemory
+
+    p = subprocess.Popen([sys.executable, "-c", TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert select.select([p.stdout], [], [], 120)[0], "the process tree did not start"
+        assert p.stdout.readline().strip() == "ready"
+        tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+        rss = sum(q.memory_info().rss for q in tree) / 2**20
+        with TreeMemory(p.pid, interval=0.05) as mem:
+            pass  # one sample when it starts, one when it stops: the tree is complete for both
+        got = mem.result()
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+    assert len(tree) == 3 and got["kind"] == "pss" and got["processes_at_peak"] == 3 and got["samples"] >= 2, got
+    assert 96 <= got["peak_mb"] < 96 + 50, got
+    # each process's share of the peak, largest first, named by its program
+    shares = got["at_peak"]
+    assert sorted(x["pid"] for x in shares) == sorted(q.pid for q in tree) and all(x["process"].startswith("python")
+                                                                                   for x in shares), shares
+    assert [x["mb"] for x in shares] == sorted((x["mb"] for x in shares), reverse=True)
+    assert abs(sum(x["mb"] for x in shares) - got["peak_mb"]) < 1e-6
+    assert rss - got["peak_mb"] > 50, (rss, got)  # RSS counts the shared 64 MiB in both processes
+    assert mem.sample() == 0 and mem.result() == got  # the tree has exited: nothing to count, the peak kept

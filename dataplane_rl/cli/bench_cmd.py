@@ -1,4 +1,4 @@
-"""`dataplane-rl bench store|e2e|generate|train`: the benchmarks in benchmarks/, from the installed package.
+"""`dataplane-rl bench store|e2e|generate|train|peers`: the benchmarks in benchmarks/, from the installed package.
 
 Each benchmark module has add_arguments(parser) and run_args(args); the scripts in benchmarks/ call
 the same modules, so both entry points take the same options.
@@ -14,6 +14,8 @@ BENCHES = {
     "e2e": ("dataplane_rl.bench.e2e", "GRPO step time and the data plane's share, off vs shm vs Mooncake"),
     "generate": ("dataplane_rl.bench.generate", "Hugging Face vs vLLM generation tokens/s"),
     "train": ("dataplane_rl.bench.train", "train tokens/s: padded vs dynamic batching vs sequence packing"),
+    "peers": ("dataplane_rl.bench.peers", "the same GRPO run in TRL's GRPOTrainer and dataplane-rl: s/step, samples/s, "
+              "peak memory"),
 }
 
 
