@@ -165,7 +165,7 @@ def run_child(name: str, cmd: list[str], work: Path, timeout: float, env: dict |
             raise
     if rc != 0:
         lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
-        raise PeerRunFailed(f"bench peers: the {name} run exited {rc}: {(lines or ['(no output)'])[-1].strip()[:300]} "
+        raise PeerRunFailed(f"bench peers: the {name} run exited {rc}: {(lines or ['(no output)'])[-1].strip()[:600]} "
                             f"(its log: {log})")
     return {"wall_s": time.perf_counter() - t0, "memory": mem.result()}
 
@@ -261,13 +261,13 @@ def run_args(args) -> int:
     extra = [o for o in args.overrides if o.split("=", 1)[0].strip() != "policy.model"]
     args.overrides = extra
     base = base_overrides(args, model)
-    work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
-    for v in variants:  # every config checked before anything runs
-        load_config(None, dataplane_overrides(base, v, extra, work / "check"))
+    for v in variants:  # every config checked before anything runs (the run folder is only named here)
+        load_config(None, dataplane_overrides(base, v, extra, Path(tempfile.gettempdir()) / "bench-peers-check"))
     cfg = load_config(None, base)
     # a GGUF is converted here, once, so neither run's time or memory holds the conversion
     folder = resolve_model(cfg.policy.model, cfg.grpo.seed, cfg.policy.model_cache_dir)
     base = [f"policy.model={folder}" if o.startswith("policy.model=") else o for o in base]
+    work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     log = lambda s: print(f"[peers] {s}", file=sys.stderr, flush=True)  # noqa: E731
     log(f"model {model}; {args.prompts} x {args.generations} samples, {args.max_new_tokens} new tokens, "
         f"{args.steps} steps a run; logs in {work}")
