@@ -278,7 +278,7 @@ def test_train_cli_writes_the_run_folder(tmp_path):
     assert len(rows) == 2 * 32
     for r in rows:  # each sample names its row, and its prompt, ground truth and extra_info are that row's
         src, pid = file_rows[r["dataset_row"]], r["data_source"].split("@")[1]
-        assert r["prompt"] == f"user: {src['prompt'][0]['content']}\nassistant: "
+        assert r["prompt"] == f"<bos>user: {src['prompt'][0]['content']}\nassistant: "  # the template writes BOS
         assert r["ground_truth"] == src["reward_model"]["ground_truth"]
         assert r["data_source"] == f"{src['data_source']}@{pid}" and json.loads(r["extra_info"]) == src["extra_info"]
         want = compute_score(src["data_source"], r["response"], src["reward_model"]["ground_truth"], src["extra_info"])
