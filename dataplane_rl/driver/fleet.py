@@ -54,6 +54,9 @@ class Fleet:
         self.rollout_pids: list[int] = []
         self.workers: list = []  # the train ranks
         self.train_pids: list[int] = []
+        # why a step scores prev_logprobs in the log-prob pass (config/on_policy.py; the ranks add a policy with
+        # dropout); []: an exactly on-policy step takes them from its train forward
+        self.prev_pass: list[str] = []
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
         self.rollouts = Rollouts(self)
         self.recovery = RolloutRecovery(self, self.ledger)  # dead rollout actors replaced (faults/rollout_actors.py)
@@ -110,6 +113,7 @@ class Fleet:
         init_method = ray.get(self.workers[0].address.remote())  # rank 0's node IP
         self.rollout_pids = ray.get([w.init_dist.remote(init_method) for w in self.workers]
                                     + [a.ready.remote() for a in self.rollout])[D:]
+        self.prev_pass = ray.get(self.workers[0].prev_logprobs_pass.remote())  # every rank holds the same policy
 
     def _spawn(self, slot: int):
         """A rollout actor on bundle `slot` of the rollout placement group (not yet ready)."""
