@@ -276,6 +276,13 @@ def test_train_cli_writes_the_run_folder(tmp_path):
               "train_data/step_000002.jsonl"):
         assert (run_dir / f).is_file(), f
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    # summary.json's memory: every process of the run once (its own Ray's too), PSS, and their sum
+    memory = json.loads((run_dir / "summary.json").read_text())["memory"]
+    roles = [r["role"] for r in memory["processes"]]
+    assert {"supervisor", "driver", "train-rank-0", "rollout-0", "rollout-1", "raylet", "gcs_server"} <= set(roles), roles
+    assert memory["measure"] == "pss" and all(0 < r["peak_mb"] <= r["peak_rss_mb"] for r in memory["processes"])
+    assert memory["sum_peak_mb"] == pytest.approx(sum(r["peak_mb"] for r in memory["processes"]), abs=0.1 * len(roles))
+    assert 0 < memory["peak_total_mb"] <= memory["sum_peak_mb"] + 0.1 * len(roles)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for key in (*TRAIN_KEYS, "data_plane/bytes_written", "data_plane/driver_bytes_read", "timing/step"):
