@@ -188,7 +188,8 @@ def test_on_policy_steps_skip_the_prev_logprobs_pass_and_every_other_step_says_w
     one = ["policy.train_global_batch_size=128"]
     assert prev_pass_reasons(load_config(None, one)) == []
     assert prev_pass_reasons(load_config(None, [*one, "grpo.use_dynamic_sampling=true", "data_plane.enabled=true",
-                                                "policy.dp_size=2", "loss_fn.use_importance_sampling_correction=true"])) == []
+                                                "policy.dp_size=2",
+                                                "loss_fn.use_importance_sampling_correction=true"])) == []
     for extra, key in ((["policy.force_prev_logprobs_pass=true"], "policy.force_prev_logprobs_pass=true"),
                        (["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=0"],
                         "grpo.async_grpo.enabled=true"),

@@ -279,7 +279,8 @@ def test_train_cli_writes_the_run_folder(tmp_path):
     # summary.json's memory: every process of the run once (its own Ray's too), PSS, and their sum
     memory = json.loads((run_dir / "summary.json").read_text())["memory"]
     roles = [r["role"] for r in memory["processes"]]
-    assert {"supervisor", "driver", "train-rank-0", "rollout-0", "rollout-1", "raylet", "gcs_server"} <= set(roles), roles
+    want = {"supervisor", "driver", "train-rank-0", "rollout-0", "rollout-1", "raylet", "gcs_server"}
+    assert want <= set(roles), roles
     assert memory["measure"] == "pss" and all(0 < r["peak_mb"] <= r["peak_rss_mb"] for r in memory["processes"])
     assert memory["sum_peak_mb"] == pytest.approx(sum(r["peak_mb"] for r in memory["processes"]), abs=0.1 * len(roles))
     assert 0 < memory["peak_total_mb"] <= memory["sum_peak_mb"] + 0.1 * len(roles)

@@ -3,10 +3,11 @@
 The driver samples itself, its supervisor (run/supervise.py, its parent under `dataplane-rl train`), its
 descendants (the Ray the run started: gcs_server, raylet, its agents and workers, the rollout actors and train
 ranks among them; the master and holders of a Mooncake store the run started) and the actors the run names on
-this host (on a joined cluster they are not the driver's descendants, and the cluster's Ray is not the run's). A process's
-memory is its PSS (proportional set size: a page shared by k processes counts 1/k in each, so a sum over the
-processes counts every shared page once: the shm store's pages, the libraries' code), read through psutil's
-memory_full_info (Linux's /proc/PID/smaps_rollup); where that cannot be read, its RSS, and its entry says so.
+this host (on a joined cluster they are not the driver's descendants, and the cluster's Ray is not the run's).
+A process's memory is its PSS (proportional set size: a page shared by k processes counts 1/k in each, so a sum
+over the processes counts every shared page once: the shm store's pages, the libraries' code), read through
+psutil's memory_full_info (Linux's /proc/PID/smaps_rollup); where that cannot be read, its RSS, and its entry
+says so.
 PSS has no kernel high-water mark, so its peak is the largest sample, taken every `every_s` seconds on a thread
 of the driver and once more before the actors stop; the kernel's exact peak RSS (VmHWM, which counts a shared
 page in every process that touched it) is kept beside it. Reading a process's PSS walks its page tables (about
@@ -47,7 +48,8 @@ def command(p) -> str:
     cmd = p.cmdline()
     if not cmd:
         return p.name()
-    first = os.path.basename(cmd[0].split(" ")[0]) if not cmd[0].startswith("ray::") else cmd[0].split(" ")[0]
+    first = cmd[0].split(" ")[0]  # Ray's titles (ray::IDLE) may hold spaces in one argument
+    first = first if first.startswith("ray::") else os.path.basename(first)
     if first.startswith("python"):
         script = next((c for c in cmd[1:] if not c.startswith("-")), "")
         return f"{first} {os.path.basename(script)}".strip()

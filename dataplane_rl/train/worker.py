@@ -96,7 +96,8 @@ class TrainWorker:
         from dataplane_rl.model.logprobs import dropout_modules
 
         dropping = dropout_modules(self.model)
-        # why this rank scores prev_logprobs in the log-prob pass; []: an on-policy step takes them from its train forward
+        # why this rank scores prev_logprobs in the log-prob pass; []: an on-policy step takes them from its
+        # train forward
         self.prev_pass = prev_pass_reasons(self.cfg) + (
             [f"the policy drops activations in training ({', '.join(dropping[:3])})"] if dropping else [])
         self.prev_out: list = []  # such a step's prev_logprobs, (row set, table) per optimizer step, until emitted
@@ -273,8 +274,8 @@ class TrainWorker:
             for batch, mbs, extra in zip(batches, plans, extras):
                 counts = all_reduce_counts(local_counts(batch, self.loss_fn.seq_logprob_error_threshold))
                 self.opt.zero_grad(set_to_none=True)
-                per_mb, mb_used = train_microbatches(self.model, self.loss_fn, mbs, counts, self.cfg.generation.temperature,
-                                                     prev_from_forward=from_forward)
+                per_mb, mb_used = train_microbatches(self.model, self.loss_fn, mbs, counts,
+                                                     self.cfg.generation.temperature, prev_from_forward=from_forward)
                 used += mb_used
                 for _ in range(extra):
                     self._empty_pass(self.model, backward=True)
