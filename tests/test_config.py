@@ -45,6 +45,8 @@ def test_unknown_key_suggests_the_closest():
     ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "counted in samples (verl's counts prompts: times rollout.n)"),
     ("data.dataset_name=OpenMathInstruct-2", "NeMo-RL's data.dataset_name is task.name here"),
     ("data.train_data_path=t.jsonl", "NeMo-RL's data.train_data_path is task.path here"),
+    ("loss_fn.force_on_policy_ratio=true", "NeMo-RL's loss_fn.force_on_policy_ratio is policy.force_prev_logprobs_pass"
+                                           "=false here, the default"),
     # a verl key without a counterpart: its section's, never a look-alike
     ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "'actor_rollout_ref' is a section of verl's config"),
     ("data.tokenizer=x", "'data' is a section of verl's and NeMo-RL's configs, not of this one: a dataset is task.*"),
@@ -170,6 +172,41 @@ def test_kl_off_does_not_fetch_reference_logprobs():
     # beta = 0 skips the reference pass; the default train fields must not ask for its column
     assert "reference_policy_logprobs" in load_config().train_fields()
     assert "reference_policy_logprobs" not in load_config(None, ["loss_fn.reference_policy_kl_penalty=0"]).train_fields()
+
+
+def test_on_policy_steps_skip_the_prev_logprobs_pass_and_every_other_step_says_why():
+    """config/on_policy.py: the default run (4 optimizer steps per step) keeps the pass; one optimizer step per
+    synchronous single-epoch step without the threshold skips it; each other setting names its key. The ranks add a
+    policy with dropout: its train forward's log-probs are not the pass's."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from dataplane_rl.config.on_policy import prev_pass_reasons
+    from dataplane_rl.model.load import TINY
+    from dataplane_rl.model.logprobs import dropout_modules
+
+    assert prev_pass_reasons(load_config()) == ["4 optimizer steps per step (grpo.num_prompts_per_step x "
+                                                "grpo.num_generations_per_prompt = 128 rows, "
+                                                "policy.train_global_batch_size=32)"]
+    one = ["policy.train_global_batch_size=128"]
+    assert prev_pass_reasons(load_config(None, one)) == []
+    assert prev_pass_reasons(load_config(None, [*one, "grpo.use_dynamic_sampling=true", "data_plane.enabled=true",
+                                                "policy.dp_size=2",
+                                                "loss_fn.use_importance_sampling_correction=true"])) == []
+    for extra, key in ((["policy.force_prev_logprobs_pass=true"], "policy.force_prev_logprobs_pass=true"),
+                       (["grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=0"],
+                        "grpo.async_grpo.enabled=true"),
+                       (["grpo.num_epochs=2"], "grpo.num_epochs=2"),
+                       (["grpo.seq_logprob_error_threshold=2.0", "loss_fn.use_importance_sampling_correction=true"],
+                        "grpo.seq_logprob_error_threshold=2.0")):
+        [why] = prev_pass_reasons(load_config(None, [*one, *extra]))
+        assert why.startswith(key), why
+    tiny = dict(TINY, vocab_size=16)
+    assert dropout_modules(Qwen2ForCausalLM(Qwen2Config(**tiny))) == []
+    assert dropout_modules(Qwen2ForCausalLM(Qwen2Config(**tiny, attention_dropout=0.1))) == [
+        "model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert dropout_modules(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))) == ["1"]
+    assert dropout_modules(torch.nn.Sequential(torch.nn.Dropout(0.0))) == []
 
 
 def test_a_bad_override_names_the_command_line_not_the_embedded_file():

@@ -300,6 +300,33 @@ def test_a_restart_past_its_budget_or_without_a_checkpoint_ends_the_run_with_its
     assert "fault_tolerance.max_restarts=1: the run restarted 1 time(s) already" in str(err)
 
 
+def test_a_store_lost_after_an_on_policy_step_trained_costs_only_what_it_held(tmp_path, capsys, ray_session):
+    """An on-policy step writes its train forward's prev_logprobs (and its rollouts file) after the optimizer step,
+    when its rows can no longer be made again: a holder that died then took them with the step's rows, so the step
+    goes on with one line saying so (as its partition's drop does); a store error of a live store still raises.
+    The dead holder is stood in for: no real kill lands between the optimizer step and that write on purpose."""
+    from types import SimpleNamespace
+
+    from dataplane_rl.driver.step import prev_from_train
+    from dataplane_rl.driver.step_io import StepIO
+    from dataplane_rl.errors import StoreUnavailableError
+
+    def call(workers, method, jobs, fields=None):
+        assert method == "emit_prev_logprobs" and fields is None
+        raise StoreUnavailableError("partition step-000003: put failed: the Mooncake holder is unreachable")
+
+    def fleet(dead):
+        return SimpleNamespace(store=SimpleNamespace(dead_processes=lambda: dead), transport=SimpleNamespace(call=call),
+                               workers=[], rollouts_dir=tmp_path)
+
+    io = StepIO()
+    prev_from_train(fleet(["Mooncake holder 1 (pid 7) exited with code -9"]), 3, [], [[]], io)
+    assert "step 3: the run's store lost a process after the optimizer step" in capsys.readouterr().err
+    assert "prev_logprobs" in io.timing and not list(tmp_path.iterdir())
+    with pytest.raises(StoreUnavailableError, match="holder is unreachable"):
+        prev_from_train(fleet(None), 3, [], [[]], StepIO())  # shm: no process of its own died, so the error stands
+
+
 def test_a_step_logged_again_replaces_its_earlier_line_in_the_summary(tmp_path):
     """The last line of a step counts: a step run again after an in-run resume (and the steps after it) replace the
     lines before them in summary.json's steps and final metrics."""

@@ -211,3 +211,48 @@ def test_a_full_disk_at_the_end_is_one_line_and_leaves_no_tmp(tmp_path, capsys):
         run.close()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_peak_memory_counts_a_shared_page_once_and_keeps_an_exited_process():
+    """summary.json's `memory` (run/memory.py): two children map the same 64 MiB of shared memory and one holds
+    64 MiB of its own. Their PSS splits the shared pages between them, so one sample's sum counts them once, while
+    each one's kernel peak RSS counts them whole. Once one exits the other is their only holder (its PSS takes them
+    all); the exited one keeps its peak, and the largest sum of one sample stays the first."""
+    from dataplane_rl.run.memory import PeakMemory
+
+    code = ("import mmap, sys\n"
+            "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); m[::4096] = b'x' * (len(m) // 4096)\n"
+            "own = bytearray(64 * 2**20 if sys.argv[2] == 'own' else 0); own[::4096] = b'y' * (len(own) // 4096)\n"
+            "print('ready', flush=True); sys.stdin.read()\n")
+    shared = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}"
+    shared.write_bytes(b"\0" * (64 * 2**20))
+    kids = [subprocess.Popen([sys.executable, "-c", code, str(shared), kind], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True) for kind in ("own", "shared-only")]
+    try:
+        for k in kids:
+            assert k.stdout.readline() == "ready\n"
+        memory = PeakMemory(lambda: {k.pid: f"child-{i}" for i, k in enumerate(kids)})
+        memory.sample()
+        both = memory.summary()
+        kids[1].stdin.close()
+        kids[1].wait(timeout=30)
+        memory.sample()  # the exited child is not seen again
+        after = memory.summary()
+    finally:
+        for k in kids:
+            k.kill()
+        shared.unlink()
+    rows = {r["role"]: r for r in both["processes"]}
+    assert list(rows)[0] == "driver" and both["samples"] == 1 and both["measure"] == "pss"
+    own, only = rows["child-0"], rows["child-1"]
+    # each child's RSS holds the whole 64 MiB it touched, its PSS half of it (two holders) plus its own memory
+    assert only["peak_rss_mb"] > 64 and 30 < only["peak_mb"] < 48, only
+    assert own["peak_rss_mb"] > 128 and 94 < own["peak_mb"] < 112, own
+    assert both["peak_total_mb"] == pytest.approx(both["sum_peak_mb"], abs=0.1 * len(rows))
+    assert both["sum_peak_mb"] == pytest.approx(sum(r["peak_mb"] for r in rows.values()), abs=0.1 * len(rows))
+    later = {r["role"]: r for r in after["processes"]}
+    assert later["child-1"] == only and after["samples"] == 2
+    assert 126 < later["child-0"]["peak_mb"] < 145
+    assert after["peak_total_mb"] == pytest.approx(both["peak_total_mb"], abs=8)
+    # the peaks came at different times: their sum counts the shared pages once in each holder's peak
+    assert after["sum_peak_mb"] > after["peak_total_mb"] + 24

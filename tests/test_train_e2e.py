@@ -79,22 +79,33 @@ def assert_close(a: dict, b: dict, rel=1e-5, abs_=1e-7):
         assert math.isclose(a[k], b[k], rel_tol=rel, abs_tol=abs_), f"{k}: {a[k]} vs {b[k]}"
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory, ray_session):
-    """Data plane on (shm), dp 1, micro 4, with the VAPO NLL term on."""
-    return run(tmp_path_factory.mktemp("e2e"), "base", "data_plane.enabled=true",
-               "loss_fn.positive_example_nll_weight=0.1", "logger.save_rollouts=true")
+# the step's 8 x 4 rows in one optimizer step: an exactly on-policy step, whose prev_logprobs come from the train
+# forward (config/on_policy.py); SMALL's two optimizer steps need the separate log-prob pass
+ON_POLICY = ("policy.train_global_batch_size=32",)
+SHAPES = {"pass": (), "from_train": ON_POLICY}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def baseline(request, tmp_path_factory, ray_session):
+    """Data plane on (shm), dp 1, micro 4, with the VAPO NLL term on; prev_logprobs from the log-prob pass (two
+    optimizer steps) or from the train forward (one). Returns the run and the overrides of its shape."""
+    shape = SHAPES[request.param]
+    return (*run(tmp_path_factory.mktemp("e2e"), "base", "data_plane.enabled=true",
+                 "loss_fn.positive_example_nll_weight=0.1", "logger.save_rollouts=true", *shape), shape)
 
 
 def test_data_plane_path_trains_with_nll(baseline):
-    summary, metrics, data = baseline
+    summary, metrics, data, shape = baseline
     m = metrics[0]
     assert summary["status"] == "completed"
     assert m["data_plane/enabled"] is True and m["data_plane/bytes_written"] > 0 and m["data_plane/bytes_read"] > 0
     assert m["train/positive_nll_loss"] > 0, "the VAPO term must see the rewards column on the data-plane path"
     # the driver reads per-sample scalars and texts only: far less than the token columns moved
     assert 0 < m["data_plane/driver_bytes_read"] < m["data_plane/bytes_read"]
-    assert m["train/optimizer_steps"] == 2 and m["train/logprob_mismatch"] < 1e-4
+    assert m["train/optimizer_steps"] == (1 if shape else 2) and m["train/logprob_mismatch"] < 1e-4
+    # an on-policy step writes its train forward's prev_logprobs after the optimizer step (timing/prev_logprobs);
+    # the generation-vs-trainer metrics still compare them with generation_logprobs
+    assert ("timing/prev_logprobs" in m) == bool(shape) and 1.0 <= m["train/token_mult_prob_error"] < 1.0001
     assert len(data["step_000001.jsonl"]) == 32
     # logger.save_rollouts: the trained rows with their token columns, in train_data's order
     saved = pq.read_table(Path(summary["run_dir"]) / "rollouts/step_000001.parquet")
@@ -108,9 +119,9 @@ def test_data_plane_path_trains_with_nll(baseline):
 
 
 def test_parity_data_plane_off(baseline, tmp_path):
-    base_s, base_m, base_d = baseline
+    base_s, base_m, base_d, shape = baseline
     _, m, d = run(tmp_path, "off", "data_plane.enabled=false", "loss_fn.positive_example_nll_weight=0.1",
-                  "logger.save_rollouts=true")
+                  "logger.save_rollouts=true", *shape)
     assert d == base_d, "rollouts differ between data plane on and off"
     on, off = (pq.read_table(Path(r) / "rollouts/step_000001.parquet") for r in (base_s["run_dir"], tmp_path / "off"))
     assert on.equals(off) and on.num_rows == 32  # logger.save_rollouts: the same rows and columns, both ways
@@ -121,10 +132,25 @@ def test_parity_data_plane_off(baseline, tmp_path):
 @pytest.mark.parametrize("override", ["policy.train_micro_batch_size=1", "policy.dp_size=2",
                                       "policy.activation_checkpointing=true"])
 def test_parity_micro_batch_and_ranks(baseline, tmp_path, override):
-    _, base_m, base_d = baseline
-    _, m, d = run(tmp_path, "p", "data_plane.enabled=true", "loss_fn.positive_example_nll_weight=0.1", override)
+    _, base_m, base_d, shape = baseline
+    _, m, d = run(tmp_path, "p", "data_plane.enabled=true", "loss_fn.positive_example_nll_weight=0.1", override, *shape)
     assert d == base_d
     assert_close(base_m[0], m[0])
+
+
+@pytest.mark.parametrize("baseline", ["from_train"], indirect=True)
+def test_an_on_policy_step_gives_the_numbers_of_the_forced_pass(baseline, tmp_path):
+    """policy.force_prev_logprobs_pass=true scores prev_logprobs in the separate pass, as every step did before
+    on-policy steps took them from the train forward: the same rows, metrics (1e-5; here bit for bit, the pass and
+    the train forward run the same microbatches) and stored prev_logprobs column."""
+    base_s, base_m, base_d, shape = baseline
+    s, m, d = run(tmp_path, "forced", "data_plane.enabled=true", "loss_fn.positive_example_nll_weight=0.1",
+                  "logger.save_rollouts=true", *shape, "policy.force_prev_logprobs_pass=true")
+    assert d == base_d and "timing/prev_logprobs" not in m[0]
+    assert_close(base_m[0], m[0])
+    on, forced = (pq.read_table(Path(r["run_dir"]) / "rollouts/step_000001.parquet") for r in (base_s, s))
+    assert np.allclose(np.concatenate(on.column("prev_logprobs").to_pylist()),
+                       np.concatenate(forced.column("prev_logprobs").to_pylist()), rtol=0, atol=1e-6)
 
 
 def test_dynamic_sampling_keeps_whole_informative_groups(tmp_path, ray_session):
@@ -258,6 +284,14 @@ def test_train_cli_writes_the_run_folder(tmp_path):
               "train_data/step_000002.jsonl"):
         assert (run_dir / f).is_file(), f
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    # summary.json's memory: every process of the run once (its own Ray's too), PSS, and their sum
+    memory = json.loads((run_dir / "summary.json").read_text())["memory"]
+    roles = [r["role"] for r in memory["processes"]]
+    want = {"supervisor", "driver", "train-rank-0", "rollout-0", "rollout-1", "raylet", "gcs_server"}
+    assert want <= set(roles), roles
+    assert memory["measure"] == "pss" and all(0 < r["peak_mb"] <= r["peak_rss_mb"] for r in memory["processes"])
+    assert memory["sum_peak_mb"] == pytest.approx(sum(r["peak_mb"] for r in memory["processes"]), abs=0.1 * len(roles))
+    assert 0 < memory["peak_total_mb"] <= memory["sum_peak_mb"] + 0.1 * len(roles)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for key in (*TRAIN_KEYS, "data_plane/bytes_written", "data_plane/driver_bytes_read", "timing/step"):

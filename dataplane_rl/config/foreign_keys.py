@@ -51,6 +51,10 @@ KEYS: dict[str, tuple[str, str]] = {
     "data.output_key": (NEMO_RL, "task.output_key here"),
     "data.max_input_seq_length": (NEMO_RL, "task.max_prompt_length here"),
     "policy.model_name": (NEMO_RL, "policy.model here (a local Hugging Face folder)"),
+    "loss_fn.force_on_policy_ratio": (
+        NEMO_RL, "policy.force_prev_logprobs_pass=false here, the default: a step whose rows the training weights "
+                 "generated (one optimizer step, one epoch, synchronous) takes prev_logprobs from the train forward "
+                 "(ratio 1) by itself; every other step keeps the log-prob pass (docs/grpo.md)"),
 }
 
 # verl's top-level sections (none is a section here) -> where their keys live here

@@ -100,6 +100,7 @@ class PolicyConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
     precision: Literal["float32", "bfloat16"] = Field("float32", description="Train compute dtype; bfloat16 is an FSDP2 mixed-precision policy (fp32 master weights and gradient reduction), CUDA only.")
     activation_checkpointing: bool = Field(False, description="Recompute each decoder block's activations in backward: less memory, more compute; same numbers.")
+    force_prev_logprobs_pass: bool = Field(False, description="Score prev_logprobs in a separate log-prob pass on every step. false: an exactly on-policy step skips the pass and takes them from its train forward, detached (the ratio is exactly 1; the column is still written): a synchronous step (grpo.async_grpo.enabled=false), grpo.num_epochs=1, one optimizer step per step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt <= policy.train_global_batch_size), grpo.seq_logprob_error_threshold=null and a policy without dropout. The reference and teacher passes run either way.")
     max_total_sequence_length: Optional[int] = Field(None, ge=2, description="Most prompt + response tokens per sample; longer responses are cut to fit and marked truncated. None: prompt + generation.max_new_tokens.")
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)

@@ -54,7 +54,11 @@ class Fleet:
         self.rollout_pids: list[int] = []
         self.workers: list = []  # the train ranks
         self.train_pids: list[int] = []
+        # why a step scores prev_logprobs in the log-prob pass (config/on_policy.py; the ranks add a policy with
+        # dropout); []: an exactly on-policy step takes them from its train forward
+        self.prev_pass: list[str] = []
         self.nodes: dict[str, list[str]] = {}  # node IP per rollout actor and per train rank
+        self.driver_node: str | None = None  # the driver's node IP
         self.rollouts = Rollouts(self)
         self.recovery = RolloutRecovery(self, self.ledger)  # dead rollout actors replaced (faults/rollout_actors.py)
         self.data_faults = DataFaults(self, self.ledger)  # failed groups left out (faults/data.py)
@@ -105,11 +109,13 @@ class Fleet:
         self.workers = [Train.options(**placement.options(self._groups[1], r, train_gpus)).remote(
             cfg_dict, self.model_folder, self.store_url, r, D, train_threads) for r in range(D)]
         self.nodes = {"rollout": placement.node_ips(self.rollout), "train": placement.node_ips(self.workers)}
+        self.driver_node = ray.util.get_node_ip_address()
         self.train_pids = placement.pids(self.workers)  # a dead rank's output is found by its PID (faults/train_ranks.py)
         placement.pin_gloo_interfaces(self.workers)
         init_method = ray.get(self.workers[0].address.remote())  # rank 0's node IP
         self.rollout_pids = ray.get([w.init_dist.remote(init_method) for w in self.workers]
                                     + [a.ready.remote() for a in self.rollout])[D:]
+        self.prev_pass = ray.get(self.workers[0].prev_logprobs_pass.remote())  # every rank holds the same policy
 
     def _spawn(self, slot: int):
         """A rollout actor on bundle `slot` of the rollout placement group (not yet ready)."""
@@ -190,6 +196,16 @@ class Fleet:
         self.store_url = self.transport.url
         get_all([a.reopen_store.remote(self.store_url) for a in self.rollout + self.workers], timeout=120)
         self.recovery.write()  # actors.json: the new store's processes
+
+    def local_roles(self) -> dict[int, str]:
+        """{PID: role} of the train ranks and rollout actors on the driver's node, whose memory the driver can read
+        (run/memory.py)."""
+        out = {}
+        for kind, pids, role in (("train", self.train_pids, "train-rank"), ("rollout", self.rollout_pids, "rollout")):
+            for i, (pid, node) in enumerate(zip(pids, self.nodes.get(kind, []))):
+                if node == self.driver_node:
+                    out[pid] = f"{role}-{i}"
+        return out
 
     # -- calls on every process ---------------------------------------------------------------------
     def call_ranks(self, method: str, *args) -> list:

@@ -22,6 +22,7 @@ from dataplane_rl.checkpoint.export import export_hf
 from dataplane_rl.run.reaper import deferred_sigint
 from dataplane_rl.run.preempt import LOST, TERMINATING, RayLost, StopSignals
 from dataplane_rl.run.folder import RunDir
+from dataplane_rl.run.memory import PeakMemory
 from dataplane_rl.run.run import Run
 from dataplane_rl.faults.kinds import FaultKind, RolloutActorError
 from dataplane_rl.faults.restart import RunRestarts
@@ -160,6 +161,8 @@ class RunLoop:
         self.restarts = RunRestarts(cfg, run.path, self.ckpt, run.ledger, self.new_fleet)
         self.saved_step: int | None = None  # the latest checkpoint's step
         self.done = 0  # the last step finished
+        # each process's peak memory, sampled from the fleet's start until it closes (summary.json's `memory`)
+        self.memory = PeakMemory(lambda: self.fleet.local_roles() if self.fleet is not None else {})
 
     def new_fleet(self) -> Fleet:
         return Fleet(self.cfg, self.run.ray, self.run.ledger)
@@ -170,6 +173,7 @@ class RunLoop:
         self.fleet = self.new_fleet()
         with self.stop.starting_up():  # a stop signal abandons the start at once: there is no step to finish
             self.fleet.start()
+        self.memory.start()
         self.stop.install()  # again, should anything the start loaded have set a handler of its own
         if run.ray.started:
             self.stop.watch_ray()
@@ -301,6 +305,7 @@ class RunLoop:
         if self.bar is not None:
             self.bar.close()
         run.close_loggers()
+        self.memory.stop()  # its last sample while the actors live
         try:
             if fleet is not None:
                 ray_lost(self.stop, run)  # a step that ended anyway: close() must not wait on a dead Ray either
@@ -321,7 +326,8 @@ class RunLoop:
                 summary = run.folder.finish(self.status, self.error, {
                     "run_dir": str(run.path), "signal": self.stop.signum, "nodes": fleet.nodes if fleet else {},
                     "faults": run.ledger.faults, "store_url": fleet.store_url if fleet else None,
-                    "kept_store_url": fleet.kept_store_url if fleet else None})
+                    "kept_store_url": fleet.kept_store_url if fleet else None,
+                    "memory": self.memory.summary() if self.memory.samples else None})
                 if self.timeline is not None:  # the checkpoints' and the close's spans, the actors' last events
                     try:
                         self.timeline.close(trace.take())

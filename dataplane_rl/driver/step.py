@@ -7,6 +7,7 @@ on/off switch is driver/transport.py; the processes are the Fleet's (driver/flee
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -35,15 +36,17 @@ def grpo_step(fleet, cfg, step: int) -> tuple[dict, list[dict]]:
     if cfg.grpo.async_grpo.in_flight_weight_updates:  # async/token_age_* and mixed_version_samples
         got.token_versions = read(fleet, got.rs, ["token_policy_version"], io).column(0).combine_chunks()
     rewards = advantages_and_masks(fleet, cfg, got, io)
-    # the run folder's rows are read before the optimizer steps: after them the step reads nothing from the
-    # store, so a store lost then costs nothing of the step (faults/restart.py)
+    # the run folder's rows are read before the optimizer steps: after them the step needs nothing from the
+    # store, so a store lost then costs nothing of the step (faults/restart.py; `prev_from_train`)
     samples = train_data(fleet, got.rs, io)
     per_rank_steps = shard(fleet, cfg, got)
-    logprobs(fleet, per_rank_steps, io)
-    if fleet.rollouts_dir is not None:
+    logprobs(fleet, cfg, per_rank_steps, io)
+    if fleet.rollouts_dir is not None and fleet.prev_pass:
         save_parquet(fleet.store, got.rs, fleet.rollouts_dir / f"step_{step:06d}.parquet")
     train = train_policy(fleet, cfg, per_rank_steps, io)
     fleet.trained = True
+    if not fleet.prev_pass:
+        prev_from_train(fleet, step, got.rs, per_rank_steps, io)
     fleet.version = step
     refit_phase(fleet, cfg, io)
     if not cfg.data_plane.keep_partitions:
@@ -142,26 +145,55 @@ def shard(fleet, cfg, got: Groups) -> list[list[RowSet]]:
 
 
 @trace.traced("logprobs")
-def logprobs(fleet, per_rank_steps: list[list[RowSet]], io: StepIO) -> None:
-    """prev_logprobs under the current weights (and the reference's), written as columns."""
+def logprobs(fleet, cfg, per_rank_steps: list[list[RowSet]], io: StepIO) -> None:
+    """prev_logprobs under the current weights (not on an exactly on-policy step: `prev_from_train`), the
+    reference's and the teacher's, written as columns; no pass when none of them is needed."""
     t0 = time.perf_counter()
-    fleet.transport.call(fleet.workers, "logprobs", [merge(s) for s in per_rank_steps],
-                        fleet.schema.field_set("LOGPROB_SEED_FIELDS"))
+    if fleet.prev_pass or cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.distillation.enabled:
+        fleet.transport.call(fleet.workers, "logprobs", [merge(s) for s in per_rank_steps],
+                             fleet.schema.field_set("LOGPROB_SEED_FIELDS"))
     io.timing["logprobs"] = time.perf_counter() - t0
 
 
 @trace.traced("train")
 def train_policy(fleet, cfg, per_rank_steps: list[list[RowSet]], io: StepIO) -> dict:
     """The optimizer steps; returns rank 0's global metrics."""
+    t0 = time.perf_counter()
+    # an on-policy step's prev_logprobs are not written yet: its train forward gives them
+    fields = [f for f in cfg.train_fields(fleet.schema) if fleet.prev_pass or f != "prev_logprobs"]
+    results = fleet.transport.call(fleet.workers, "train", per_rank_steps, fields)
+    io.timing["train"] = time.perf_counter() - t0
+    ranks_io(fleet, io)
+    return results[0]
+
+
+def ranks_io(fleet, io: StepIO) -> None:
+    """The train ranks' data-plane traffic and trace events since they were last taken."""
     import ray
 
-    t0 = time.perf_counter()
-    results = fleet.transport.call(fleet.workers, "train", per_rank_steps, cfg.train_fields(fleet.schema))
-    io.timing["train"] = time.perf_counter() - t0
     for r, receipt in enumerate(ray.get([w.take_io.remote() for w in fleet.workers])):
         io.add(receipt)
         trace.absorb(receipt.pop("trace", None), f"train-rank-{r}")
-    return results[0]
+
+
+@trace.traced("prev_logprobs")
+def prev_from_train(fleet, step: int, rs: RowSet, per_rank_steps: list[list[RowSet]], io: StepIO) -> None:
+    """An exactly on-policy step's prev_logprobs, which its train forward gave, written as the policy's column, then
+    the step's rollouts file (which holds them). After the optimizer step a lost store cannot be regenerated, but
+    the step needs nothing more from it: as `drop`, the column and the file go with the store's rows, and the step
+    goes on (the next store operation replaces the store: faults/restart.py)."""
+    t0 = time.perf_counter()
+    try:
+        fleet.transport.call(fleet.workers, "emit_prev_logprobs", [merge(s) for s in per_rank_steps])
+        if fleet.rollouts_dir is not None:
+            save_parquet(fleet.store, rs, fleet.rollouts_dir / f"step_{step:06d}.parquet")
+    except Exception as e:  # noqa: BLE001 - a store error of a dead holder is survived; any other raises
+        if not dead_store(fleet.store, e):
+            raise
+        print(f"step {step}: the run's store lost a process after the optimizer step; the step's prev_logprobs "
+              "column and rollouts file went with its rows", file=sys.stderr, flush=True)
+    ranks_io(fleet, io)
+    io.timing["prev_logprobs"] = time.perf_counter() - t0
 
 
 @trace.traced("refit")

@@ -29,17 +29,18 @@ class DriverTransport:
         self.store = store
         self.url: str | None = store.url if enabled else None  # what actors open; None: they open nothing
 
-    def call(self, workers: list, method: str, jobs: list, fields) -> list:
+    def call(self, workers: list, method: str, jobs: list, fields=None) -> list:
         """`method(job)` on every worker with its job: a row set, or a list of row sets (one per optimizer
-        step). Off: the driver fetches each job's `fields` and passes them along, and writes back a returned
-        table. Returns the workers' results."""
-        import ray
-
+        step). Off: the driver fetches each job's `fields` (None: the method reads no column) and passes them
+        along, and writes back a returned table. Returns the workers' results."""
         if self.url:
             return get_all([getattr(w, method).remote(j) for w, j in zip(workers, jobs)])
-        tables = [[fetch(self.store, rs, fields) for rs in j] if _is_steps(j) else fetch(self.store, j, fields)
-                  for j in jobs]
-        outs = get_all([getattr(w, method).remote(j, t) for w, j, t in zip(workers, jobs, tables)])
+        if fields is None:
+            outs = get_all([getattr(w, method).remote(j) for w, j in zip(workers, jobs)])
+        else:
+            tables = [[fetch(self.store, rs, fields) for rs in j] if _is_steps(j) else fetch(self.store, j, fields)
+                      for j in jobs]
+            outs = get_all([getattr(w, method).remote(j, t) for w, j, t in zip(workers, jobs, tables)])
         for j, out in zip(jobs, outs):
             if isinstance(out, pa.Table):
                 write(self.store, j, out)

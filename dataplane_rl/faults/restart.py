@@ -5,7 +5,8 @@
   GRPO, before the step's optimizer steps, the step then runs again from its start: its prompts and every
   sample's seed are its own and the weights are still those that generated it, so the regenerated rows, and
   the log-probs recomputed from them, are the lost ones; after them the step reads nothing more from the store
-  (driver/step.py grpo_step), so it goes on. In async GRPO (rows generated ahead with weights that are gone)
+  that it needs (driver/step.py grpo_step; an on-policy step's prev_logprobs column and rollouts file, written
+  then, go with the store's rows), so it goes on. In async GRPO (rows generated ahead with weights that are gone)
   the run resumes from its last checkpoint, in-process.
 - **A train rank** dies (checkpointing on): every actor is killed (the survivors may wait in a collective for the
   dead rank), new ones are made with a new process group, and the run resumes from its last checkpoint in-process,

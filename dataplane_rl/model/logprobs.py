@@ -154,3 +154,20 @@ def microbatch_logprobs(model, mb: dict, temperature: float = 1.0, with_entropy:
     packed_ids = None if at_ids is None else at_ids[mb["attention_mask"].bool()]  # [L, k]
     got = packed_logprobs(model, mb["packed_input_ids"], mb["cu_seqlens"], temperature, with_entropy, packed_ids, topk)
     return unpack(got, mb) if torch.is_tensor(got) else tuple(unpack(t, mb) for t in got)
+
+
+# torch's dropout modules: in train mode each zeroes activations at random with probability p
+DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+            torch.nn.FeatureAlphaDropout)
+
+
+def dropout_modules(model) -> list[str]:
+    """Names of the modules that drop activations in train mode: a torch dropout module with p > 0, or an attention
+    whose `attention_dropout` rate is above 0 (Hugging Face's Llama and Qwen2 attentions apply it as a function, with
+    no module). A train forward of such a model gives other log-probs than an eval forward of the same weights."""
+    found = []
+    for name, m in model.named_modules():
+        rate = getattr(m, "attention_dropout", 0.0)
+        if (isinstance(m, DROPOUTS) and m.p > 0) or (isinstance(rate, (int, float)) and rate > 0):
+            found.append(name)
+    return found

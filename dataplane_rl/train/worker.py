@@ -3,7 +3,8 @@
 It computes its shard's policy and reference log-probs (written back as columns), then runs the
 microbatch loop: global counts all-reduced once per optimizer step, ClippedPGLoss, FSDP2's gradient
 reduce-scatter, norm clipping over the sharded gradients, AdamW on the shards and the learning-rate
-schedule; grpo.num_epochs times.
+schedule; grpo.num_epochs times. An exactly on-policy step (config/on_policy.py) takes its policy log-probs
+from the train forward instead, detached, and writes them as the column once the optimizer has stepped.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dataplane_rl import trace
-from dataplane_rl.store import list_array
+from dataplane_rl.store import list_array, pad_tokens
 from dataplane_rl.columns.rowsets import RowSet
 from dataplane_rl.train.batch import build_train_batch, plan_microbatches, slots
 from dataplane_rl.train.fsdp import to_float
@@ -33,10 +34,23 @@ def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return on.cpu()
 
 
+def token_column(per_mb: list, lengths: np.ndarray, value_type: pa.DataType) -> pa.Array:
+    """A token column of a rank's rows from its microbatches' values [(microbatch, [b, t, *] array)]: rows back in
+    batch order (each microbatch's `row_index`), each cut to its length."""
+    rows: list = [None] * len(lengths)
+    for mb, values in per_mb:
+        for i, row in zip(mb["row_index"].tolist(), values):
+            rows[i] = row
+    return list_array(np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)]), lengths, value_type)
+
+
 @trace.traced("forward_backward")
-def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: float) -> tuple[list[dict], torch.Tensor]:
+def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: float,
+                       prev_from_forward: bool = False) -> tuple[list[dict], torch.Tensor]:
     """Forward and backward of one optimizer step's microbatches (gradients accumulate in `model`).
-    Returns each microbatch's metrics (shares of the global values) and [valid, all] token slots computed."""
+    Returns each microbatch's metrics (shares of the global values) and [valid, all] token slots computed.
+    prev_from_forward (an exactly on-policy step, config/on_policy.py): each microbatch's prev_logprobs are its own
+    forward's log-probs, detached, set on the microbatch before the loss reads them (the ratio is exactly 1)."""
     from dataplane_rl.model.logprobs import microbatch_logprobs
 
     per_mb = []
@@ -47,6 +61,8 @@ def train_microbatches(model, loss_fn, mbs: list[dict], counts, temperature: flo
         ids = mb.get("teacher_topk_ids")  # [b, t, k] with distillation: the student's log-probs there too
         got = microbatch_logprobs(model, mb, temperature, with_entropy=True, at_ids=ids)  # [b, t] each (+ [b, t, k])
         lp, ent = got[0], got[1]
+        if prev_from_forward:  # the weights of this forward generated the rows: the pass would score them so
+            mb["prev_logprobs"] = lp.detach()  # [b, t]
         used += torch.tensor([float(mb["attention_mask"].sum()), float(slots(mb))], dtype=torch.float64)
         # FSDP2 averages gradients over the D ranks; the loss carries the factor D, so the
         # reduced gradient is the global one (sum over all tokens / the global counts)
@@ -76,6 +92,15 @@ class TrainWorker:
         self.device = pick_device(self.cfg.policy.device)
         torch.manual_seed(self.cfg.grpo.seed)
         self.model = load_model(model_folder, self.device)
+        from dataplane_rl.config.on_policy import prev_pass_reasons
+        from dataplane_rl.model.logprobs import dropout_modules
+
+        dropping = dropout_modules(self.model)
+        # why this rank scores prev_logprobs in the log-prob pass; []: an on-policy step takes them from its
+        # train forward
+        self.prev_pass = prev_pass_reasons(self.cfg) + (
+            [f"the policy drops activations in training ({', '.join(dropping[:3])})"] if dropping else [])
+        self.prev_out: list = []  # such a step's prev_logprobs, (row set, table) per optimizer step, until emitted
         self.ref = None
         if self.cfg.loss_fn.reference_policy_kl_penalty > 0:
             self.ref = load_model(model_folder, self.device).eval().requires_grad_(False)
@@ -130,6 +155,10 @@ class TrainWorker:
         self.scheduler = build_scheduler(self.opt, self.cfg)  # a torch LRScheduler: a checkpoint saves its state
         return os.getpid()
 
+    def prev_logprobs_pass(self) -> list[str]:
+        """Why this rank's steps score prev_logprobs in the log-prob pass; []: they take them from the train forward."""
+        return self.prev_pass
+
     def take_io(self) -> dict:
         """The step's data-plane bytes and seconds, and its trace events (`trace`)."""
         return {**self.io.take(), "trace": trace.take()}
@@ -139,30 +168,26 @@ class TrainWorker:
     @torch.no_grad()
     def logprobs(self, rs: RowSet, table: pa.Table | None = None) -> pa.Table | None:
         """prev_logprobs (the policy's current weights, before this step: in async mode newer than the rows'
-        generation_policy_version, whose generation_logprobs stay the behaviour policy's),
-        reference_policy_logprobs and, with distillation, the teacher's top-k columns for the shard."""
+        generation_policy_version, whose generation_logprobs stay the behaviour policy's; not on an exactly
+        on-policy step, whose train forward gives them), reference_policy_logprobs and, with distillation, the
+        teacher's top-k columns for the shard."""
         from dataplane_rl.model.logprobs import microbatch_logprobs
 
         seed_fields = self.schema.field_set("LOGPROB_SEED_FIELDS")
         (batch,), (mbs,), (extra,) = self._read_together(
             lambda: [build_train_batch(self.io.fetch(rs, seed_fields, table), self.schema, self.device)], "logprob", 1)
         lengths = batch["input_lengths"].cpu().numpy()
-        models = {"prev_logprobs": self.model}
+        models = {"prev_logprobs": self.model} if self.prev_pass else {}
         if self.ref is not None:
             models["reference_policy_logprobs"] = self.ref
         out = {}
         temp = self.cfg.generation.temperature
         self.model.eval()
         for name, model in models.items():
-            rows: list = [None] * len(lengths)
-            for mb in mbs:
-                lp = microbatch_logprobs(model, mb, temp).float().cpu()  # [b, t]
-                for i, row in zip(mb["row_index"].tolist(), lp.numpy()):
-                    rows[i] = row
+            per_mb = [(mb, microbatch_logprobs(model, mb, temp).float().cpu().numpy()) for mb in mbs]  # [b, t] each
             for _ in range(extra):
                 self._empty_pass(model, backward=False)
-            flat = np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)])
-            out[name] = list_array(flat, lengths, pa.float32())
+            out[name] = token_column(per_mb, lengths, pa.float32())
         if self.teacher is not None:
             out.update(self._teacher_topk(mbs, lengths, extra))
         return self.io.emit(rs, pa.table(out))
@@ -173,17 +198,15 @@ class TrainWorker:
         from dataplane_rl.model.logprobs import microbatch_logprobs
 
         k, temp = self.cfg.distillation.topk_logits_k, self.cfg.generation.temperature
-        vals: list = [None] * len(lengths)
-        ids: list = [None] * len(lengths)
+        vals, ids = [], []
         for mb in mbs:
             v, i = microbatch_logprobs(self.teacher, mb, temp, topk=k)  # [b, t, k] each
-            for r, rv, ri in zip(mb["row_index"].tolist(), v.cpu().numpy(), i.cpu().numpy()):
-                vals[r], ids[r] = rv, ri
+            vals.append((mb, v.cpu().numpy()))
+            ids.append((mb, i.cpu().numpy()))
         for _ in range(extra):
             self._empty_pass(self.teacher, backward=False)
-        return {name: list_array(np.concatenate([row[:int(n)] for row, n in zip(rows, lengths)]), lengths,
-                                 self.schema.column(name).token_type)  # [L_i, k] per row
-                for name, rows in (("teacher_topk_logprobs", vals), ("teacher_topk_ids", ids))}
+        return {name: token_column(per_mb, lengths, self.schema.column(name).token_type)  # [L_i, k] per row
+                for name, per_mb in (("teacher_topk_logprobs", vals), ("teacher_topk_ids", ids))}
 
     def _read_together(self, read, kind: str, n: int) -> tuple[list[dict], list[list], list[int]]:
         """`read()` (this rank's n batches from the store), their microbatches and, per batch, the empty passes
@@ -229,35 +252,30 @@ class TrainWorker:
     @trace.traced("train")
     def train(self, steps: list[RowSet], tables: list[pa.Table] | None = None) -> dict:
         """grpo.num_epochs passes over this rank's shards of the step's global batches, one optimizer step
-        per shard per pass; prev_logprobs stay those of the log-prob pass. Returns global metrics."""
+        per shard per pass; prev_logprobs stay those of the log-prob pass, or, on an exactly on-policy step,
+        are the train forward's (kept for `emit_prev_logprobs`). Returns global metrics."""
         from dataplane_rl.algorithms.loss import MAX_METRICS
         from dataplane_rl.train.counts import all_reduce_counts, local_counts, reduce_metrics
 
         p = self.cfg.policy
         self.model.train()
+        from_forward = not self.prev_pass
+        fields = [f for f in self.train_fields if not (from_forward and f == "prev_logprobs")]  # not written yet
 
         def read() -> list[dict]:
-            return [build_train_batch(self.io.fetch(rs, self.train_fields, tables[i] if tables is not None else None),
+            return [build_train_batch(self.io.fetch(rs, fields, tables[i] if tables is not None else None),
                                       self.schema, self.device) for i, rs in enumerate(steps)]
 
         batches, plans, extras = self._read_together(read, "train", len(steps))
         history = []
         used = torch.zeros(2, dtype=torch.float64)  # [valid token slots, all token slots] of the train passes
-        # [sum |gen - prev|, count, sum exp|gen - prev|] over valid tokens
-        mismatch = torch.zeros(3, dtype=torch.float64)
-        for batch in batches:
-            if "generation_logprobs" in batch:
-                m = batch["token_mask"] * batch["sample_mask"][:, None]  # [B, T]
-                gap = (batch["generation_logprobs"] - batch["prev_logprobs"]).abs()  # [B, T]
-                mismatch[0] += float((gap * m).sum())
-                mismatch[1] += float(m.sum())
-                # gap masked before exp: off-mask gaps (prompt log-probs vs 0.0) could overflow to inf * 0 = NaN
-                mismatch[2] += float((torch.where(m > 0, gap, 0.0).double().exp() * m).sum())
+        self.prev_out = []
         for _ in range(self.cfg.grpo.num_epochs):
             for batch, mbs, extra in zip(batches, plans, extras):
                 counts = all_reduce_counts(local_counts(batch, self.loss_fn.seq_logprob_error_threshold))
                 self.opt.zero_grad(set_to_none=True)
-                per_mb, mb_used = train_microbatches(self.model, self.loss_fn, mbs, counts, self.cfg.generation.temperature)
+                per_mb, mb_used = train_microbatches(self.model, self.loss_fn, mbs, counts,
+                                                     self.cfg.generation.temperature, prev_from_forward=from_forward)
                 used += mb_used
                 for _ in range(extra):
                     self._empty_pass(self.model, backward=True)
@@ -274,6 +292,22 @@ class TrainWorker:
                 # learning rate): the norm of the updated weights shows it before the next rollout uses them
                 metrics["param_norm"] = to_float(torch.nn.utils.get_total_norm([q.detach() for q in self.model.parameters()]))
                 history.append(metrics)
+        if from_forward:  # the column as the pass would have written it, and the tensor a read of it would give
+            for rs, batch, mbs in zip(steps, batches, plans):
+                col = token_column([(mb, mb["prev_logprobs"].float().cpu().numpy()) for mb in mbs],
+                                   batch["input_lengths"].cpu().numpy(), pa.float32())
+                batch["prev_logprobs"] = pad_tokens(col)[0].float().to(self.device)  # [B, T]
+                self.prev_out.append((rs, pa.table({"prev_logprobs": col})))
+        # [sum |gen - prev|, count, sum exp|gen - prev|] over valid tokens
+        mismatch = torch.zeros(3, dtype=torch.float64)
+        for batch in batches:
+            if "generation_logprobs" in batch:
+                m = batch["token_mask"] * batch["sample_mask"][:, None]  # [B, T]
+                gap = (batch["generation_logprobs"] - batch["prev_logprobs"]).abs()  # [B, T]
+                mismatch[0] += float((gap * m).sum())
+                mismatch[1] += float(m.sum())
+                # gap masked before exp: off-mask gaps (prompt log-probs vs 0.0) could overflow to inf * 0 = NaN
+                mismatch[2] += float((torch.where(m > 0, gap, 0.0).double().exp() * m).sum())
         rows = self._row_stats(batches)
         if dist.is_initialized() and self.world > 1:
             mismatch, used = _all_reduce(mismatch), _all_reduce(used)
@@ -287,6 +321,16 @@ class TrainWorker:
         out.update(rows)
         out["optimizer_steps"] = len(history)
         return out
+
+    @trace.traced("prev_logprobs")
+    def emit_prev_logprobs(self, rs: RowSet, table: pa.Table | None = None) -> pa.Table | None:
+        """Put the prev_logprobs an on-policy step's train forward gave for this rank's rows `rs` (the policy's
+        column; data plane off: return them for the driver to write). Called after the optimizer step, so a store
+        error here cannot leave the driver thinking the weights are those that generated the rows."""
+        out, self.prev_out = self.prev_out, []
+        if not out:
+            return None
+        return self.io.emit(rs, pa.concat_tables([t for _, t in out]))
 
     def _row_stats(self, batches: list[dict]) -> dict:
         """Global prompt and response lengths of the step's rows and the ranks' token imbalance (max / mean)."""
