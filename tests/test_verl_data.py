@@ -372,6 +372,11 @@ def test_an_overlong_prompt_is_refused_by_row_filtered_and_counted_or_cut(tmp_pa
     assert s.draw(0, 1, 0, 4) == keys, "the replacement is a pure function of (seed, step, round, position)"
     assert 3 not in s.val(8) and s.counters()["rollout/overlong_prompts_filtered_total"] == 3
     assert sampler("task.max_prompt_length=600").draw(0, 1, 0, 4) == [0, 1, 2, 3]
+    # policy.max_total_sequence_length bounds it too (a response is cut to fit, but needs a token): the driver refuses
+    # the row by name, where the rollout actor used to fail mid-run on it naming no row
+    assert sampler("policy.max_total_sequence_length=100").limit == 99
+    with pytest.raises(ConfigError, match=rf"task path '{data}' row 3 \(step 1\): .* more than task.max_prompt_length=99"):
+        sampler("policy.max_total_sequence_length=100").draw(0, 1, 0, 4)
     # truncation: the driver lets it through, the rollout actor cuts it
     assert sampler("task.truncation=left").draw(0, 1, 0, 4) == [0, 1, 2, 3]
     assert truncate(list(range(10)), 4, "left") == [6, 7, 8, 9] and truncate(list(range(10)), 4, "right") == [0, 1, 2, 3]
