@@ -39,7 +39,7 @@ def test_multi_turn_run_trains_only_the_policys_tokens(baseline):
     assert m["rollout/policy_token_fraction"] == pytest.approx(
         m["train/global_valid_toks"] / (m["train/global_valid_toks"] + 16 * m["rollout/env_tokens_mean"]))
     tok = load_tokenizer(build_tiny(0))  # observations are not prompt tokens
-    assert m["generation/prompt_length_mean"] == len(tok("guess 0000 1-7:").input_ids) + 1
+    assert m["generation/prompt_length_mean"] == len(tok("guess 0000 1-7:").input_ids)  # BOS: the tokenizer adds it
     rates = [m[f"rollout/{k}_rate"] for k in ("natural_termination", "max_turns_reached", "truncation")]
     assert math.isclose(sum(rates), 1.0) and m["rollout/natural_termination_rate"] == 1.0
     # the same weights in both engines: exp|gen - train| over trained tokens is 1 up to float rounding
