@@ -4,7 +4,10 @@ Python block; and every link between them resolves.
 Blocks run top to bottom, README.md first, then docs/*.md in name order, each a subprocess, in one temporary
 working directory that looks like a checkout (its files linked in, no `runs/`), so a later block may use
 what an earlier one made (`runs/latest`). A block preceded by `<!-- readme-test: skip (REASON) -->` does not run; the marker is
-only for blocks that need a Ray cluster, several hosts or a GPU.
+only for blocks that need a Ray cluster, several hosts or a GPU. A block preceded by
+`<!-- readme-test: run by tests/FILE.py (REASON) -->` runs there instead, as written, with that file's checks on its
+output (the real model's training command, whose run a second time here would cost CI minutes); the file must
+read the block from its page.
 
 What runs: in a shell block (bash, or a console block whose lines start with `$ `), each command line
 (`\\`-continued lines joined, `# comments` dropped) is split on `&&`, and every part whose program is
@@ -35,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # the README first: later pages may use its runs
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
+RUN_BY = re.compile(r"<!--\s*readme-test:\s*run by (?P<test>tests/\S+\.py)\s*\((?P<reason>[^)]+)\)\s*-->")
 FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
 SHELL = {"bash", "sh", "shell", "console", ""}
 # a train command's budget: steps of 2 prompts x 2 samples, short responses (any dp_size up to 2), and one
@@ -56,6 +60,7 @@ class Block:
     skip: str | None = None        # the marker's reason
     commands: list[tuple[str, list[str]]] = field(default_factory=list)  # (command line, expected output lines)
     page: str = "README.md"        # the file, relative to the checkout
+    run_by: str | None = None      # the test file that runs it instead (RUN_BY)
 
     @property
     def id(self) -> str:
@@ -78,6 +83,8 @@ def parse_blocks(markdown: str, page: str = "README.md") -> list[Block]:
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         marker = SKIP.search(before)
         block = Block(m["lang"], start + 1, "\n".join(body) + "\n", marker["reason"] if marker else None, page=page)
+        run_by = RUN_BY.search(before)
+        block.run_by = run_by["test"] if run_by else None
         if block.lang in SHELL:
             block.commands = shell_commands(body, block.lang)
         blocks.append(block)
@@ -155,7 +162,15 @@ def prepare(part: str, ray_address: str | None) -> tuple[str, list[str]]:
 
 
 BLOCKS = [b for page in PAGES for b in parse_blocks(page.read_text(), str(page.relative_to(ROOT)))]
-RUN = [b for b in BLOCKS if b.skip is None and (b.lang == "python" or any(runnable(c) for c, _ in b.commands))]
+RUN = [b for b in BLOCKS if b.skip is None and b.run_by is None
+       and (b.lang == "python" or any(runnable(c) for c, _ in b.commands))]
+
+
+def block_at(page: str, marker: str) -> Block:
+    """The one block of `page` preceded by a `run by` marker naming `marker` (a test file): what that file runs."""
+    found = [b for b in BLOCKS if b.page == page and b.run_by == marker]
+    assert len(found) == 1, f"{page} has {len(found)} blocks marked `readme-test: run by {marker}`, not one"
+    return found[0]
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +255,21 @@ def test_skip_markers_are_for_clusters_and_gpus_only():
         markers = [line for line in page.read_text().splitlines() if SKIP.fullmatch(line.strip())]
         assert len(markers) == sum(b.skip is not None for b in BLOCKS if b.page == name), \
             f"{name}: a skip marker that is not directly before a fenced block skips nothing"
+        markers = [line for line in page.read_text().splitlines() if RUN_BY.fullmatch(line.strip())]
+        assert len(markers) == sum(b.run_by is not None for b in BLOCKS if b.page == name), \
+            f"{name}: a `run by` marker that is not directly before a fenced block hands nothing over"
+
+
+def test_a_block_run_elsewhere_is_run_there():
+    """A `run by` block is a command line of this CLI, and the test file it names exists and reads it from its page
+    (block_at), so the page's command is the one that runs."""
+    handed = [b for b in BLOCKS if b.run_by is not None]
+    assert handed, "docs/models.md's real-model command is run by tests/test_real_model.py"
+    for b in handed:
+        assert b.commands and all(runnable(c) for c, _ in b.commands), f"{b.id}: no dataplane-rl command to run"
+        source = (ROOT / b.run_by).read_text()
+        assert "block_at(" in source and f'"{b.page}"' in source and f'"{b.run_by}"' in source, \
+            f"{b.id}: {b.run_by} does not read this block (block_at with its page and its own name)"
 
 
 def test_apt_install_updates_the_package_lists_first():

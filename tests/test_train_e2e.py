@@ -85,13 +85,28 @@ ON_POLICY = ("policy.train_global_batch_size=32",)
 SHAPES = {"pass": (), "from_train": ON_POLICY}
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
-def baseline(request, tmp_path_factory, ray_session):
+def baseline_run(tmp_path_factory, shape: tuple[str, ...]):
     """Data plane on (shm), dp 1, micro 4, with the VAPO NLL term on; prev_logprobs from the log-prob pass (two
     optimizer steps) or from the train forward (one). Returns the run and the overrides of its shape."""
-    shape = SHAPES[request.param]
     return (*run(tmp_path_factory.mktemp("e2e"), "base", "data_plane.enabled=true",
                  "loss_fn.positive_example_nll_weight=0.1", "logger.save_rollouts=true", *shape), shape)
+
+
+@pytest.fixture(scope="module")
+def baseline_pass(tmp_path_factory, ray_session):
+    return baseline_run(tmp_path_factory, SHAPES["pass"])
+
+
+@pytest.fixture(scope="module")
+def baseline_from_train(tmp_path_factory, ray_session):
+    return baseline_run(tmp_path_factory, SHAPES["from_train"])
+
+
+@pytest.fixture(params=sorted(SHAPES))
+def baseline(request):
+    """The baseline run of a shape: each runs once a module (two module fixtures, so pytest's ordering of
+    parametrized tests never runs one twice)."""
+    return request.getfixturevalue(f"baseline_{request.param}")
 
 
 def test_data_plane_path_trains_with_nll(baseline):
@@ -129,12 +144,25 @@ def test_parity_data_plane_off(baseline, tmp_path):
     assert m[0]["data_plane/enabled"] is False
 
 
+@pytest.mark.parametrize("baseline", ["pass"], indirect=True)
 @pytest.mark.parametrize("override", ["policy.train_micro_batch_size=1", "policy.dp_size=2",
                                       "policy.activation_checkpointing=true"])
 def test_parity_micro_batch_and_ranks(baseline, tmp_path, override):
     _, base_m, base_d, shape = baseline
     _, m, d = run(tmp_path, "p", "data_plane.enabled=true", "loss_fn.positive_example_nll_weight=0.1", override, *shape)
     assert d == base_d
+    assert_close(base_m[0], m[0])
+
+
+@pytest.mark.parametrize("baseline", ["from_train"], indirect=True)
+def test_an_on_policy_step_over_two_ranks(baseline, tmp_path):
+    """Each rank writes its rows' prev_logprobs from its own train forward (4 microbatches a rank): the numbers of
+    one rank. (Micro-batch size and checkpointing add nothing to an on-policy step that the pass's parity runs
+    do not check, and their runs would cost CI minutes.)"""
+    _, base_m, base_d, shape = baseline
+    _, m, d = run(tmp_path, "p", "data_plane.enabled=true", "loss_fn.positive_example_nll_weight=0.1",
+                  "policy.dp_size=2", *shape)
+    assert d == base_d and m[0]["train/optimizer_steps"] == 1 and "timing/prev_logprobs" in m[0]
     assert_close(base_m[0], m[0])
 
 
