@@ -1,5 +1,6 @@
 """Config: YAML + dotted overrides, validated before anything starts; errors name the key."""
 
+import os
 import re
 
 import pytest
@@ -303,3 +304,29 @@ def test_a_command_line_sets_each_key_once(overrides, says):
         check_overrides(overrides)
     assert main(["config", "show", *overrides]) == 2
     check_overrides(["grpo.seed=1", "grpo.seed_x=2", "grpo.async_grpo.enabled=true", "grpo.async_grpo_x=1"])
+
+
+def test_torch_threads_follow_the_model_the_caller_and_async_steps():
+    """One thread a process for a small model (its matmuls too small for a second thread's barriers), every core a
+    phase for a large one (halved when async GRPO generates while it trains), the caller's OMP_NUM_THREADS over
+    both; a bad OMP_NUM_THREADS is refused before Ray starts."""
+    from dataplane_rl.driver.preflight import SMALL_MODEL_PARAMETERS, preflight, torch_threads
+
+    cfg = load_config(None, [])
+    big = SMALL_MODEL_PARAMETERS
+    assert torch_threads(cfg, 8, 300_000, {}) == (1, 1)
+    assert torch_threads(cfg, 8, big, {}) == (8, 8)
+    assert torch_threads(load_config(None, ["generation.num_workers=2", "policy.dp_size=4"]), 8, big, {}) == (4, 2)
+    overlapped = load_config(None, ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true"])
+    assert torch_threads(overlapped, 8, big, {}) == (4, 4)
+    assert torch_threads(cfg, 8, 300_000, {"OMP_NUM_THREADS": "3"}) == (3, 3)
+    assert torch_threads(cfg, 2, big, {"OMP_NUM_THREADS": " 1 "}) == (1, 1)
+    for bad in ("0", "two", "-1", "1.5"):
+        with pytest.raises(ConfigError, match=rf"OMP_NUM_THREADS='{re.escape(bad)}' is not a positive whole number"):
+            torch_threads(cfg, 8, big, {"OMP_NUM_THREADS": bad})
+    os.environ["OMP_NUM_THREADS"] = "many"
+    try:
+        with pytest.raises(ConfigError, match="OMP_NUM_THREADS='many'"):
+            preflight(cfg)
+    finally:
+        del os.environ["OMP_NUM_THREADS"]

@@ -421,7 +421,7 @@ def test_a_signal_ends_the_step_and_leaves_a_consistent_run_folder(tmp_path, sig
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_default_config_learns(tmp_path, mode):
-    """The README's promise, the whole default run (seed 0, 100 steps; 75 s idle): the task is mastered, in
+    """The README's promise, the whole default run (seed 0, 100 steps; 58 s idle): the task is mastered, in
     the sampled train reward and in greedy decoding of held-out prompts, and the sync run gives exactly the
     figures the README's quick start prints. Async GRPO (age 1, importance-sampling correction) learns it
     too, training on rows one update old."""

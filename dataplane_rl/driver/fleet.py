@@ -30,6 +30,7 @@ from dataplane_rl.driver.step_io import StepIO
 from dataplane_rl.driver.transport import DriverTransport
 from dataplane_rl.train.worker import TrainWorker
 from dataplane_rl.driver.preflight import open_run_store, preflight, torch_threads
+from dataplane_rl.model.describe import parameter_count
 
 
 class Fleet:
@@ -98,7 +99,7 @@ class Fleet:
                   f"  inspect: dataplane-rl store ls {self.store_url}   free: dataplane-rl store drop "
                   f"{self.store_url} --all", file=sys.stderr)
         cfg_dict = cfg.model_dump(mode="json", by_alias=True)
-        gen_threads, train_threads = torch_threads(cfg, os.cpu_count() or 1)
+        gen_threads, train_threads = torch_threads(cfg, os.cpu_count() or 1, parameter_count(self.model_folder))
         N, D = cfg.generation.num_workers, cfg.policy.dp_size
         rollout_gpus, train_gpus = placement.gpu_plan(cfg)
         self._groups = [placement.placement_group("rollout", N, rollout_gpus, cfg, ray_nodes),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 from dataplane_rl.config import Config
@@ -40,6 +41,7 @@ def preflight(cfg: Config):
     if is_multi_turn(task):
         check_multi_turn(cfg, task)
     check_device(cfg)
+    threads_given()
     private_ray.check_dashboard(cfg)
     check_prompt_lengths(cfg, task, tokenizer)
     sampler = PromptSampler(cfg, task, tokenizer, str(folder))
@@ -232,10 +234,38 @@ def check_distillation(cfg: Config, student_tokenizer) -> None:
             raise ConfigError(str(e)) from None
 
 
-def torch_threads(cfg: Config, cpus: int) -> tuple[int, int]:
-    """torch threads per rollout actor and per train rank. Sync phases take turns, so each group gets every
-    core; async GRPO with an age above 0 generates while it trains, so the groups split the cores: on CPU,
-    4 busy torch threads on 2 cores made both phases 2-3x slower than alone (bench e2e --async)."""
+# Below this many parameters a model's matmuls are too small for a second torch thread to pay for its barriers:
+# the embedded defaults' model (0.3M) ran 30 steps in 27.9 s with one thread a process against 29.7 s with two,
+# and beside 2 busy loops in 35.5 s against 67.9 s (2-core AMD VM, 2026-12-06); SmolLM2-135M, whose matmuls are
+# 576 wide, took 70 s for 3 steps with two threads against 92 s with one.
+SMALL_MODEL_PARAMETERS = 10_000_000
+
+
+def threads_given(env: dict[str, str] | None = None) -> int | None:
+    """The caller's OMP_NUM_THREADS (torch threads per process), or None where unset; a ConfigError for a value
+    that is not a count."""
+    from dataplane_rl.errors import ConfigError
+
+    given = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    if not given:
+        return None
+    if not given.isdigit() or int(given) < 1:
+        raise ConfigError(f"OMP_NUM_THREADS={given!r} is not a positive whole number; set it to the torch threads "
+                          "each process of the run should use, or unset it to let the run choose")
+    return int(given)
+
+
+def torch_threads(cfg: Config, cpus: int, parameters: int, env: dict[str, str] | None = None) -> tuple[int, int]:
+    """torch threads per rollout actor and per train rank. The caller's OMP_NUM_THREADS, where set, is every
+    process's count (the convention torch and OpenMP share). A small model gets one thread a process. Otherwise
+    sync phases take turns, so each group gets every core; async GRPO with an age above 0 generates while it
+    trains, so the groups split the cores: on CPU, 4 busy torch threads on 2 cores made both phases 2-3x slower
+    than alone (bench e2e --async)."""
+    given = threads_given(env)
+    if given:
+        return given, given
+    if parameters < SMALL_MODEL_PARAMETERS:
+        return 1, 1
     N, D = cfg.generation.num_workers, cfg.policy.dp_size
     a = cfg.grpo.async_grpo
     if a.enabled and a.max_trajectory_age_steps > 0:
