@@ -5,9 +5,9 @@ Blocks run top to bottom, README.md first, then docs/*.md in name order, each a 
 working directory that looks like a checkout (its files linked in, no `runs/`), so a later block may use
 what an earlier one made (`runs/latest`). A block preceded by `<!-- readme-test: skip (REASON) -->` does not run; the marker is
 only for blocks that need a Ray cluster, several hosts or a GPU. A block preceded by
-`<!-- readme-test: run by tests/FILE.py (REASON) -->` runs there instead, as written, with that file's checks on its
-output (the real model's training command, whose run a second time here would cost CI minutes); the file must
-read the block from its page.
+`<!-- readme-test: run by TESTFILE (REASON) -->` (a file under tests/) runs there instead, as written, with that
+file's checks on its output (the real model's training command, whose run a second time here would cost CI
+minutes); the file must read the block from its page.
 
 What runs: in a shell block (bash, or a console block whose lines start with `$ `), each command line
 (`\\`-continued lines joined, `# comments` dropped) is split on `&&`, and every part whose program is

@@ -63,7 +63,7 @@ class Fleet:
         self.rollouts = Rollouts(self)
         self.recovery = RolloutRecovery(self, self.ledger)  # dead rollout actors replaced (faults/rollout_actors.py)
         self.data_faults = DataFaults(self, self.ledger)  # failed groups left out (faults/data.py)
-        self.policy_ref = None  # the last refit's full state dict, in the object store
+        self.policy_ref = None  # the last refit's weights: a state dict in the object store, or a SharedWeights
         self.version = self.in_step = 0  # the weights' version: the last training step done (0: the initial ones)
         self.trained = False  # the step under way has stepped the optimizer
         self.refits: list = []  # async: rollout actors' load_weights calls not yet confirmed, (slot, actor, future)
@@ -219,11 +219,23 @@ class Fleet:
 
     def refit(self, wait: bool = True) -> float:
         """Hand the policy's weights (version `self.version`) to the rollout actors, gathered once (rank 0's
-        copy), as one object-store reference every actor reads. wait: block until every engine has them and
+        copy): one file in shared memory that every actor maps (shares_weights), or else one object-store reference
+        every actor reads. wait: block until every engine has them and
         return the slowest engine's load seconds; else they land after the actors' batches in flight."""
-        refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
-        get_all(refs[1:])  # a dead rank is seen at once, not after the others' collective times out
-        self.policy_ref = refs[0]
+        if self.shares_weights():
+            # kept: the versions an open job was sent with (a replacement actor replays the job with them), and,
+            # async, those a refit not yet confirmed may still load (its actor's batches before it make the rows of
+            # the steps up to `age` ahead, so none older than that is pending)
+            overlap = self.cfg.grpo.async_grpo
+            age = overlap.max_trajectory_age_steps if overlap.enabled else 0
+            pending = set(range(self.version - age, self.version))
+            need = sorted({p.version for p in self.rollouts.open.values()} | pending)
+            refs = [w.publish_weights.remote(self.version, need) for w in self.workers]
+            self.policy_ref = get_all(refs)[0]  # a SharedWeights: the actors map rank 0's file
+        else:
+            refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
+            get_all(refs[1:])  # a dead rank is seen at once, not after the others' collective times out
+            self.policy_ref = refs[0]
         self.recovery.keep_weights(self.version, self.policy_ref)
         if not wait:
             self.refits += [(i, a, a.load_weights.remote(self.policy_ref, self.version)) for i, a in enumerate(self.rollout)]
@@ -233,6 +245,25 @@ class Fleet:
                                          [self.version] * n))
         self.refits[:] = []  # every engine holds these weights now, a replacement's included
         return seconds
+
+    def shares_weights(self) -> bool:
+        """Refits go through shared memory (model/shared_weights.py): the Hugging Face engine, whose actors all run
+        on train rank 0's node, without in-flight updates (a refit waiting in an engine's slot may outlive its file);
+        else rank 0's state dict goes through the object store (vLLM loads its own copy)."""
+        nodes = self.nodes.get("train", [])[:1]
+        in_flight = self.cfg.grpo.async_grpo.in_flight_weight_updates
+        return (self.cfg.generation.backend == "hf" and not in_flight and bool(nodes)
+                and set(self.nodes.get("rollout", [])) <= set(nodes))
+
+    def policy_state(self) -> dict:
+        """The last refit's full state dict, here (the run's `policy/` export)."""
+        import ray
+
+        if self.policy_ref is None or not isinstance(self.policy_ref, ray.ObjectRef):
+            refs = [w.state_dict.remote() for w in self.workers]  # collective
+            get_all(refs[1:])
+            return ray.get(refs[0])
+        return ray.get(self.policy_ref)
 
     def resume_at(self, version: int) -> None:
         """The train ranks hold the weights after step `version` (a checkpoint loaded): the rollout actors get them."""

@@ -287,16 +287,12 @@ class RunLoop:
 
     def end(self) -> None:
         """The run's status; a completed run's policy exported."""
-        import ray
-
         fleet, last = self.fleet, self.cfg.grpo.max_num_steps
         if self.stop.requested and self.done < last:
             self.status, self.error = "interrupted", signal.Signals(self.stop.signum).name
             return
         if self.cfg.checkpointing.export_policy:
-            if fleet.policy_ref is None:
-                fleet.refit()
-            export_hf(ray.get(fleet.policy_ref), fleet.model_folder, self.run.path / "policy")
+            export_hf(fleet.policy_state(), fleet.model_folder, self.run.path / "policy")
         self.status = "completed"
 
     def close(self) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from dataplane_rl.model.shared_weights import SharedWeights, attach
 from dataplane_rl.rollout.generation import Generation, GenerationEngine
 from dataplane_rl.rollout.refit_slot import RefitSlot
 
@@ -33,8 +34,29 @@ class HFEngine:
         self.recompute_kv_cache = recompute_kv_cache
         self.slot = RefitSlot(self.load_weights)  # in-flight refits (rollout/refit_slot.py)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict)
+    def load_weights(self, weights: dict[str, torch.Tensor] | SharedWeights) -> None:
+        """A state dict (copied into the parameters), or a version in shared memory on this machine: there a
+        parameter of the file's dtype on the CPU becomes a view of the file (model/shared_weights.py), so the
+        node's actors hold one copy between them and the refit copies nothing; any other is copied from it."""
+        if not isinstance(weights, SharedWeights):
+            self.model.load_state_dict(weights)
+            return
+        views = attach(weights)
+        missing = set(self.model.state_dict()) - set(views)
+        if missing:
+            raise RuntimeError(f"shared weights of version {weights.version} lack {sorted(missing)[:3]}")
+        for name, t in [*self.model.named_parameters(remove_duplicate=False),
+                        *self.model.named_buffers(remove_duplicate=False)]:
+            if name not in views:
+                continue  # a non-persistent buffer (rotary frequencies): not in a state dict
+            view = views[name]
+            if t.shape != view.shape:
+                raise RuntimeError(f"shared weights of version {weights.version}: {name} is {tuple(view.shape)}, "
+                                   f"the model's {tuple(t.shape)}")
+            if t.device.type == "cpu" and t.dtype == view.dtype:
+                t.data = view
+            else:
+                t.data.copy_(view)
 
     def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0):
         with self.slot.generating():

@@ -82,6 +82,7 @@ class TrainWorker:
         from dataplane_rl.model.load import load_model, pick_device
 
         torch.set_num_threads(threads)
+        self.weights_folder = None  # rank 0's refits in shared memory (publish_weights)
         self.cfg = Config.model_validate(cfg)
         from dataplane_rl.tasks import load_modules
 
@@ -352,6 +353,21 @@ class TrainWorker:
 
         return full_state_dict(self.model)
 
+    @trace.traced("publish_weights")
+    def publish_weights(self, version: int, keep: list[int]):
+        """The full policy for a refit on this node, in shared memory: rank 0 writes it as `version` and returns
+        its SharedWeights, unlinking the versions not in `keep` (model/shared_weights.py); the other ranks return
+        None (collective)."""
+        from dataplane_rl.model.shared_weights import WeightsFolder
+        from dataplane_rl.train.fsdp import full_state_dict
+
+        state = full_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        if self.weights_folder is None:
+            self.weights_folder = WeightsFolder()
+        return self.weights_folder.publish(state, version, set(keep))
+
     @trace.traced("save_checkpoint")
     def save_checkpoint(self, path: str) -> None:
         from dataplane_rl.train.state import save_worker
@@ -367,6 +383,8 @@ class TrainWorker:
     def close(self) -> list[dict]:
         """Close the store client and the process group; returns the trace events not yet taken."""
         self.io.close()
+        if self.weights_folder is not None:
+            self.weights_folder.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         return trace.take()
