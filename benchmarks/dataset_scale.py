@@ -1,4 +1,4 @@
-"""Datasets at the size people train on: peak memory and wall time of a short run against the file's rows (issue 44).
+"""Datasets at the size people train on: peak memory and wall time of a short run against the file's rows.
 
     python benchmarks/dataset_scale.py --rows 2000 300000 --copies 30 --repeats 3
     python benchmarks/dataset_scale.py --rows 2000 1800000 --copies 100 --repeats 1
@@ -12,7 +12,7 @@ examples/reward.py as the reward), sampling every process under it (driver, Ray,
 prints per row count the median peak of their summed RSS and the median wall time, and their excess over the
 smallest row count. The first run of a file makes its Arrow copy in the cache (tasks/dataset_file.py): it is
 reported apart, as `first`, and the medians are of the runs after it. --tree DIR runs another checkout's code
-(PYTHONPATH=DIR) for a before/after in the same session.
+(PYTHONPATH=DIR) to compare two versions on the same machine in the same hour.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def check_rows(train: Path, out: Path) -> int:
     finally:
         sys.path.pop(0)
     samples = [json.loads(x) for f in sorted((out / "train_data").iterdir()) for x in f.read_text().splitlines()]
-    if not samples or "dataset_row" not in samples[0]:  # code before issue 44 names no row: nothing to check
+    if not samples or "dataset_row" not in samples[0]:  # code that names no row (older versions, --tree): nothing to check
         return 0
     rows = pq.read_table(train).take(pa.array([s["dataset_row"] for s in samples])).to_pylist()
     for s, row in zip(samples, rows):
@@ -122,7 +122,7 @@ print(json.dumps({"s": t, "mb": (resource.getrusage(resource.RUSAGE_SELF).ru_max
 
 
 def startup(tree: Path, train: Path, val: Path, cache: Path) -> dict:
-    """One process loading the task as the driver does (and, before issue 44, every actor did): seconds and the
+    """One process loading the task as the driver does (older versions did it in every actor too): seconds and the
     growth of its peak RSS."""
     env = dict(os.environ, PYTHONPATH=str(tree), DATAPLANE_RL_CACHE=str(cache))
     p = subprocess.run([sys.executable, "-c", STARTUP, str(train), str(val)], env=env, cwd=tree, capture_output=True,
@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=30)
     ap.add_argument("--val-copies", type=int, default=32, help="copies of each of the 30 validation prompts")
     ap.add_argument("--val-disjoint", action="store_true",
-                    help="validation prompts not in the train file (code before issue 44 refused shared ones)")
+                    help="validation prompts not in the train file (older versions refused shared ones)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose code runs (default: this one)")

@@ -1,4 +1,4 @@
-"""In-flight weight updates (issue 48): age-2 async GRPO with and without them, and every token checked against
+"""In-flight weight updates: age-2 async GRPO with and without them, and every token checked against
 the weights of its recorded version.
 
     python benchmarks/in_flight_updates.py --steps 100 --max-new-tokens 200 --json in-flight.json

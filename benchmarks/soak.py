@@ -1,4 +1,4 @@
-"""Soak: N steps with the data plane on, sampling what could leak (issue 22, item 3). Not in CI.
+"""Soak: N steps with the data plane on, sampling what could leak. Not in CI.
 
     python benchmarks/soak.py --steps 1000 --backend shm:// --out soak-shm.jsonl
     python benchmarks/soak.py --steps 300 --backend mooncake:// --out soak-mooncake.jsonl

@@ -91,7 +91,7 @@ def test_bench_store_fit_separates_per_call_and_per_byte(tmp_path):
     assert [t["target_workload"] for t in res["targets"] if "floor" in t["target"]] == [False]
     assert all(q["exitcode"] == 0 for q in res["shm"]["processes"] + res["shm_floor"]["processes"])
     assert "Fit of time = calls x per_call + bytes / bandwidth" in p.stdout and "| shm | put, CPU |" in p.stdout
-    assert "Targets (issue 36" in p.stdout
+    assert "Targets (the ratios' target workload" in p.stdout
 
 
 def test_bench_store_options_have_help_with_their_defaults():

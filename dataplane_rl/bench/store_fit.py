@@ -1,4 +1,4 @@
-"""`bench store`'s fit of time = calls x per_call + bytes / bandwidth, and the targets of issue 36."""
+"""`bench store`'s fit of time = calls x per_call + bytes / bandwidth, and the store's throughput targets."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def fit_all(obs: list[dict]) -> dict[str, Any]:
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of issue 36 this run can judge: what, the measured value, the bound, pass or miss, and
+    """Each store target this run can judge: what, the measured value, the bound, pass or miss, and
     whether the run had the target's workload (if not, the verdict is this workload's, not the target's)."""
     w = results["workload"]
     at_target = all(w.get(k) == v for k, v in TARGET_WORKLOAD.items())

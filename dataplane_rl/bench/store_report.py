@@ -8,7 +8,7 @@ import numpy as np
 
 SMALL_COLUMNS = (("put_us", "put"), ("put_full_us", "put into 200"), ("get_us", "get"),
                  ("remote_get_us", "get, other process"), ("remote_get_full_us", "get of 200, other process"))
-SMALL_CALL_TARGET_US = 150  # issue 30's target for each 64-row call, drawn as the dashed line
+SMALL_CALL_TARGET_US = 150  # the target for each 64-row call (what a streaming trainer's call may cost), drawn as the dashed line
 
 
 def table(results: dict[str, Any]) -> str:
@@ -94,7 +94,7 @@ def target_table(results: dict[str, Any]) -> list[str]:
     ts = results.get("targets", [])
     if not ts:
         return []
-    rows = ["", "Targets (issue 36; the ratios' target workload is 4096 samples of 512-4096 tokens, 4 writers, "
+    rows = ["", "Targets (the ratios' target workload is 4096 samples of 512-4096 tokens, 4 writers, "
             "4 readers):", "", "| target | measured | bound | |", "| --- | --- | --- | --- |"]
     for t in ts:
         verdict = "-" if t["pass"] is None else ("pass" if t["pass"] else "**miss**")

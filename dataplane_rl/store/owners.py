@@ -12,7 +12,7 @@ data_plane.keep_partitions).
 
 A kept store is data the user asked for: `keep()` marks it twice, in the owner record and in DIR/.kept, a
 file made once and never rewritten, so no later write or damage of the record can make it collectable; and
-`collect()` decides again from the folder it renamed away before deleting anything (issue 28).
+`collect()` decides again from the folder it renamed away before deleting anything.
 
 State of a store folder under the root:
     live      its owner runs (same host, PID and start time)

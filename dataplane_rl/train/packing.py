@@ -55,7 +55,7 @@ def round_up(n: int, multiple: int) -> int:
 def padded_width(longest: int, round_to: int, widest: int) -> int:
     """The padded length of a dynamic microbatch whose longest row is `longest`: rounded up to `round_to`, unless
     that is wider than `widest` (the batch's longest row, past which no plain microbatch pads); then `longest`.
-    A round larger than the rows would otherwise pad every row up to it (issue 28: 0.60 padding against 0.48)."""
+    A round larger than the rows would otherwise pad every row up to it (measured: 0.60 padding against 0.48)."""
     rounded = round_up(longest, round_to)
     return rounded if rounded <= widest else longest
 
@@ -69,7 +69,7 @@ def dynamic_cuts(lengths: np.ndarray, budget: int, round_to: int, rows: int | No
     the same width merged while they fit the budget: with no round in effect, that never computes more token
     slots, nor runs more passes, than plain microbatches of `rows` rows of the same batch in any order, when
     those fit the budget (tests/test_packing.py checks it over random batches). Filling every microbatch up to
-    the budget instead pads a batch of short rows to its longest row in one pass (issue 28)."""
+    the budget instead pads a batch of short rows to its longest row in one pass."""
     lengths = np.asarray(lengths, dtype=np.int64)
     n = lengths.size
     order = np.argsort(-lengths, kind="stable")

@@ -61,7 +61,7 @@ class Pool:
         pages already mapped here, so each that fits is asked for by name (no listing); then, from one
         listing, another of this process's if it is there, else the smallest that fits. (Three tries by name
         used to end in taking another writer's segment when names it had lost were tried first: with 4
-        writers, a writer faulted ~12,000 pages of segments new to it in a round, issue 47.)"""
+        writers, a writer faulted ~12,000 pages of segments new to it in a round.)"""
         top = most if most is not None else float("inf")
         for hex_, cap in mine:
             if size <= cap <= top:
