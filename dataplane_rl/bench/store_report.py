@@ -8,7 +8,7 @@ import numpy as np
 
 SMALL_COLUMNS = (("put_us", "put"), ("put_full_us", "put into 200"), ("get_us", "get"),
                  ("remote_get_us", "get, other process"), ("remote_get_full_us", "get of 200, other process"))
-SMALL_CALL_TARGET_US = 150  # the target for each 64-row call (what a streaming trainer's call may cost), drawn as the dashed line
+SMALL_CALL_TARGET_US = 150  # the target for each 64-row call a streaming trainer makes, drawn as the dashed line
 
 
 def table(results: dict[str, Any]) -> str:

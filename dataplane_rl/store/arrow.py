@@ -283,7 +283,7 @@ def flatten(schema: Schema, arrays: dict[str, pa.Array], lengths: np.ndarray | N
     info = _column_info(schema)
     ends = None  # the bytes of the [B] int32 offsets a token column starting at 0 must end its rows at
     parts, sizes = [], []
-    # one pass, few Python steps per column: this runs for every column of every put, and its fixed cost is most of a small put's
+    # one pass, few Python steps per column: this runs for every column of every put (most of a small put's cost)
     for name, arr in arrays.items():
         token, has_offsets, finite, is_bool, shaped = info[name]
         if validate and arr.null_count:
