@@ -328,3 +328,42 @@ def test_link_checker_finds_broken_links(tmp_path):
 def test_every_docs_page_is_linked_from_the_readme():
     linked = {(README.parent / m["target"].partition("#")[0]).resolve() for m in LINK.finditer(README.read_text())}
     assert not [p.name for p in PAGES[1:] if p.resolve() not in linked], "a docs page the README's map does not name"
+
+
+# The docs are a product, not a diary: a front door of bounded size, the current figures only (their history is in
+# git), and no text that names an issue or a round of work instead of saying what a thing does and why.
+README_MAX_LINES, BENCHMARKS_MAX_LINES, README_MAX_CELL = 220, 600, 300
+HISTORY = re.compile(r"\bissues? ?#?\d+|\bissue-\d+|\bround[- ]?\d+ probe|\bprobe rounds?\b|\brounds? of work\b|"
+                     r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth) session\b|"
+                     r"\bthe round before\b", re.IGNORECASE)
+PRODUCT_TEXT = [*PAGES, *sorted((ROOT / "dataplane_rl").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py")),
+                *sorted(p for p in (ROOT / "scripts").glob("*") if p.is_file())]
+
+
+def test_docs_stay_a_product():
+    readme = README.read_text().splitlines()
+    assert len(readme) <= README_MAX_LINES, \
+        f"README.md has {len(readme)} lines (at most {README_MAX_LINES}): move detail to the docs page it belongs to"
+    bench = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    assert len(bench) <= BENCHMARKS_MAX_LINES, \
+        f"docs/benchmarks.md has {len(bench)} lines (at most {BENCHMARKS_MAX_LINES}): keep each benchmark's " \
+        "current figures, their meaning and the command; earlier runs stay in git"
+    wide = [(n, len(cell.strip())) for n, line in enumerate(readme, 1) if line.startswith("|")
+            for cell in line.strip().strip("|").split("|") if len(cell.strip()) > README_MAX_CELL]
+    assert not wide, f"README.md table cells over {README_MAX_CELL} characters (line, length): {wide}"
+
+
+def test_no_text_names_an_issue_or_a_round_of_work():
+    found = [f"{path.relative_to(ROOT)}:{n}: {m[0]!r}" for path in PRODUCT_TEXT
+             for n, line in enumerate(path.read_text().splitlines(), 1) for m in [HISTORY.search(line)] if m]
+    assert not found, "say what the thing does and why, not which issue or round of work brought it:\n" + "\n".join(found)
+
+
+def test_history_pattern_finds_what_it_means_only():
+    for text in ("issue 36", "(issue 28)", "Issue #47", "the issue-47 session", "round 3 probe", "the round-3 probe",
+                 "sixth session", "a probe round", "two rounds of work", "the round before"):
+        assert HISTORY.search(text), text
+    for text in ("the worker's Ray session logs", "a put session", "a session of its own", "Round 0 is cold",
+                 "its round-0 batch", "the port probe", "a steady round", "dynamic (4096, round 64)",
+                 "this session's Ray", "an ssh session"):
+        assert not HISTORY.search(text), text
