@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -63,8 +64,8 @@ def kept_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory, kept_run):
-    """(run folder, env, listeners seen, token file mode, the orphaned store) of a run SIGKILLed after step 1,
-    on the root where `kept_run` kept its store."""
+    """(run folder, env, listeners seen, token file mode, the orphaned folders: its store and its shared weights)
+    of a run SIGKILLed after step 1, on the root where `kept_run` kept its store."""
     env, kept_dir, kept = kept_run
     run_dir, root = kept_dir.parent / "run", env[owners.ROOT_ENV]
     proc = subprocess.Popen([sys.executable, "-c", CHILD, "train", *TINY, f"logger.run_dir={run_dir}"],
@@ -128,15 +129,17 @@ def test_a_local_run_listens_on_loopback_only_with_a_private_token(killed_run):
 
 def test_resume_of_a_sigkilled_run_reaps_its_store(killed_run):
     run_dir, env, _, _, _, stores, _ = killed_run
-    assert [e.state for e in stores] == ["orphaned"], stores
-    (orphan,) = stores
-    assert os.path.exists(orphan.path)
+    # the run's store, and its train rank's folder of shared weights (model/shared_weights.py), both owned
+    assert [e.state for e in stores] == ["orphaned", "orphaned"], stores
+    kinds = sorted((Path(e.path) / owners.MARKER).read_bytes() == b"shared weights\n" for e in stores)
+    assert kinds == [False, True], stores
+    assert all(os.path.exists(e.path) for e in stores)
     p = subprocess.run([sys.executable, "-c", CHILD, "train", "--resume", str(run_dir)], capture_output=True,
                        text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     line = next((x for x in p.stderr.splitlines() if x.startswith("store gc:")), "")
-    assert line.startswith("store gc: removed 1 orphaned store(s) of dead runs, ") and orphan.path in line, p.stderr
-    assert not os.path.exists(orphan.path)
+    assert line.startswith("store gc: removed 2 orphaned store(s) of dead runs, "), p.stderr
+    assert all(e.path in line and not os.path.exists(e.path) for e in stores), line
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
     # the resumed run's own store went with it; the kept one stays (test below)
     assert [e.state for e in owners.scan(env[owners.ROOT_ENV])] == ["kept"]

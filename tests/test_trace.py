@@ -21,7 +21,10 @@ from dataplane_rl.trace import TraceFile, Tracer, read_trace
 # the phases every step of a GRPO run shows, per kind of process (driver/step.py, rollout/ and train/worker.py)
 DRIVER_PHASES = {"step", "collect_groups", "wait_for_rollouts", "advantages", "logprobs", "train", "refit", "train_data"}
 ROLLOUT_PHASES = {"rollout_job", "generate", "load_weights"}
-RANK_PHASES = {"logprobs", "train", "forward_backward", "gather_weights"}
+RANK_PHASES = {"logprobs", "train", "forward_backward"}
+# a rank's part of a refit: the weights written into shared memory (rollout actors on its node) or gathered for the
+# object store (elsewhere, vLLM, in-flight updates; and the policy export)
+REFIT_PHASES = {"publish_weights", "gather_weights"}
 
 
 def names_by_process(events: list[dict]) -> dict[str, set[str]]:
@@ -49,6 +52,8 @@ def assert_run_trace(run_dir: Path, roles: list[str], steps: list[int], data_pla
         want |= ({"put"} if role.startswith("rollout") else {"get"} if role.startswith("train") else set()) if data_plane else set()
         want |= {"save_checkpoint"} if checkpoints and role.startswith("train") else set()
         assert want <= by[role], f"{role} lacks {want - by[role]}"
+        if role.startswith("train"):
+            assert REFIT_PHASES & by[role], f"{role} has no refit phase ({' or '.join(sorted(REFIT_PHASES))})"
     if checkpoints:
         assert "checkpoint" in by["driver"]
     timed = [e for e in events if e["ph"] == "X"]

@@ -14,7 +14,7 @@ COLOURS = {"step": "#d9d9d9", "start": "#bdbdbd", "close": "#bdbdbd", "validatio
            "collect_groups": "#fdd0a2", "wait_for_rollouts": "#fd8d3c", "rollout_job": "#fdae6b", "generate": "#e6550d",
            "advantages": "#1b9e77", "train_data": "#66a61e",
            "logprobs": "#6baed6", "train": "#c6dbef", "forward_backward": "#08519c",
-           "refit": "#de2d26", "gather_weights": "#fc9272", "load_weights": "#a50f15",
+           "refit": "#de2d26", "gather_weights": "#fc9272", "publish_weights": "#fc9272", "load_weights": "#a50f15",
            "put": "#54278f", "get": "#e7298a", "checkpoint": "#8c6d31", "save_checkpoint": "#bd9e39",
            "checkpoint_load": "#e7ba52", "load_checkpoint": "#e7ba52"}
 
