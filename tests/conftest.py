@@ -22,6 +22,12 @@ from dataplane_rl.errors import DataPlaneError
 # 10,000 spins; idle 62-65 s against 70-74 s (README, "A busy machine"). Set before torch is imported in this
 # process; the runs and Ray workers the tests start inherit it. A value set by the caller wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# As many workers as cores (CI: 2 on 2) keep every core busy with runs already, so each process of a run gets one
+# torch thread (the runs read OMP_NUM_THREADS: driver/preflight.py torch_threads): two threads a process on a
+# machine this busy wait at every barrier for a thread the other worker's run preempted (the real model's test
+# took 182 s beside the other worker, 81 s alone).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 BACKENDS = ("memory", "shm", "ray", "mooncake")
 
