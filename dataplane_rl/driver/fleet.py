@@ -220,8 +220,8 @@ class Fleet:
     def refit(self, wait: bool = True) -> float:
         """Hand the policy's weights (version `self.version`) to the rollout actors, gathered once (rank 0's
         copy): one file in shared memory that every actor maps (shares_weights), or else one object-store reference
-        every actor reads. wait: block until every engine has them and
-        return the slowest engine's load seconds; else they land after the actors' batches in flight."""
+        every actor reads. wait: block until every engine has them and return the slowest engine's load seconds;
+        else they land after the actors' batches in flight."""
         if self.shares_weights():
             # kept: the versions an open job was sent with (a replacement actor replays the job with them), and,
             # async, those a refit not yet confirmed may still load (its actor's batches before it make the rows of
@@ -233,9 +233,7 @@ class Fleet:
             refs = [w.publish_weights.remote(self.version, need) for w in self.workers]
             self.policy_ref = get_all(refs)[0]  # a SharedWeights: the actors map rank 0's file
         else:
-            refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
-            get_all(refs[1:])  # a dead rank is seen at once, not after the others' collective times out
-            self.policy_ref = refs[0]
+            self.policy_ref = self._gathered()
         self.recovery.keep_weights(self.version, self.policy_ref)
         if not wait:
             self.refits += [(i, a, a.load_weights.remote(self.policy_ref, self.version)) for i, a in enumerate(self.rollout)]
@@ -255,15 +253,18 @@ class Fleet:
         return (self.cfg.generation.backend == "hf" and not in_flight and bool(nodes)
                 and set(self.nodes.get("rollout", [])) <= set(nodes))
 
+    def _gathered(self):
+        """Rank 0's full state dict, gathered once, as an object-store reference."""
+        refs = [w.state_dict.remote() for w in self.workers]  # collective; ranks > 0 return {}
+        get_all(refs[1:])  # a dead rank is seen at once, not after the others' collective times out
+        return refs[0]
+
     def policy_state(self) -> dict:
-        """The last refit's full state dict, here (the run's `policy/` export)."""
+        """The policy's full state dict, here (the run's `policy/` export): the last refit's, or gathered now where
+        that refit went through shared memory or none was made."""
         import ray
 
-        if self.policy_ref is None or not isinstance(self.policy_ref, ray.ObjectRef):
-            refs = [w.state_dict.remote() for w in self.workers]  # collective
-            get_all(refs[1:])
-            return ray.get(refs[0])
-        return ray.get(self.policy_ref)
+        return ray.get(self.policy_ref if isinstance(self.policy_ref, ray.ObjectRef) else self._gathered())
 
     def resume_at(self, version: int) -> None:
         """The train ranks hold the weights after step `version` (a checkpoint loaded): the rollout actors get them."""
