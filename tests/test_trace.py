@@ -241,3 +241,15 @@ def test_the_trace_command_sums_phases_and_draws_the_timeline(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 10_000
     p = cli(str(tmp_path / "none"))
     assert p.returncode == 2 and "no trace.json" in p.stderr, p.stderr
+
+
+def test_the_clock_offset_skips_a_preempted_read(monkeypatch):
+    """Each process maps perf_counter to the wall clock once: a try whose two perf_counter reads a preemption split
+    (4.3 ms once, on a busy machine) is not the one kept."""
+    from dataplane_rl import trace
+
+    perf = iter([0, 4_300_000, 10_000_000, 10_000_400, 20_000_000, 20_000_900])  # try 1 preempted 4.3 ms
+    wall = iter([1_000_000_000 + 4_300_000, 1_000_000_000 + 10_000_200, 1_000_000_000 + 20_000_450])
+    monkeypatch.setattr(trace.time, "perf_counter_ns", lambda: next(perf))
+    monkeypatch.setattr(trace.time, "time_ns", lambda: next(wall))
+    assert trace._wall_offset_ns(tries=3) == 1_000_000_000  # try 2's midpoint: the wall clock is perf + 1 s
