@@ -22,8 +22,8 @@ def export_hf(state_dict: dict[str, torch.Tensor], model_folder: str | Path, out
     from dataplane_rl.model.load import read_tokenizer
 
     out = Path(out)
-    # a model of no memory whose parameters become the state dict's own tensors (assign): the export holds the
-    # weights once, not a random init beside them plus a copy (SmolLM2-135M: the driver's peak 1.75 GB -> ~0.9 GB)
+    # a model of no memory whose parameters become the state dict's own tensors (assign): the export does not
+    # build a randomly initialised model beside the weights and copy them into it
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_folder), dtype=torch.float32)
     result = model.load_state_dict(state_dict, strict=False, assign=True)
