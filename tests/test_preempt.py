@@ -4,8 +4,8 @@ of their own, so the driver alone gets the signal, from the supervisor, and stop
 still up. The run must stop within SLURM's default grace period (30 s), exit 143, say `interrupted`
 (`"error": "SIGTERM"`, not the lost-Ray fallback of run/preempt.py) in summary.json, save the
 interrupted step's checkpoint, leave no process of its group and no store folder, and leave its latest
-complete checkpoint resumable. Two moments: during a step, and during a checkpoint save (the one then
-resumed). Every kill must stop cleanly: no retry."""
+complete checkpoint resumable. Two moments: during a step (a SIGHUP, a closed terminal, which stops a run as
+SIGTERM does), and during a checkpoint save (the one then resumed). Every kill must stop cleanly: no retry."""
 
 from __future__ import annotations
 
@@ -46,17 +46,27 @@ def saving(run_dir: Path) -> bool:
     return root.is_dir() and any(p.name.startswith(".step_") for p in root.iterdir())
 
 
-@pytest.mark.parametrize("moment", ["step", "checkpoint-save"])
-def test_group_sigterm_stops_cleanly(tmp_path, moment):
+@pytest.mark.parametrize(("moment", "sig"), [("step", signal.SIGHUP), ("checkpoint-save", signal.SIGTERM)],
+                         ids=["step-SIGHUP", "checkpoint-save-SIGTERM"])
+def test_a_group_stop_signal_stops_cleanly(tmp_path, moment, sig):
+    """A closed terminal or ssh session (SIGHUP to the job's group) once ended a run in 0.3 s with exit 129, no
+    summary.json, no checkpoint, an orphaned shm store and token folder: it stops as SIGTERM does. The
+    SIGTERM goes to a job that inherited SIGINT ignored (`nohup`, `&`), which must not change how it stops."""
     run_dir = tmp_path / "run"
-    returncode, out = group_kill(run_dir, moment)
-    assert returncode == 128 + signal.SIGTERM, out[-3000:]
+    returncode, out = group_kill(run_dir, moment, sig, sigint_ignored=sig == signal.SIGTERM)
+    assert returncode == 128 + sig, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["signal"] == signal.SIGTERM, summary
+    assert summary["status"] == "interrupted" and summary["signal"] == sig, summary
     # the driver's own stop: the step it was in finished and was saved, with Ray up (the lost-Ray fallback
     # says "SIGTERM to the process group: Ray's processes stopped with the driver" and saves nothing)
-    assert summary["error"] == "SIGTERM", summary
+    assert summary["error"] == signal.Signals(sig).name, summary
     assert step_of(CheckpointManager(run_dir / "checkpoints").find()) == summary["steps_completed"], summary
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert summary["steps_completed"] == len(lines) >= 1
+    for line in lines:
+        json.loads(line)  # every line whole
+    assert len(list((run_dir / "train_data").glob("step_*.jsonl"))) == len(lines)
+    assert not list(run_dir.rglob("*.tmp*")), "a file half-written when the signal came"
     store = summary["store_url"]
     assert store.startswith("shm:///"), summary
     assert not Path(store[len("shm://"):].partition("?")[0]).exists(), f"{store} outlived the run"
@@ -67,19 +77,6 @@ def test_group_sigterm_stops_cleanly(tmp_path, moment):
                                  capture_output=True, text=True, timeout=600)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
-
-
-def test_sighup_stops_as_sigterm_does(tmp_path):
-    """A closed terminal or ssh session (SIGHUP to the job's group) once ended a run in 0.3 s with exit 129, no
-    summary.json, no checkpoint, an orphaned shm store and token folder. Now it stops as SIGTERM does."""
-    run_dir = tmp_path / "run"
-    returncode, out = group_kill(run_dir, "step", signal.SIGHUP)
-    assert returncode == 128 + signal.SIGHUP, out[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["signal"] == signal.SIGHUP, summary
-    assert summary["error"] == "SIGHUP", summary
-    assert step_of(CheckpointManager(run_dir / "checkpoints").find()) == summary["steps_completed"], summary
-    assert not Path(summary["store_url"][len("shm://"):].partition("?")[0]).exists(), "the store outlived the run"
 
 
 def test_group_sigterm_while_ray_starts_stops_as_interrupted(tmp_path):
@@ -96,15 +93,20 @@ def test_group_sigterm_while_ray_starts_stops_as_interrupted(tmp_path):
     assert "Traceback" not in out, out[-3000:]
 
 
-def group_kill(run_dir: Path, moment: str, sig: int = signal.SIGTERM) -> tuple[int, str]:
+def group_kill(run_dir: Path, moment: str, sig: int = signal.SIGTERM, sigint_ignored: bool = False) -> tuple[int, str]:
     """Start a run in its own process group, send the whole group `sig` at `moment`; (exit status, output).
-    On a clean stop it also checks that no process of the run or its group outlived it."""
+    sigint_ignored: the job inherits SIGINT ignored, as one started with `&` or nohup does. On a clean stop it
+    also checks that no process of the run or its group outlived it."""
     cmd = [sys.executable, "-m", "dataplane_rl.cli.main", "train", *RUN, f"logger.run_dir={run_dir}"]
     # a job in a terminal or a scheduler gets SIGHUP's default action; one started under nohup (a CI runner may
     # be) inherits it ignored, which the run keeps ignored on purpose (run/preempt.py): give the job the default
+    def dispositions() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.SIG_DFL)
+
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+                            preexec_fn=dispositions)
     pgid = proc.pid  # start_new_session: the child leads a group of its own, as a batch job does
     tree = Tree(psutil.Process(proc.pid))
     try:

@@ -73,24 +73,15 @@ def test_prompts_are_tokenized_as_the_tokenizer_means_them(real):
 PAGE, ME = "docs/models.md", "tests/test_real_model.py"
 
 
-def page_command() -> list[str]:
-    """docs/models.md's training command, as the page writes it (tests/test_readme.py hands that block to this file),
-    its words after `dataplane-rl`."""
-    from test_readme import block_at, runnable, words
-
-    (part,) = [part for command, _ in block_at(PAGE, ME).commands for part in runnable(command)]
-    argv = words(part)
-    assert argv[:2] == ["dataplane-rl", "train"], part
-    return argv[1:]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """docs/models.md's command: 3 GRPO steps on SmolLM2 at the default learning rate, data plane on, validated
     greedily before and after; the page's link to the model is the wheel's file, and the stored partitions are
     exported (logger.save_rollouts) for the audit."""
     run_dir = tmp_path_factory.mktemp("real") / "run"
-    argv = page_command()
+    from test_readme import page_command
+
+    argv = page_command(PAGE, ME)  # docs/models.md's command (tests/test_readme.py hands that block to this file)
     model = [w for w in argv if w.startswith("policy.model=")]
     assert model == ["policy.model=models/SmolLM2-135M-Instruct.Q4_1.gguf"], argv
     argv = [f"policy.model={gguf_file()}" if w in model else w for w in argv]

@@ -375,23 +375,17 @@ def _sigint_default():
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a child of `&`/nohup inherits SIGINT ignored
 
 
-def _sigint_ignored():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_a_signal_ends_the_step_and_leaves_a_consistent_run_folder(tmp_path, sig):
-    """SIGINT (Ctrl-C) with the default disposition; SIGTERM to a child that inherited SIGINT ignored,
-    with checkpointing on: both end the current step, save, and leave status 'interrupted'."""
+def test_ctrl_c_ends_the_step_and_leaves_a_consistent_run_folder(tmp_path):
+    """SIGINT (Ctrl-C) with the default disposition ends the current step and leaves status 'interrupted'
+    (tests/test_preempt.py stops runs with SIGTERM and SIGHUP, with checkpointing on)."""
     import psutil
 
     run_dir = tmp_path / "int"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    extra = ["checkpointing.enabled=true", "checkpointing.save_period=100"] if sig == "SIGTERM" else []
     proc = subprocess.Popen([sys.executable, "-m", "dataplane_rl.cli.main", "train", *overriding(SMALL, "grpo.max_num_steps=200"),
-                             f"logger.run_dir={run_dir}", "data_plane.enabled=true", *extra],
+                             f"logger.run_dir={run_dir}", "data_plane.enabled=true"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            preexec_fn=_sigint_default if sig == "SIGINT" else _sigint_ignored)
+                            preexec_fn=_sigint_default)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
@@ -399,11 +393,11 @@ def test_a_signal_ends_the_step_and_leaves_a_consistent_run_folder(tmp_path, sig
         assert time.monotonic() < deadline, "no step 2 within 300 s"
         time.sleep(0.5)
     kids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-    proc.send_signal(getattr(signal, sig))
+    proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + getattr(signal, sig), out[-3000:]
+    assert proc.returncode == 128 + signal.SIGINT, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["error"] == sig
+    assert summary["status"] == "interrupted" and summary["error"] == "SIGINT"
     lines = metrics.read_text().splitlines()
     assert summary["steps_completed"] == len(lines) >= 2
     for line in lines:
@@ -414,8 +408,9 @@ def test_a_signal_ends_the_step_and_leaves_a_consistent_run_folder(tmp_path, sig
     assert not Path(store_url[len("shm://"):]).exists(), "the run's shm folder must be freed"
     _, alive = psutil.wait_procs([psutil.Process(k) for k in kids if psutil.pid_exists(k)], timeout=30)
     assert not alive, f"processes left running: {alive}"
-    if sig == "SIGTERM":  # the step in progress was finished and saved
-        assert (run_dir / "checkpoints" / f"step_{len(lines):06d}").is_dir()
+
+
+LEARNING_PAGES = {"sync": "README.md", "async": "docs/grpo.md"}  # the pages whose commands they run
 
 
 @pytest.mark.slow
@@ -424,11 +419,15 @@ def test_default_config_learns(tmp_path, mode):
     """The README's promise, the whole default run (seed 0, 100 steps; 58 s idle): the task is mastered, in
     the sampled train reward and in greedy decoding of held-out prompts, and the sync run gives exactly the
     figures the README's quick start prints. Async GRPO (age 1, importance-sampling correction) learns it
-    too, training on rows one update old."""
+    too, training on rows one update old. Each runs its page's command as written (the README's quick start,
+    docs/grpo.md's async command: tests/test_readme.py hands those blocks to this file), in a run folder of
+    its own."""
+    from test_readme import page_command
+
     run_dir = tmp_path / "learn"
-    extra = ["grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
-             "data_plane.enabled=true"] if mode == "async" else []
-    p = cli("train", f"logger.run_dir={run_dir}", "logger.progress=false", *extra)
+    argv = page_command(LEARNING_PAGES[mode], "tests/test_train_e2e.py")
+    assert (mode == "async") == ("grpo.async_grpo.enabled=true" in argv), argv
+    p = cli(*overriding(argv, f"logger.run_dir={run_dir}", "logger.progress=false"))
     assert p.returncode == 0, p.stderr[-3000:]
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
