@@ -371,7 +371,7 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(straight, failing_saver,
 
 
 def trainer_logprobs(run_dir: Path, step: int, ids: list[list[int]]) -> np.ndarray:
-    """prev_logprobs from a real train worker (FSDP2, world 1) restored from checkpoint `step`."""
+    """prev_logprobs from a real train worker (one rank) restored from checkpoint `step`."""
     from dataplane_rl.checkpoint.manager import CheckpointManager
     from dataplane_rl.model.load import resolve_model
     from dataplane_rl.train.worker import TrainWorker

@@ -105,6 +105,41 @@ def folder():
     return build_tiny(0)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_policys_tokens_alone_give_the_same_logprobs_entropies_and_gradients(folder, packed):
+    """With `need` (token_mask: the responses after their prompts) the output layer runs only at the positions some
+    row needs, and those log-probs, entropies and the gradient of their sum equal the forward over every position;
+    every other position is 0. A microbatch needing no position still runs (its gradient is zero)."""
+    torch.manual_seed(0)
+    full, kept = load_model(folder, torch.device("cpu")), load_model(folder, torch.device("cpu"))
+    lengths, prompts = torch.tensor([6, 11, 3, 9]), torch.tensor([4, 5, 2, 3])
+    ids = torch.zeros((4, 11), dtype=torch.long)  # [B, T]
+    mask = (torch.arange(11)[None] < lengths[:, None]).long()  # [B, T]
+    need = mask.bool() & (torch.arange(11)[None] >= prompts[:, None])  # [B, T]: each row's response
+    ids[mask.bool()] = torch.randint(3, 50, (int(lengths.sum()),))
+    if packed:
+        packed_attention(full, torch.device("cpu"))
+        packed_attention(kept, torch.device("cpu"))
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])  # [5]
+        flat = ids[mask.bool()][None]  # [1, L]
+        lp, ent = packed_logprobs(full, flat, cu, 0.7, with_entropy=True)  # [L]
+        klp, kent = packed_logprobs(kept, flat, cu, 0.7, with_entropy=True, need=need[mask.bool()])
+        wanted = need[mask.bool()]  # [L]
+    else:
+        lp, ent = token_logprobs(full, ids, mask, 0.7, with_entropy=True)  # [B, T]
+        klp, kent = token_logprobs(kept, ids, mask, 0.7, with_entropy=True, need=need)
+        wanted = need
+    assert torch.allclose(klp[wanted], lp[wanted], atol=2e-6) and torch.allclose(kent[wanted], ent[wanted], atol=2e-6)
+    assert (klp[~wanted] == 0).all() and (kent[~wanted] == 0).all() and (lp[~wanted & (lp != 0)]).numel() > 0
+    (lp * wanted).sum().backward()
+    klp.sum().backward()
+    for (name, a), b in zip(full.named_parameters(), kept.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6 * max(float(a.grad.abs().max()), 1.0)), name
+    nothing = token_logprobs(kept, ids, mask, need=torch.zeros_like(need))  # [B, T]
+    assert (nothing == 0).all()
+    nothing.sum().backward()
+
+
 @pytest.mark.parametrize("attention", ["segments", "sdpa"])
 def test_packed_forward_equals_padded(folder, attention):
     """Each packed row's log-probs, entropies and gradient equal its padded forward's: positions restart and

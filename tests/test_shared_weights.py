@@ -91,6 +91,45 @@ def test_the_engine_generates_from_views_of_the_file_as_from_a_copy(root, tmp_pa
     weights.close()
 
 
+def test_a_live_version_is_the_trainers_own_parameters(root, tmp_path):
+    """publish_live moves the trainer's parameters into the file once: an optimizer step then changes what an actor
+    generates with, a refit copies nothing and the engine's load is a no-op; a parameter replaced since (a checkpoint
+    load) is moved back in; the actors' numbers are those of a copy of the same weights."""
+    folder_path = resolve_model("tiny", 0, str(tmp_path / "cache"))
+    tok = load_tokenizer(folder_path)
+    trainer = load_model(folder_path, torch.device("cpu"))
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
+    weights = WeightsFolder()
+    one = weights.publish_live(trainer, 1)
+    assert one.live and one.here()
+    ptrs = [p.data_ptr() for p in trainer.parameters()]
+    storages = {(p.untyped_storage().data_ptr(), p.untyped_storage().nbytes()) for p in trainer.parameters()}
+    assert len(storages) == 1 and storages.pop()[1] == one.nbytes  # every parameter a view of one mapping
+    actor, copied = (HFEngine(load_model(folder_path, torch.device("cpu")), [tok.eos_token_id], tok.pad_token_id)
+                     for _ in range(2))
+    actor.load_weights(one)
+    assert actor.live == one.path
+    prompts = [tok("407", add_special_tokens=False).input_ids, tok("12", add_special_tokens=False).input_ids]
+    before = [g.logprobs for g in actor.generate(prompts, [1, 2], 8, temperature=1.0)]
+    trainer(input_ids=torch.tensor([prompts[0]]), labels=torch.tensor([prompts[0]])).loss.backward()
+    opt.step()  # in place, in the shared file
+    two = weights.publish_live(trainer, 2)
+    assert (two.path, [p.data_ptr() for p in trainer.parameters()]) == (one.path, ptrs)  # nothing moved or copied
+    actor.load_weights(two)  # a no-op: the views already hold version 2
+    copied.load_weights(trainer.state_dict())
+    after, expected = ([(g.tokens, g.logprobs) for g in e.generate(prompts, [1, 2], 8, temperature=1.0)]
+                       for e in (actor, copied))
+    assert after == expected and [lp for _, lp in after] != before
+    name, param = next(trainer.named_parameters())
+    param.data = param.data.clone() + 1.0  # replaced, as set_state_dict may do
+    three = weights.publish_live(trainer, 3)
+    assert param.data_ptr() == ptrs[0] and torch.equal(attach(three)[name], param.data)  # moved back in
+    assert sorted(os.listdir(weights.folder)) == sorted([owners.MARKER, owners.OWNER_FILE, os.path.basename(one.path)])
+    copy = weights.publish(trainer.state_dict(), 4)  # a copy from here on (e.g. an async step)
+    assert not copy.live and copy.path != one.path and weights.live is None
+    weights.close()
+
+
 PUBLISH_AND_HANG = """
 import sys, time, torch
 from dataplane_rl.model.shared_weights import WeightsFolder

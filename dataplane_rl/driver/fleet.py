@@ -219,7 +219,8 @@ class Fleet:
 
     def refit(self, wait: bool = True) -> float:
         """Hand the policy's weights (version `self.version`) to the rollout actors, gathered once (rank 0's
-        copy): one file in shared memory that every actor maps (shares_weights), or else one object-store reference
+        copy): one file in shared memory that every actor maps (shares_weights; on a synchronous one-rank run the
+        rank's own parameters, no copy at all), or else one object-store reference
         every actor reads. wait: block until every engine has them and return the slowest engine's load seconds;
         else they land after the actors' batches in flight."""
         if self.shares_weights():
@@ -230,7 +231,10 @@ class Fleet:
             age = overlap.max_trajectory_age_steps if overlap.enabled else 0
             pending = set(range(self.version - age, self.version))
             need = sorted({p.version for p in self.rollouts.open.values()} | pending)
-            refs = [w.publish_weights.remote(self.version, need) for w in self.workers]
+            # synchronous, one rank, no job open: no actor generates while the rank trains, so the actors may view
+            # the rank's own parameters (a refit without a copy); else each version is a copy of its own
+            live = not overlap.enabled and self.cfg.policy.dp_size == 1 and not need
+            refs = [w.publish_weights.remote(self.version, need, live) for w in self.workers]
             self.policy_ref = get_all(refs)[0]  # a SharedWeights: the actors map rank 0's file
         else:
             self.policy_ref = self._gathered()

@@ -25,8 +25,27 @@ def _topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals.float(), ids.to(torch.int32)
 
 
+def _keeps_logits(model) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (Hugging Face causal LMs do: the output layer then runs
+    at those positions only)."""
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
+
+
+def _needed_logits(need_next: torch.Tensor, width: int) -> torch.Tensor | None:
+    """The logit positions [K] whose next token's log-prob is needed (need_next [..., width-1] bool: position p
+    needed when the token at p+1 is), or None where that is every position (nothing to save). Never empty: a
+    microbatch without a needed token still runs the output layer once, so its backward touches every parameter."""
+    idx = need_next.reshape(-1, width - 1).any(0).nonzero().squeeze(-1)  # [K]
+    if len(idx) == width - 1:
+        return None
+    return idx if len(idx) else idx.new_zeros(1)
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False, at_ids: torch.Tensor | None = None, topk: int = 0):
+                   with_entropy: bool = False, at_ids: torch.Tensor | None = None, topk: int = 0,
+                   need: torch.Tensor | None = None):
     """Log-prob of each token given the tokens before it, aligned with positions; position 0 is 0.
 
     input_ids, attention_mask: [B, T], right-padded. with_entropy: also return, detached, the entropy of
@@ -34,23 +53,42 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     also return the log-probs of that distribution at these ids, [B, T, k]. topk > 0: return instead its
     `topk` largest log-probs and their ids, each [B, T, k] (the teacher's columns). Zeros at position 0 and
     in padding.
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]
-    keep = attention_mask.bool()  # [B, T]
 
-    def aligned(t: torch.Tensor) -> torch.Tensor:  # [B, T-1, *] -> [B, T, *], zero at position 0 and in padding
-        out = torch.cat([t.new_zeros(t[:, :1].shape), t], dim=1)
+    need [B, T] bool (the policy's tokens, token_mask): only these positions' log-probs (and entropies) are
+    wanted; every other position is 0, and the output layer runs only at the positions some row needs
+    (`logits_to_keep`): for a 49K-token vocabulary most of a forward's cost on short responses after long
+    prompts. Not with at_ids or topk, which read every position.
+    """
+    B, T = input_ids.shape
+    keep = attention_mask.bool()  # [B, T]
+    idx = None
+    if need is not None and at_ids is None and not topk and T > 1:
+        keep = need.bool() & keep
+        if _keeps_logits(model):
+            idx = _needed_logits(keep[:, 1:], T)
+    if idx is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [B, T-1, V]
+        targets = input_ids[:, 1:]  # [B, T-1]
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=idx).logits  # [B, K, V]
+        targets = input_ids[:, idx + 1]  # [B, K]
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, T-1 or K, V]
+
+    def aligned(t: torch.Tensor) -> torch.Tensor:  # [B, T-1 or K, *] -> [B, T, *], zero where not kept
+        if idx is None:
+            out = torch.cat([t.new_zeros(t[:, :1].shape), t], dim=1)
+        else:
+            out = t.new_zeros((B, T, *t.shape[2:])).index_copy(1, idx + 1, t)
         return torch.where(keep.view(*keep.shape, *[1] * (t.dim() - 2)), out, out.new_zeros(()))
     if topk:
         return tuple(aligned(t) for t in _topk(logp, topk))
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    picked = logp.gather(-1, targets[..., None]).squeeze(-1)  # [B, T-1 or K]
     out = [aligned(picked)]  # [B, T]
     if with_entropy:
         with torch.no_grad():
-            ent = torch.zeros_like(picked)  # [B, T-1]
+            ent = torch.zeros_like(picked)  # [B, T-1 or K]
             for i in range(len(logp)):  # a row at a time: the temporary is [T-1, V], not another [B, T-1, V]
-                ent[i] = -(logp[i].exp() * logp[i]).sum(-1)  # [T-1]
+                ent[i] = -(logp[i].exp() * logp[i]).sum(-1)  # [T-1 or K]
         out.append(aligned(ent))
     if at_ids is not None:
         out.append(aligned(_gather_at(logp, at_ids[:, 1:])))  # [B, T, k]
@@ -107,13 +145,14 @@ def packed_attention(model, device: torch.device, choice: str = "auto") -> str:
 
 
 def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, temperature: float = 1.0,
-                    with_entropy: bool = False, at_ids: torch.Tensor | None = None, topk: int = 0):
+                    with_entropy: bool = False, at_ids: torch.Tensor | None = None, topk: int = 0,
+                    need: torch.Tensor | None = None):
     """Per-token log-probs (and detached entropies) of one packed sequence, aligned like `token_logprobs`.
 
     input_ids: [1, L], the rows one after another; cu_seqlens: [n+1] row boundaries. Positions restart at 0
     per row and attention stays inside each row, so every row's numbers equal its unpadded forward's. Entry
-    cu_seqlens[i] (a row's first token) is 0: the logit before it belongs to the previous row. at_ids [L, k]
-    and topk as in `token_logprobs`, packed ([L, k]).
+    cu_seqlens[i] (a row's first token) is 0: the logit before it belongs to the previous row. at_ids [L, k],
+    topk and need ([L] bool) as in `token_logprobs`, packed.
     """
     L = input_ids.shape[1]
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [n]
@@ -121,22 +160,33 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, te
     position_ids = (torch.arange(L, device=input_ids.device) - starts)[None]  # [1, L]
     cu = cu_seqlens.to(torch.int32)
     longest = int(lengths.max())
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu,
-                   cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest).logits  # [1, L, V]
-    logp = torch.log_softmax(logits[0, :-1].float() / temperature, dim=-1)  # [L-1, V]
     first = position_ids[0] == 0  # [L]
+    keep = ~first  # [L]
+    idx = None
+    if need is not None and at_ids is None and not topk and L > 1:
+        keep = need.bool() & keep
+        if _keeps_logits(model):
+            idx = _needed_logits(keep[1:], L)
+    extra = {} if idx is None else {"logits_to_keep": idx}
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu,
+                   cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, **extra).logits[0]  # [L or K, V]
+    logits, targets = (logits[:-1], input_ids[0, 1:]) if idx is None else (logits, input_ids[0, idx + 1])
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [L-1 or K, V]
 
-    def aligned(t: torch.Tensor) -> torch.Tensor:  # [L-1, *] -> [L, *], zero at each row's first token
-        out = torch.cat([t.new_zeros(t[:1].shape), t])
-        return torch.where(first.view(-1, *[1] * (t.dim() - 1)), out.new_zeros(()), out)
+    def aligned(t: torch.Tensor) -> torch.Tensor:  # [L-1 or K, *] -> [L, *], zero where not kept
+        if idx is None:
+            out = torch.cat([t.new_zeros(t[:1].shape), t])
+        else:
+            out = t.new_zeros((L, *t.shape[1:])).index_copy(0, idx + 1, t)
+        return torch.where(keep.view(-1, *[1] * (t.dim() - 1)), out, out.new_zeros(()))
     if topk:
         return tuple(aligned(t) for t in _topk(logp, topk))
-    picked = logp.gather(-1, input_ids[0, 1:, None]).squeeze(-1)  # [L-1]
+    picked = logp.gather(-1, targets[:, None]).squeeze(-1)  # [L-1 or K]
     out = [aligned(picked)]  # [L]
     if with_entropy:
         with torch.no_grad():
-            ent = torch.zeros_like(picked)  # [L-1]
-            for s in range(0, L - 1, 1024):  # chunks: the temporary is [1024, V], not another [L, V]
+            ent = torch.zeros_like(picked)  # [L-1 or K]
+            for s in range(0, len(logp), 1024):  # chunks: the temporary is [1024, V], not another [L, V]
                 chunk = logp[s:s + 1024]  # [c, V]
                 ent[s:s + len(chunk)] = -(chunk.exp() * chunk).sum(-1)  # [c]
         out.append(aligned(ent))
@@ -148,11 +198,17 @@ def packed_logprobs(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, te
 def microbatch_logprobs(model, mb: dict, temperature: float = 1.0, with_entropy: bool = False,
                         at_ids: torch.Tensor | None = None, topk: int = 0):
     """`token_logprobs` of a microbatch from train/batch.py `plan_microbatches`: [b, t] (and [b, t, k]) in every
-    mode; a packed microbatch runs one packed forward and is unpacked to its rows."""
+    mode; a packed microbatch runs one packed forward and is unpacked to its rows. Where the microbatch has a
+    token_mask, only the policy's tokens get log-probs (`need`): the loss, the KL and the stored prev_logprobs and
+    reference_policy_logprobs read no other."""
+    need = mb.get("token_mask")
     if "packed_input_ids" not in mb:
-        return token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, with_entropy, at_ids, topk)
-    packed_ids = None if at_ids is None else at_ids[mb["attention_mask"].bool()]  # [L, k]
-    got = packed_logprobs(model, mb["packed_input_ids"], mb["cu_seqlens"], temperature, with_entropy, packed_ids, topk)
+        return token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, with_entropy, at_ids, topk,
+                              need=need)
+    valid = mb["attention_mask"].bool()  # [b, t]
+    packed_ids = None if at_ids is None else at_ids[valid]  # [L, k]
+    got = packed_logprobs(model, mb["packed_input_ids"], mb["cu_seqlens"], temperature, with_entropy, packed_ids, topk,
+                          need=None if need is None else need[valid])
     return unpack(got, mb) if torch.is_tensor(got) else tuple(unpack(t, mb) for t in got)
 
 

@@ -33,14 +33,19 @@ class HFEngine:
         self.device = next(model.parameters()).device
         self.recompute_kv_cache = recompute_kv_cache
         self.slot = RefitSlot(self.load_weights)  # in-flight refits (rollout/refit_slot.py)
+        self.live: str | None = None  # the live shared file the parameters view (model/shared_weights.py)
 
     def load_weights(self, weights: dict[str, torch.Tensor] | SharedWeights) -> None:
         """A state dict (copied into the parameters), or a version in shared memory on this machine: there a
         parameter of the file's dtype on the CPU becomes a view of the file (model/shared_weights.py), so the
-        node's actors hold one copy between them and the refit copies nothing; any other is copied from it."""
+        node's actors hold one copy between them and the refit copies nothing; any other is copied from it. A live
+        version (the trainer's own parameters) is attached once: its next versions change it in place."""
         if not isinstance(weights, SharedWeights):
             self.model.load_state_dict(weights)
+            self.live = None
             return
+        if weights.live and self.live == weights.path:
+            return  # the parameters are views of the trainer's own, which this version changed in place
         views = attach(weights)
         missing = set(self.model.state_dict()) - set(views)
         if missing:
@@ -57,6 +62,9 @@ class HFEngine:
                 t.data = view
             else:
                 t.data.copy_(view)
+        # every parameter a view: the next versions of a live file are already here (a copy would not follow them)
+        viewed = all(t.device.type == "cpu" and t.dtype == views[n].dtype for n, t in self.model.state_dict().items())
+        self.live = weights.path if weights.live and viewed else None
 
     def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0):
         with self.slot.generating():

@@ -2,6 +2,7 @@
 
 torch's `fully_shard` (not a hand-written gradient all-reduce): parameters, gradients and optimizer
 state live as DTensor shards, and the full state dict comes from `torch.distributed.checkpoint.state_dict`.
+One float32 rank keeps the plain module (`shard`).
 """
 
 from __future__ import annotations
@@ -26,18 +27,23 @@ def decoder_blocks(model) -> list[torch.nn.Module]:
 
 
 def shard(model, mesh, device: torch.device, precision: str = "float32", activation_checkpointing: bool = False):
-    """fully_shard each decoder block, then the root; returns the same (now FSDP) module."""
+    """fully_shard each decoder block, then the root; returns the same (now FSDP) module. On a one-rank mesh
+    in float32 the module stays as it is: FSDP2 there has nothing to shard, average or cast, and would only copy
+    (each forward all-gathers every block into a second buffer, each backward reduce-scatters every gradient
+    into another). Checkpoints do not care: DCP saves the plain tensors whole and reshards either way on load."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if precision == "bfloat16" and device.type != "cuda":
         # gloo reduces no bf16 and CPU bf16 matmuls are slower than fp32: refuse instead of running slowly
         raise ConfigError("policy.precision=bfloat16 needs CUDA (an FSDP mixed-precision policy); on CPU use "
                           "policy.precision=float32")
-    # bf16 compute, fp32 master weights and gradient reduction: the usual FSDP2 mixed-precision recipe
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
     if activation_checkpointing:
         # HF's own hook: non-reentrant checkpointing re-runs each block's forward (and its FSDP all-gather)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mesh.size() == 1 and DTYPES[precision] == torch.float32:
+        return model
+    # bf16 compute, fp32 master weights and gradient reduction: the usual FSDP2 mixed-precision recipe
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

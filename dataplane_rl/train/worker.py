@@ -9,6 +9,8 @@ from the train forward instead, detached, and writes them as the column once the
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from datetime import timedelta
 
@@ -354,18 +356,22 @@ class TrainWorker:
         return full_state_dict(self.model)
 
     @trace.traced("publish_weights")
-    def publish_weights(self, version: int, keep: list[int]):
+    def publish_weights(self, version: int, keep: list[int], live: bool = False):
         """The full policy for a refit on this node, in shared memory: rank 0 writes it as `version` and returns
         its SharedWeights, unlinking the versions not in `keep` (model/shared_weights.py); the other ranks return
-        None (collective)."""
+        None (collective). live (the driver's promise that no actor reads while this rank trains): one rank's
+        own parameters are the shared file, and the refit copies nothing (`WeightsFolder.publish_live`)."""
         from dataplane_rl.model.shared_weights import WeightsFolder
         from dataplane_rl.train.fsdp import full_state_dict
 
+        if self.weights_folder is None:
+            self.weights_folder = WeightsFolder()
+        if live and self.world == 1:
+            with contextlib.suppress(ValueError):  # not the module's own CPU tensors (FSDP's): a copy, below
+                return self.weights_folder.publish_live(self.model, version)
         state = full_state_dict(self.model)
         if self.rank != 0:
             return None
-        if self.weights_folder is None:
-            self.weights_folder = WeightsFolder()
         return self.weights_folder.publish(state, version, set(keep))
 
     @trace.traced("save_checkpoint")
