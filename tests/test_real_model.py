@@ -114,7 +114,7 @@ def test_every_stored_row_audits_clean(run, real):
     gaps, tokens = 0.0, 0
     for f in files:
         rows = pq.read_table(f).to_pylist()
-        assert len(rows) == 16
+        assert len(rows) == 8  # the page's 2 prompts x 4 samples
         for r in rows:
             ids, L = r["input_ids"], r["input_lengths"]
             assert len(ids) == len(r["token_mask"]) == len(r["generation_logprobs"]) == L
@@ -128,6 +128,8 @@ def test_every_stored_row_audits_clean(run, real):
             # EOS ends a response or nothing: it stops at the first one; truncated means it never came
             assert EOS not in response[:-1] and r["truncated"] == (response[-1] != EOS)
             assert r["total_reward"] == task.reward(r["dataset_row"], r["response_text"])
+            # the trainer's log-probs are the policy's tokens' alone: the output layer never ran at the prompt
+            assert r["prev_logprobs"][:plen] == r["reference_policy_logprobs"][:plen] == [0.0] * plen
             for a, b in zip(r["generation_logprobs"][plen:], r["prev_logprobs"][plen:]):
                 gaps += abs(a - b)
             tokens += len(response)
@@ -142,6 +144,8 @@ def test_the_default_learning_rate_does_not_collapse_it(run):
     assert len(val) == 2 and len(train) == 3
     assert train[0]["train/lr"] == pytest.approx(1e-6)
     assert val[1] >= val[0] - 0.125, f"greedy held-out reward fell from {val[0]} to {val[1]}"
-    assert train[-1]["train/entropy"] > 0.8 * train[0]["train/entropy"]
+    # a collapse (lr 1e-3: 4.24 -> 0.92 in one step) cuts the entropy of the sampled tokens to a fifth; at 1e-6 the
+    # weights barely move and each step's 2 prompts differ: 2.82 -> 2.15 (step 1 -> 3) was measured on such a run
+    assert train[-1]["train/entropy"] > 0.5 * train[0]["train/entropy"]
     responses = [json.loads(x)["response"] for x in (run_dir / "train_data" / "step_000003.jsonl").read_text().splitlines()]
     assert len(set(responses)) > len(responses) // 2  # not one repeated answer

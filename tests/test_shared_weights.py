@@ -7,6 +7,7 @@ real tiny model in the Hugging Face engine, and a real killed publisher for the 
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -125,6 +126,13 @@ def test_a_live_version_is_the_trainers_own_parameters(root, tmp_path):
     three = weights.publish_live(trainer, 3)
     assert param.data_ptr() == ptrs[0] and torch.equal(attach(three)[name], param.data)  # moved back in
     assert sorted(os.listdir(weights.folder)) == sorted([owners.MARKER, owners.OWNER_FILE, os.path.basename(one.path)])
+    # the export's and the object store's state dict: each tensor its own bytes, not a view of the whole mapping,
+    # which a pickle would carry once per tensor (a 135M model's export once took 20 GB that way)
+    from dataplane_rl.train.fsdp import full_state_dict
+
+    exported = full_state_dict(trainer)
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in exported.values())
+    assert len(pickle.dumps(exported)) < 2 * one.nbytes
     copy = weights.publish(trainer.state_dict(), 4)  # a copy from here on (e.g. an async step)
     assert not copy.live and copy.path != one.path and weights.live is None
     weights.close()

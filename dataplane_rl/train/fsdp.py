@@ -51,8 +51,12 @@ def shard(model, mesh, device: torch.device, precision: str = "float32", activat
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The whole model on rank 0's CPU (other ranks get {}); collective: every rank must call it."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The whole model on rank 0's CPU (other ranks get {}); collective: every rank must call it. Each tensor owns
+    its bytes: one that views a larger storage (a live refit's parameters all view one mapping of the whole model,
+    model/shared_weights.py) is copied, since a pickle of a view carries its whole storage (Ray's object store
+    would get the model once per tensor)."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.clone() if v.untyped_storage().nbytes() != v.nbytes else v for k, v in state.items()}
 
 
 def to_float(t) -> float:
