@@ -119,17 +119,17 @@ class WeightsFolder:
         if not set(state) <= set(owned) or any(t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter)
                                                 for t in owned.values()):
             raise ValueError("publish_live needs a module whose state dict is its own CPU tensors")
-        if self.live is None or [e[:3] for e in self.live[2]] != [e[:3] for e in _layout(state)[0]]:
-            entries, nbytes = _layout(state)
+        entries, nbytes = _layout(state)
+        if self.live is None or [e[:3] for e in self.live[2]] != [e[:3] for e in entries]:
             path = os.path.join(self._folder(), f"live-{uuid.uuid4().hex[:8]}")
             self.live = (path, _new_file(path, nbytes), entries, nbytes)
         path, flat, entries, nbytes = self.live
         for key, _, _, off in entries:
-            view = _at(flat, off, state[key])
-            if state[key].data_ptr() != view.data_ptr():
-                view.copy_(state[key])
-                owned[key].data = view  # a tied tensor is moved once: its other key then finds it in place
-                state = {**state, key: view}
+            t = owned[key]
+            view = _at(flat, off, t)
+            if t.data_ptr() != view.data_ptr():
+                view.copy_(t.detach())
+                t.data = view  # a tied tensor is moved once: its other key then finds it in place
         self.versions[version] = path
         self._unlink_except({version})
         return _shared(version, path, nbytes, entries, live=True)

@@ -10,7 +10,6 @@ from the train forward instead, detached, and writes them as the column once the
 from __future__ import annotations
 
 import contextlib
-
 import os
 from datetime import timedelta
 
