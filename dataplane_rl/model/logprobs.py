@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 
@@ -28,9 +31,12 @@ def _topk(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _keeps_logits(model) -> bool:
     """Whether the model's forward takes `logits_to_keep` (Hugging Face causal LMs do: the output layer then runs
     at those positions only)."""
-    import inspect
+    return _forward_takes_logits_to_keep(type(model))
 
-    return "logits_to_keep" in inspect.signature(type(model).forward).parameters
+
+@functools.cache
+def _forward_takes_logits_to_keep(cls: type) -> bool:  # once a class: every microbatch's forward asks
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
 def _needed_logits(need_next: torch.Tensor, width: int) -> torch.Tensor | None:

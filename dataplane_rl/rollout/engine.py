@@ -50,6 +50,7 @@ class HFEngine:
         missing = set(self.model.state_dict()) - set(views)
         if missing:
             raise RuntimeError(f"shared weights of version {weights.version} lack {sorted(missing)[:3]}")
+        copied = False
         for name, t in [*self.model.named_parameters(remove_duplicate=False),
                         *self.model.named_buffers(remove_duplicate=False)]:
             if name not in views:
@@ -62,9 +63,9 @@ class HFEngine:
                 t.data = view
             else:
                 t.data.copy_(view)
+                copied = True
         # every parameter a view: the next versions of a live file are already here (a copy would not follow them)
-        viewed = all(t.device.type == "cpu" and t.dtype == views[n].dtype for n, t in self.model.state_dict().items())
-        self.live = weights.path if weights.live and viewed else None
+        self.live = weights.path if weights.live and not copied else None
 
     def generate(self, prompts, seeds, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0):
         with self.slot.generating():
