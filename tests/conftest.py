@@ -16,14 +16,14 @@ import pytest
 
 from dataplane_rl.errors import DataPlaneError
 
-# The suite's two workers share CI's 2 cores with the runs they start, whose torch threads (OpenMP, libgomp)
-# spin-wait at every barrier, 300,000 spins by default, while other processes want the cores. Measured on the
+# The suite's workers (three in CI) share CI's 2 cores with the runs they start, whose torch threads (OpenMP,
+# libgomp) spin-wait at every barrier, 300,000 spins by default, while other processes want the cores. Measured on the
 # 2-core VM, the default run (`dataplane-rl train`) beside 2 busy loops: 545 s with the default, 126 s with
 # 10,000 spins; idle 62-65 s against 70-74 s (README, "A busy machine"). Set before torch is imported in this
 # process; the runs and Ray workers the tests start inherit it. A value set by the caller wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-# As many workers as cores (CI: 2 on 2) keep every core busy with runs already, so each process of a run gets one
-# torch thread (the runs read OMP_NUM_THREADS: driver/preflight.py torch_threads): two threads a process on a
+# As many workers as cores or more (CI: 3 on 2) keep every core busy with runs already, so each process of a run
+# gets one torch thread (the runs read OMP_NUM_THREADS: driver/preflight.py torch_threads): two threads a process on a
 # machine this busy wait at every barrier for a thread the other worker's run preempted (the real model's test
 # took 182 s beside the other worker, 81 s alone).
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1):
@@ -40,7 +40,7 @@ CAPABILITIES: dict[str, dict[str, bool]] = {
 }
 
 
-# CI runs the suite on two pytest-xdist workers that take whole files in collection order (.ci/run): the
+# CI runs the suite on three pytest-xdist workers that take whole files in collection order (.ci/run): the
 # longest files go first, so the workers finish together instead of one idling while the other runs a long file
 # that started last. Measured in CI's --durations (the default runs, kills and resumes, the README's commands).
 LONGEST_FIRST = ("test_train_e2e.py", "test_real_model.py", "test_checkpoint.py", "test_async_grpo.py", "test_readme.py",
