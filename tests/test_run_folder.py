@@ -15,6 +15,8 @@ from dataplane_rl.config import load_config
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.run.folder import RunDir
 
+ROOT = Path(__file__).resolve().parents[1]
+
 QUICK = ["logger.progress=false", "grpo.max_num_steps=1"]
 
 
@@ -213,42 +215,49 @@ def test_a_full_disk_at_the_end_is_one_line_and_leaves_no_tmp(tmp_path, capsys):
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
+PEAK_MEMORY = """
+import json, os, subprocess, sys
+from pathlib import Path
+from dataplane_rl.run.memory import PeakMemory
+
+code = ("import mmap, sys\\n"
+        "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); m[::4096] = b'x' * (len(m) // 4096)\\n"
+        "own = bytearray(64 * 2**20 if sys.argv[2] == 'own' else 0); own[::4096] = b'y' * (len(own) // 4096)\\n"
+        "print('ready', flush=True); sys.stdin.read()\\n")
+shared = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}"
+shared.write_bytes(b"\\0" * (64 * 2**20))
+kids = [subprocess.Popen([sys.executable, "-c", code, str(shared), kind], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True) for kind in ("own", "shared-only")]
+try:
+    for k in kids:
+        assert k.stdout.readline() == "ready\\n"
+    memory = PeakMemory(lambda: {k.pid: f"child-{i}" for i, k in enumerate(kids)})
+    memory.sample()
+    both = memory.summary()
+    kids[1].stdin.close()
+    kids[1].wait(timeout=30)
+    memory.sample()  # the exited child is not seen again
+    after = memory.summary()
+finally:
+    for k in kids:
+        k.kill()
+    shared.unlink()
+print(json.dumps({"both": both, "after": after}))
+"""
+
+
 def test_peak_memory_counts_a_shared_page_once_and_keeps_an_exited_process():
     """summary.json's `memory` (run/memory.py): two children map the same 64 MiB of shared memory and one holds
     64 MiB of its own. Their PSS splits the shared pages between them, so one sample's sum counts them once, while
     each one's kernel peak RSS counts them whole. Once one exits the other is their only holder (its PSS takes them
-    all); the exited one keeps its peak, and the largest sum of one sample stays the first."""
-    import psutil
-
-    from dataplane_rl.run.memory import PeakMemory
-
-    if psutil.Process().children(recursive=True):
-        # the totals are over this process's whole tree: a pytest worker that already holds a Ray session of earlier
-        # tests (CI's xdist workers) adds processes whose memory moves between samples
-        pytest.skip("this process has children of its own (an earlier test's Ray), which the tree's totals include")
-
-    code = ("import mmap, sys\n"
-            "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); m[::4096] = b'x' * (len(m) // 4096)\n"
-            "own = bytearray(64 * 2**20 if sys.argv[2] == 'own' else 0); own[::4096] = b'y' * (len(own) // 4096)\n"
-            "print('ready', flush=True); sys.stdin.read()\n")
-    shared = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}"
-    shared.write_bytes(b"\0" * (64 * 2**20))
-    kids = [subprocess.Popen([sys.executable, "-c", code, str(shared), kind], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True) for kind in ("own", "shared-only")]
-    try:
-        for k in kids:
-            assert k.stdout.readline() == "ready\n"
-        memory = PeakMemory(lambda: {k.pid: f"child-{i}" for i, k in enumerate(kids)})
-        memory.sample()
-        both = memory.summary()
-        kids[1].stdin.close()
-        kids[1].wait(timeout=30)
-        memory.sample()  # the exited child is not seen again
-        after = memory.summary()
-    finally:
-        for k in kids:
-            k.kill()
-        shared.unlink()
+    all); the exited one keeps its peak, and the largest sum of one sample stays the first.
+    Measured from a fresh process: the totals are over the sampling process's whole tree, and a pytest worker may
+    hold a Ray session of earlier tests whose processes' memory moves between samples."""
+    p = subprocess.run([sys.executable, "-c", PEAK_MEMORY], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout)
+    both, after = got["both"], got["after"]
     rows = {r["role"]: r for r in both["processes"]}
     assert list(rows)[0] == "driver" and both["samples"] == 1 and both["measure"] == "pss"
     own, only = rows["child-0"], rows["child-1"]

@@ -6,18 +6,28 @@ so the shared libraries, the model weights a forked worker inherits and a mapped
 sum. PSS comes from /proc/PID/smaps_rollup (psutil `memory_full_info`); where a process's cannot be read (another
 user's process, a kernel without it) the whole run falls back to RSS, which counts shared pages once per process,
 and says so: `kind` is "pss" or "rss".
+
+Reading a process's PSS walks its page tables: one sample of a SmolLM2 run's tree (train rank ~4 GB, rollout actor,
+driver, Ray's processes) took ~120 ms of CPU on the 2-core machine, so a fixed 0.2 s period would take over a third
+of a core from the run it measures (its steps were ~30% slower sampled so). As the run's own sampler does
+(run/memory.py), the period stretches to BUSY_SHARE times a sample's own time: at most ~5% of one core, the same
+rule for every run a benchmark compares.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 import psutil
 
+from dataplane_rl.run.memory import BUSY_SHARE
+
 
 class TreeMemory:
-    """Sample the memory of `pid`'s process tree every `interval` seconds until stop(); a context manager."""
+    """Sample the memory of `pid`'s process tree every `interval` seconds, or BUSY_SHARE times a sample's own
+    duration where that is longer, until stop(); a context manager."""
 
     def __init__(self, pid: int, interval: float = 0.2) -> None:
         self.root = psutil.Process(pid)
@@ -50,8 +60,9 @@ class TreeMemory:
 
     def _run(self) -> None:
         while True:
+            t0 = time.monotonic()
             self.sample()
-            if self._stop.wait(self.interval):
+            if self._stop.wait(max(self.interval, BUSY_SHARE * (time.monotonic() - t0))):
                 self.sample()
                 return
 
