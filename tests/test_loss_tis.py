@@ -1,4 +1,4 @@
-"""Bounded importance weights (tis, icepop, seq-mask-tis) and sequence masking by log-prob error (issue 39, docs/loss.md).
+"""Bounded importance weights (tis, icepop, seq-mask-tis) and sequence masking by log-prob error (docs/loss.md).
 
 Expected values are derived by hand in the comments; random batches are checked against the plain-loop twin of
 tests/test_loss.py and for microbatch and rank invariance of the loss, its gradients and every metric.
@@ -249,8 +249,16 @@ def test_loss_config_refuses_alone_too():
     with pytest.raises(ValidationError, match="ratio_min"):
         LossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
                    truncated_importance_sampling_ratio=2.0)
-    ok = load_config(None, ["loss_fn.use_importance_sampling_correction=true", "grpo.seq_logprob_error_threshold=2.0",
+    ok = load_config(None, ["loss_fn.use_importance_sampling_correction=true", "grpo.seq_logprob_error_threshold=2.5",
                             "loss_fn.truncated_importance_sampling_type=icepop",
                             "loss_fn.truncated_importance_sampling_ratio=5.0",
-                            "loss_fn.truncated_importance_sampling_ratio_min=0.5"])
-    assert ok.loss_fn.truncated_importance_sampling_type == "icepop" and ok.grpo.seq_logprob_error_threshold == 2.0
+                            "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+                            "loss_fn.reference_policy_kl_penalty=0.0"])
+    # the accepted keys reach the loss as the train rank builds it (ClippedPGLoss(cfg.loss_fn, threshold)): icepop in
+    # [0.5, 5] zeroes only the 0.4 of the hand batch, w = [3, 0, 1.5, 1 | 1.25, 0.8], sum 7.55, oob 1/6; the
+    # threshold 2.5 is above both rows' errors and masks none
+    loss, m, grad = run(ok.loss_fn, ok.grpo.seq_logprob_error_threshold)
+    close(loss, -7.55 / 6)
+    close(grad, [[-3 / 6, 0.0, -1.5 / 6, -1 / 6, 0.0], [-1.25 / 6, 0.0, -0.8 / 6, 0.0, 0.0]])
+    close(m["is_oob_ratio"], 1 / 6)
+    check_errors(m)

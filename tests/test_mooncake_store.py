@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -409,7 +410,11 @@ def test_an_unpatchable_mooncake_names_the_preload(monkeypatch):
 # ---- urls and the CLI ----------------------------------------------------------------------------
 def test_url_forms_and_errors(session_store, monkeypatch):
     host, port = session_store.url.removeprefix("mooncake://").rsplit(":", 1)
-    assert session_store.url == f"mooncake://{host}:{port}"
+    # the URL names the master this store started, on loopback, with the admin port its default (no ?admin=)
+    assert host == "127.0.0.1" and session_store.url == session_store.cluster.url
+    assert session_store.cluster.admin_address == f"{host}:{int(port) + 1}"
+    with socket.create_connection((host, int(port)), timeout=10):
+        pass  # the master listens where the URL says
     with pytest.raises(ConfigError, match="unknown option"):
         open_store(f"{session_store.url}?holders=2")
     with pytest.raises(ConfigError, match="unknown option"):
