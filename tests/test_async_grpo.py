@@ -25,7 +25,7 @@ from test_train_e2e import SMALL, TRAIN_KEYS, assert_close, assert_store_failure
 
 STEPS = "grpo.max_num_steps=3"
 ASYNC = ["grpo.async_grpo.enabled=true"]
-# the age-1 runs bound the weight (issue 39): tis at ratio 1 truncates every rho above 1, so the rows one update
+# the age-1 runs bound the weight: tis at ratio 1 truncates every rho above 1, so the rows one update
 # behind show the bound at work; the error threshold sits far above any error, so it wires the masking path through
 # the workers' counts without masking
 AGE1 = [*ASYNC, "grpo.async_grpo.max_trajectory_age_steps=1", "loss_fn.use_importance_sampling_correction=true",
@@ -194,7 +194,7 @@ def test_mooncake_backend_gives_the_shm_run_through_a_dead_holder_and_a_dead_tra
     is written, which is then logged again, marked; async rows of older weights died with it, so the run resumes
     from checkpoint 1 in-process with a new store), then the train rank, stopped the moment step 3's line is
     written and killed in the middle of checkpoint 3's save (the run resumes from checkpoint 2 and logs step 3
-    again, marked). Issue 38: every step's numbers are the unkilled run's."""
+    again, marked). Every step's numbers are the unkilled run's."""
     mooncake_or_skip()
     _, base_m, base_d = age1
     # the train rank is stopped the moment step 3's line is written, so it dies in the middle of checkpoint 3's save

@@ -491,7 +491,7 @@ def test_reopen_drops_the_steps_after_the_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "train_data").iterdir()) == ["step_000001.jsonl", "step_000002.jsonl"]
 
 
-# -- checkpoints load no code and verify their bytes (issue 24) --------------------------------------------
+# -- checkpoints load no code and verify their bytes -------------------------------------------------------
 class Payload:
     """A pickle that, when loaded by an unrestricted unpickler, creates the file `marker`."""
 

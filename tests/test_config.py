@@ -259,7 +259,7 @@ def test_math_jsonl_without_a_path_is_refused_naming_the_sample():
 ], ids=["prompt-too-long", "bf16-cpu", "cuda-none"])
 def test_machine_dependent_config_is_refused_before_ray(overrides, match):
     """Once a RayTaskError from inside an actor (remote traceback, ANSI colours); now one ConfigError
-    from the driver's preflight, before ray.init (round-3 probe)."""
+    from the driver's preflight, before ray.init."""
     from dataplane_rl.driver.preflight import preflight
 
     with pytest.raises(ConfigError, match=match):

@@ -130,7 +130,7 @@ def test_binary_config_and_task_files(tmp_path):
 
 
 def test_round3_probe_files_and_flags(tmp_path, capsys):
-    """The round-3 probe's file and flag findings: each one clear error naming the thing (issue 22)."""
+    """Bad files and flags: each one clear error naming the thing."""
     import argparse
 
     import pyarrow as pa

@@ -26,7 +26,7 @@ CFG = LossConfig(ratio_clip_min=0.1, ratio_clip_max=0.15, ratio_clip_c=2.0, refe
                  positive_example_nll_weight=0.3, use_importance_sampling_correction=True)
 # (the loss, grpo.seq_logprob_error_threshold, with a teacher's columns): the GRPO loss with the unbounded
 # weight; on-policy distillation (mixed top-k KL) beside a bounded GRPO loss whose sequences are masked by their
-# log-prob error, so its counts, max metric and KL mask cross the ranks (issues 39, 40)
+# log-prob error, so its counts, max metric and KL mask cross the ranks
 BOUNDED = CFG.model_copy(update=dict(truncated_importance_sampling_type="seq-mask-tis",
                                      truncated_importance_sampling_ratio=1.05, truncated_importance_sampling_ratio_min=0.95))
 CASES = {"grpo": (lambda: ClippedPGLoss(CFG), None, False),

@@ -200,7 +200,7 @@ def lengthen_observations(batch: dict[str, torch.Tensor], extra: int, rng) -> di
     return res
 
 
-# bounded: seq-mask-tis and the error threshold (issue 39); the observations' random log-probs, were they read,
+# bounded: seq-mask-tis and the error threshold; the observations' random log-probs, were they read,
 # would push every geometric mean and sequence error out of these bounds (and change the counts)
 BOUNDS = dict(truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=1.01,
               truncated_importance_sampling_ratio_min=0.99)

@@ -26,7 +26,7 @@ from dataplane_rl.train.worker import train_microbatches
 LENGTHS = np.array([5, 31, 9, 17, 3, 26, 12, 40, 7, 22])
 LOSS = LossConfig(reference_policy_kl_penalty=0.05, positive_example_nll_weight=0.2, ratio_clip_c=3.0,
                   use_importance_sampling_correction=True)
-# issue 39: the bounded weight and sequences masked by their log-prob error (synthetic_table's generation and prev
+# the bounded weight and sequences masked by their log-prob error (synthetic_table's generation and prev
 # log-probs are independent, so errors run ~2-20 and the threshold masks some rows) on every microbatch layout
 BOUNDED = (LOSS.model_copy(update=dict(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0,
                                        truncated_importance_sampling_ratio_min=0.5)), 6.0)
@@ -61,7 +61,7 @@ def _plain_slots(lengths: np.ndarray, k: int) -> int:
 
 
 def test_dynamic_batching_pads_no_more_than_padded_microbatches_on_short_rows():
-    """Issue 28: the default config's rows (a 4-token prompt, responses of 1-8 tokens) are far shorter than the
+    """The default config's rows (a 4-token prompt, responses of 1-8 tokens) are far shorter than the
     default round of 64. Dynamic batching padded all 32 rows up to 64 in one pass (82% padding against 4%)."""
     rng = np.random.default_rng(0)
     lengths = 4 + rng.integers(1, 9, 32)  # [32]
@@ -196,7 +196,7 @@ def one_step(folder, mode: str, table, budget: int = 64, loss=(LOSS, None), dist
     return reduce_metrics(per_mb), [p.grad for p in model.parameters()], mbs, used
 
 
-# the GRPO loss alone; and on-policy distillation beside a bounded GRPO loss whose threshold masks rows (issues 39, 40)
+# the GRPO loss alone; and on-policy distillation beside a bounded GRPO loss whose threshold masks rows
 @pytest.mark.parametrize("loss, distill", [((LOSS, None), False), (BOUNDED, True)], ids=["grpo", "distill+icepop+threshold"])
 def test_one_step_is_the_same_padded_dynamic_and_packed(folder, loss, distill):
     table = synthetic_table(LENGTHS, 50, seed=3, prompt=4)

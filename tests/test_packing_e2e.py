@@ -51,7 +51,7 @@ def test_same_numbers_as_padded(runs, mode):
     assert ref_m[0]["train/padding_fraction"] > 0
     if mode == "packed":
         assert m[0]["train/padding_fraction"] == 0.0 and m[0]["train/rank_token_imbalance"] >= 1.0
-    else:  # length-sorted cuts of 4 rows never pad more than any 4 rows (padded: each rank's 4 rows); issue 28
+    else:  # length-sorted cuts of 4 rows never pad more than any 4 rows (padded: each rank's 4 rows)
         assert all(m[s]["train/padding_fraction"] <= ref_m[s]["train/padding_fraction"] for s in (0, 1))
 
 

@@ -5,7 +5,7 @@ of every process it started binds loopback (docs/security.md names no exception 
 Ray token is a private file of its own. It is then SIGKILLed with its whole process group after step 1's
 checkpoint: its store stays behind, orphaned, and `train --resume` of that run reaps it, saying so in
 one line. Before it, on the same root, a one-step run kept its store (data_plane.keep_partitions=true): that
-store outlives the killed run, the resume's collection and `store gc` (issue 28). Stores go to a private
+store outlives the killed run, the resume's collection and `store gc`. Stores go to a private
 temporary root (DATAPLANE_RL_SHM_ROOT): no other store is looked at."""
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_resume_of_a_sigkilled_run_reaps_its_store(killed_run):
 
 
 def test_a_kept_store_outlives_a_killed_run_and_every_collection(killed_run, kept_run):
-    """Issue 28: a kept run, then a run SIGKILLed with its process group, then `store gc` (and, when the resume
+    """A kept run, then a run SIGKILLed with its process group, then `store gc` (and, when the resume
     test ran first, that run's --resume, whose start collected the killed run's store): the kept store and
     every partition in it stay; only the killed run's store goes."""
     _, _, _, _, _, orphans, _ = killed_run

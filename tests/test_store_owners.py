@@ -155,7 +155,7 @@ def test_a_dead_runs_ray_token_folder_is_reaped_and_no_other(tmp_path, monkeypat
 
 
 def test_a_kept_store_survives_gc_whatever_its_owner_record_says(root):
-    """Issue 28: a kept store is data. keep() marks it in DIR/.kept as well as in the owner record, so a record
+    """A kept store is data. keep() marks it in DIR/.kept as well as in the owner record, so a record
     rewritten afterwards as an unkept auto store of a dead owner (or damaged) cannot make gc remove it."""
     kept = open_store("shm://")
     kept.create_partition("p", "grpo", 1)

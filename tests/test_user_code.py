@@ -193,7 +193,7 @@ def test_a_bad_reward_is_a_data_failure_naming_function_source_and_value(tmp_pat
 
 
 def test_a_bad_reward_fails_its_groups_naming_the_rows_source(tmp_path):
-    """A NaN from the user's function is a data failure (issue 38): retried, then its whole group fails; the
+    """A NaN from the user's function is a data failure: retried, then its whole group fails; the
     receipt names the function, the row's data_source and the value, and no row of that group is returned."""
     (tmp_path / "nan.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                                      "    return float('nan') if data_source == 'sub' else 1.0\n")
