@@ -275,7 +275,7 @@ def test_a_restart_past_its_budget_or_without_a_checkpoint_ends_the_run_with_its
     fault_tolerance.max_restarts=N stops the N+1-th restart with the error the first would have stopped with."""
     from types import SimpleNamespace
 
-    from dataplane_rl.faults.kinds import FaultKind
+    from dataplane_rl.run.ledger import FaultKind
     from dataplane_rl.faults.restart import Fault, RunRestarts
     from dataplane_rl.run.ledger import FaultLedger
     from dataplane_rl.errors import StoreUnavailableError

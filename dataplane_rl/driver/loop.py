@@ -24,7 +24,8 @@ from dataplane_rl.run.preempt import LOST, TERMINATING, RayLost, StopSignals
 from dataplane_rl.run.folder import RunDir
 from dataplane_rl.run.memory import PeakMemory
 from dataplane_rl.run.run import Run
-from dataplane_rl.faults.kinds import FaultKind, RolloutActorError
+from dataplane_rl.faults.kinds import RolloutActorError
+from dataplane_rl.run.ledger import FaultKind
 from dataplane_rl.faults.restart import RunRestarts
 from dataplane_rl.faults.train_ranks import train_rank_error
 from dataplane_rl.driver.rollouts import RolloutWaitError

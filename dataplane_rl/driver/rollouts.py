@@ -101,6 +101,21 @@ class Rollouts:
             io.timing["wait_for_rollouts"] = io.timing.get("wait_for_rollouts", 0.0) + time.perf_counter() - t0
         return receipts
 
+    def read(self, step: int, p: Pending, receipts: list[dict], fields, io) -> tuple:
+        """A collected round's `fields` on its written rows, and those rows: a group whose reward or environment
+        failed on every try wrote none (faults/data.py accounts it and stops the run past its budget)."""
+        failed_rows = self.fleet.data_faults.take(step, p.pid, receipts)
+        t0 = time.perf_counter()
+        if failed_rows:
+            rows = np.setdiff1d(np.arange(sum(len(j.prompts) for j in p.jobs) * p.G), failed_rows)
+            sc = self.fleet.store.get(p.pid, fields, rows)
+        else:
+            sc = self.fleet.store.get(p.pid, fields)
+            rows = np.arange(sc.num_rows)
+        io.get_s += time.perf_counter() - t0
+        io.driver_bytes_read += sc.nbytes
+        return sc, rows
+
     def _missing(self, p: Pending) -> str:
         done = set(self.fleet.store.ready(p.pid, self.fields).tolist())
         groups = [gid for j in p.jobs for i, gid in enumerate(j.group_ids)

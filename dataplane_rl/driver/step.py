@@ -75,7 +75,7 @@ def collect_groups(fleet, cfg, step: int, io: StepIO) -> Groups:
         receipts = fleet.rollouts.collect(p, io)
         io.timing["generate"] = io.timing.get("generate", 0.0) + max(r["generate_s"] for r in receipts)
         refits += sum(r.get("in_flight_refits", 0) for r in receipts)
-        sc, rows = fleet.data_faults.read_round(step, p, receipts, fleet.schema.field_set("DRIVER_FIELDS"), io)
+        sc, rows = fleet.rollouts.read(step, p, receipts, fleet.schema.field_set("DRIVER_FIELDS"), io)
         scalars[p.pid], written[p.pid] = sc, rows
         if len(rows) < p.G * sum(len(j.prompts) for j in p.jobs):  # failed groups: one more round may replace them
             rounds = max(rounds, min(round_ + 2, g.max_gen_batches))

@@ -1,22 +1,19 @@
 """Failed groups on the driver's side (docs/architecture.md §7): counted, named in one line, left out, bounded by a budget.
 
 A rollout job's receipt names the groups whose reward or environment call failed on every try
-(rollout/retries.py); their rows were never written. The driver reads a round's written rows only, leaves the
-failed groups out of the step (collect_groups takes their places from a further round), prints one line per
-failed group, lists it in summary.json's `faults`, and stops the run with DataFailureError once more than
-`fault_tolerance.max_failed_groups` groups have failed.
+(rollout/retries.py); their rows were never written. The driver reads a round's written rows only
+(driver/rollouts.py `Rollouts.read`) and leaves the failed groups out of the step (collect_groups takes their
+places from a further round); here each failed group is printed in one line and listed in summary.json's
+`faults`, and the run stops with DataFailureError once more than `fault_tolerance.max_failed_groups` groups have
+failed.
 """
 
 from __future__ import annotations
 
 import sys
-import time
-from datetime import datetime, timezone
-
-import numpy as np
 
 from dataplane_rl.errors import DataPlaneError
-from dataplane_rl.faults.kinds import FaultKind
+from dataplane_rl.run.ledger import FaultKind
 
 
 class DataFailureError(DataPlaneError, RuntimeError):
@@ -31,25 +28,17 @@ class DataFaults:
         ft = fleet.cfg.fault_tolerance
         self.budget, self.tries = ft.max_failed_groups, ft.max_data_retries + 1
 
-    def read_round(self, step: int, p, receipts: list[dict], fields, io) -> tuple:
-        """A collected round's `fields` on its written rows, and those rows (the failed groups' are not)."""
+    def take(self, step: int, pid: str, receipts: list[dict]) -> list[int]:
+        """Account a collected round's data faults (retries by reason; every failed group recorded, the run stopped
+        past the budget); returns the rows the failed groups never wrote."""
         failed_rows = []
         for r in receipts:
             for reason, n in r.get("data_retries", {}).items():
                 self.ledger.data_retries[reason] = self.ledger.data_retries.get(reason, 0) + int(n)
             for group, reason, error in r.get("failed_groups", ()):
-                self.fail(step, p.pid, int(group), reason, error)
+                self.fail(step, pid, int(group), reason, error)
             failed_rows += r.get("failed_rows", ())
-        t0 = time.perf_counter()
-        if failed_rows:
-            rows = np.setdiff1d(np.arange(sum(len(j.prompts) for j in p.jobs) * p.G), failed_rows)
-            sc = self.fleet.store.get(p.pid, fields, rows)
-        else:
-            sc = self.fleet.store.get(p.pid, fields)
-            rows = np.arange(sc.num_rows)
-        io.get_s += time.perf_counter() - t0
-        io.driver_bytes_read += sc.nbytes
-        return sc, rows
+        return failed_rows
 
     def fail(self, step: int, pid: str, group: int, reason: str, error: str) -> None:
         ledger = self.ledger
@@ -60,10 +49,9 @@ class DataFaults:
         if ledger.failed_groups > self.budget:
             raise DataFailureError(f"{what}; fault_tolerance.max_failed_groups={self.budget} groups have failed "
                                    "already, so the run stops here; fix the task's code or raise the budget")
-        ledger.record({"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": step,
-                       "what": FaultKind.data(reason).value, "where": {"task": task, "partition": pid, "group": group},
-                       "error": error, "recovery": "group left out, its place taken from a further round",
-                       "cost": {"rows_left_out": self.fleet.cfg.grpo.num_generations_per_prompt},
-                       "budget": {"used": ledger.failed_groups, "of": self.budget, "key": "fault_tolerance.max_failed_groups"}})
+        ledger.fault(FaultKind.data(reason), step, {"task": task, "partition": pid, "group": group}, error,
+                     "group left out, its place taken from a further round",
+                     {"rows_left_out": self.fleet.cfg.grpo.num_generations_per_prompt},
+                     {"used": ledger.failed_groups, "of": self.budget, "key": "fault_tolerance.max_failed_groups"})
         print(f"{what}; the whole group is left out, never trained; fault_tolerance.max_failed_groups: {ledger.failed_groups} "
               f"of {self.budget} used", file=sys.stderr, flush=True)

@@ -22,9 +22,9 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 
-from dataplane_rl.faults.kinds import FaultKind, first_line
+from dataplane_rl.faults.kinds import first_line
+from dataplane_rl.run.ledger import FaultKind
 from dataplane_rl.faults.store import dead_store
 from dataplane_rl.faults.train_ranks import dead_rank, rank_where, save_output, train_rank_error
 from dataplane_rl.errors import StoreUnavailableError
@@ -121,12 +121,9 @@ class RunRestarts:
                                      f"stops here: {why}")
 
     def record(self, fault: Fault, step: int, recovery: str, cost: dict) -> None:
-        entry = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": step, "during": f"step {step}",
-                 "what": fault.what.value, "where": fault.where, "error": fault.error, "recovery": recovery, "cost": cost,
-                 "budget": {"used": self.used, "of": self.budget, "key": "fault_tolerance.max_restarts"}}
-        if fault.output:
-            entry["output"] = fault.output
-        self.ledger.record(entry)
+        self.ledger.fault(fault.what, step, fault.where, fault.error, recovery, cost,
+                          {"used": self.used, "of": self.budget, "key": "fault_tolerance.max_restarts"},
+                          during=f"step {step}", **({"output": fault.output} if fault.output else {}))
         self.ledger.seconds_lost += cost["seconds_lost"]
         name = (f"train rank {fault.where['rank']} (pid {fault.where['pid']} on {fault.where['node']})"
                 if fault.what is FaultKind.TRAIN_RANK_DIED else "a process of the run's Mooncake store")

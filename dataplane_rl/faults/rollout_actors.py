@@ -14,10 +14,10 @@ import dataclasses
 import json
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from dataplane_rl.faults.kinds import FaultKind, RolloutActorError, first_line
+from dataplane_rl.faults.kinds import RolloutActorError, first_line
+from dataplane_rl.run.ledger import FaultKind
 
 
 class RolloutRecovery:
@@ -110,13 +110,11 @@ class RolloutRecovery:
         lost = time.perf_counter() - t0
         ledger.seconds_lost += lost
         ledger.redispatched += jobs
-        ledger.record({"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": f.in_step,
-                       "during": what, "what": FaultKind.ROLLOUT_ACTOR_DIED.value,
-                       "where": {"slot": slot, "pid": old_pid, "node": node},
-                       "error": error, "recovery": f"replaced by pid {pid} on {f.nodes['rollout'][slot]}",
-                       "cost": {"jobs_redispatched": jobs, "rows_redispatched": rows, "seconds_to_replace": round(lost, 3)},
-                       "budget": {"used": ledger.actor_restarts, "of": self.budget,
-                                  "key": "fault_tolerance.max_generation_failures"}})
+        ledger.fault(FaultKind.ROLLOUT_ACTOR_DIED, f.in_step, {"slot": slot, "pid": old_pid, "node": node}, error,
+                     f"replaced by pid {pid} on {f.nodes['rollout'][slot]}",
+                     {"jobs_redispatched": jobs, "rows_redispatched": rows, "seconds_to_replace": round(lost, 3)},
+                     {"used": ledger.actor_restarts, "of": self.budget, "key": "fault_tolerance.max_generation_failures"},
+                     during=what)
         print(f"{what}: rollout actor {slot} (pid {old_pid} on {node}) died ({error}); replaced by pid {pid}, "
               f"{jobs} unfinished job(s) ({rows} rows) dispatched again; fault_tolerance.max_generation_failures: "
               f"{ledger.actor_restarts} of {self.budget} used", file=sys.stderr, flush=True)

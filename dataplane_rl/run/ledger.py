@@ -8,9 +8,26 @@ a new Fleet), the ledger stays, so nothing is copied from an old fleet to a new 
 from __future__ import annotations
 
 import collections
+import enum
 import time
+from datetime import datetime, timezone
 
 from dataplane_rl.rollout.retries import REASONS
+
+
+class FaultKind(enum.Enum):
+    """What failed; the value is summary.json's `what` of the fault's entry."""
+
+    ROLLOUT_ACTOR_DIED = "rollout actor died"  # faults/rollout_actors.py: replaced on its slot, jobs run again
+    TRAIN_RANK_DIED = "train rank died"  # faults/restart.py: the train group rebuilt, resumed from a checkpoint
+    STORE_HOLDER_DIED = "store holder died"  # faults/restart.py: the store replaced, the step run again or resumed
+    REWARD_FAILED = "reward failed"  # faults/data.py: the group left out
+    ENVIRONMENT_FAILED = "environment failed"  # faults/data.py: the group left out
+
+    @classmethod
+    def data(cls, reason: str) -> "FaultKind":
+        """The kind of a failed group whose `reason` (rollout/retries.py REASONS) call failed on every try."""
+        return cls(f"{reason} failed")
 
 
 class FaultLedger:
@@ -32,8 +49,15 @@ class FaultLedger:
         """Restarts counted against fault_tolerance.max_restarts."""
         return self.train_restarts + self.store_restarts
 
-    def record(self, entry: dict) -> None:
+    def fault(self, kind: FaultKind, step: int, where: dict, error: str, recovery: str, cost: dict, budget: dict,
+              during: str | None = None, **extra) -> dict:
+        """Record one fault survived as summary.json's entry for it (its time now, `what` the kind's value); returns
+        the entry. `budget`: {used, of, key} of the config key that bounds faults of its kind."""
+        entry = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": step,
+                 **({"during": during} if during is not None else {}), "what": kind.value, "where": where,
+                 "error": error, "recovery": recovery, "cost": cost, "budget": budget, **extra}
         self.faults.append(entry)
+        return entry
 
     def counters(self) -> dict:
         """Run totals of the rollout and data faults, in every step's metrics (0 on a run without faults)."""

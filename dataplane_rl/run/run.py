@@ -7,11 +7,16 @@ ledger of the faults survived, stays. `driver/loop.py` makes one Run per `train`
 from __future__ import annotations
 
 import sys
+import threading
 
 from dataplane_rl.errors import ConfigError
 from dataplane_rl.ray_calls import init
 from dataplane_rl.run import private_ray
 from dataplane_rl.run.ledger import FaultLedger
+
+
+# the most seconds a shutdown of a Ray whose start was interrupted may take; past it the run goes on without it
+INTERRUPTED_SHUTDOWN_S = 30.0
 
 
 class RayOwner:
@@ -20,6 +25,7 @@ class RayOwner:
 
     def __init__(self) -> None:
         self.started = False  # this process started Ray, so stop() shuts it down
+        self.interrupted = False  # a stop signal ended ray.init part-way: Ray's state may be half-built
         self.lost = False  # Ray's processes were stopped under us (a SIGTERM to the group): wait on nothing of it
         self.unprivate = None  # undoes private_ray.make_private once Ray is shut down
 
@@ -34,10 +40,14 @@ class RayOwner:
         self.started = True
         # the run's own local Ray, never one /tmp/ray/ray_current_cluster names; a cluster.address joined within a
         # bound; the run's stop signals kept in place while Ray starts (ray_calls.init)
-        init(cfg.cluster.address, ConfigError, "check cluster.address (the address `ray start --head` printed), or "
-             "leave it unset for a local Ray of the run's own", include_dashboard=cfg.cluster.include_dashboard,
-             num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None, logging_level="WARNING",
-             log_to_driver=True)
+        try:
+            init(cfg.cluster.address, ConfigError, "check cluster.address (the address `ray start --head` printed), "
+                 "or leave it unset for a local Ray of the run's own", include_dashboard=cfg.cluster.include_dashboard,
+                 num_cpus=cfg.cluster.num_cpus if not cfg.cluster.address else None, logging_level="WARNING",
+                 log_to_driver=True)
+        except BaseException:
+            self.interrupted = True  # a Ctrl-C (or a stop signal's StartInterrupted) inside ray.init, or its error
+            raise
         private_ray.stop_unused(cfg)  # Ray's dashboard and monitor, which nothing of the run uses
         # after the join: ray.init(address="auto") turns token auth on when it finds the user's token
         for line in (private_ray.open_warning(cfg), private_ray.security_line(cfg)):
@@ -54,12 +64,32 @@ class RayOwner:
 
             atexit.unregister(ray.shutdown)
             self.started = False
+        elif self.started and self.interrupted:
+            self._bounded_shutdown()
         elif self.started:
             ray.shutdown()
             self.started = False
         if self.unprivate is not None:
             self.unprivate()
             self.unprivate = None
+
+    def _bounded_shutdown(self) -> None:
+        """ray.shutdown after a start that a signal or an error ended part-way, on a thread, for at most
+        INTERRUPTED_SHUTDOWN_S: Ray's half-built state (a core worker never connected, a node still starting its
+        processes) can leave the shutdown waiting on something that never comes. Past the bound the run goes on to
+        its exit, where the CLI's reaper (run/reaper.py) stops every process Ray started."""
+        import atexit
+
+        import ray
+
+        done = threading.Thread(target=ray.shutdown, name="ray-shutdown", daemon=True)
+        done.start()
+        done.join(INTERRUPTED_SHUTDOWN_S)
+        if done.is_alive():
+            atexit.unregister(ray.shutdown)  # Ray's own call at exit would wait on the same thing
+            print(f"Ray's shutdown after its interrupted start did not end within {INTERRUPTED_SHUTDOWN_S:.0f} s; "
+                  "the processes it started are stopped at exit", file=sys.stderr)
+        self.started = False
 
 
 class Run:
