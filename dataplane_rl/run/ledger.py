@@ -50,14 +50,13 @@ class FaultLedger:
         return self.train_restarts + self.store_restarts
 
     def fault(self, kind: FaultKind, step: int, where: dict, error: str, recovery: str, cost: dict, budget: dict,
-              during: str | None = None, **extra) -> dict:
-        """Record one fault survived as summary.json's entry for it (its time now, `what` the kind's value); returns
-        the entry. `budget`: {used, of, key} of the config key that bounds faults of its kind."""
+              during: str | None = None, **extra) -> None:
+        """Record one fault survived as summary.json's entry for it (its time now, `what` the kind's value).
+        `budget`: {used, of, key} of the config key that bounds faults of its kind."""
         entry = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "step": step,
                  **({"during": during} if during is not None else {}), "what": kind.value, "where": where,
                  "error": error, "recovery": recovery, "cost": cost, "budget": budget, **extra}
         self.faults.append(entry)
-        return entry
 
     def counters(self) -> dict:
         """Run totals of the rollout and data faults, in every step's metrics (0 on a run without faults)."""

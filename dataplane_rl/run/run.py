@@ -25,7 +25,7 @@ class RayOwner:
 
     def __init__(self) -> None:
         self.started = False  # this process started Ray, so stop() shuts it down
-        self.interrupted = False  # a stop signal ended ray.init part-way: Ray's state may be half-built
+        self.interrupted = False  # ray.init ended part-way (a stop signal or its error): Ray may be half-built
         self.lost = False  # Ray's processes were stopped under us (a SIGTERM to the group): wait on nothing of it
         self.unprivate = None  # undoes private_ray.make_private once Ray is shut down
 
