@@ -294,19 +294,3 @@ def watch_commits(url: str, pid: str, group_rows: int, stop, out) -> None:
             wrong.append(f"look {looks}: {type(e).__name__}: {e}")
         looks += 1
     out.put((looks, wrong))
-
-
-def bench_worker(conn, barrier, fail: bool) -> None:
-    """A `bench store` worker (store_procs.serve) whose every call fails with a store error, or answers."""
-    from dataplane_rl.bench.store_procs import serve
-    from dataplane_rl.errors import StoreUnavailableError
-
-    def setup():
-        def handle(msg) -> dict:
-            if fail:
-                raise StoreUnavailableError("partition bench-00000 put: Mooncake answered LEASE_EXPIRED(-707)\n"
-                                            "a second line the report leaves out")
-            return {"bytes": 0}
-        return handle, lambda: None
-
-    serve(conn, barrier, setup)

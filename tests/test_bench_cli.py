@@ -211,20 +211,29 @@ def test_a_bad_json_or_plot_target_is_refused_before_the_benchmark_runs(tmp_path
 
 
 
-def test_a_failed_bench_worker_is_one_line_naming_worker_backend_and_error(capfd):
-    """A worker's error reaches the bench as one line (no traceback, no EOFError from its pipe), and its
-    peers, stopped by the broken barrier, are not what it names."""
-    from dataplane_rl.bench.store_procs import Pool, WorkerFailed
-    from store_workers import bench_worker
+def test_a_failed_bench_worker_is_one_line_naming_worker_backend_and_error(tmp_path, capfd):
+    """Real `bench store` writers on a real shm store: the partition holds only writer 0's rows, so the store
+    refuses writer 1's put. That error reaches the bench as one line naming the backend, the worker and the
+    store's own error (no traceback, no EOFError from its pipe), not the broken barrier writer 0 stops on."""
+    from dataplane_rl.bench.store import store_pool
+    from dataplane_rl.bench.store_procs import WorkerFailed
+    from dataplane_rl.bench.store_work import Workload, bench_schema
+    from dataplane_rl.store import open_store
 
-    pool = Pool("mooncake", bench_worker, [(False,), (True,), (False,)], bench_worker, [(False,)])
-    pool.ready()
-    with pytest.raises(WorkerFailed) as failed:
-        pool.ask_all(pool.writers, ("round",))
-    pool.abort()
-    assert str(failed.value) == ("mooncake writer 1: StoreUnavailableError: partition bench-00000 put: "
-                                 "Mooncake answered LEASE_EXPIRED(-707)")
-    assert "Traceback" not in capfd.readouterr().err
+    work = Workload(samples=8, min_len=4, max_len=8, writers=2, readers=1, group_size=4)  # rows 0-3 and 4-7
+    store = open_store(f"shm://{tmp_path / 'store'}")
+    pool = store_pool("shm", store.url, work)
+    try:
+        pool.ready()
+        store.create_partition("short", bench_schema(), 4)
+        with pytest.raises(WorkerFailed) as failed:
+            pool.ask_all(pool.writers, ("put", "short", work.group_size))
+    finally:
+        pool.abort()
+        store.close()
+    line = str(failed.value)
+    assert line.startswith("shm writer 1: ") and "partition short" in line and "\n" not in line, line
+    assert "BrokenBarrierError" not in line and "Traceback" not in capfd.readouterr().err
 
 
 def peers_args(*argv):

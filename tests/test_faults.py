@@ -52,31 +52,33 @@ def test_a_replacement_runs_each_unfinished_job_with_the_weights_it_was_sent_wit
     wrote for the same prompts with weights 1), then weights 2, and the run goes on."""
     from dataplane_rl.driver.fleet import Fleet
     from dataplane_rl.driver.step import grpo_step
+    from dataplane_rl.run.progress import Progress
 
     cfg = load_config(None, ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=3",
                              "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2",
                              "generation.max_new_tokens=4", "generation.num_workers=2", "data_plane.enabled=true",
                              "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
                              f"logger.run_dir={tmp_path / 'run'}"])
-    t = Fleet(cfg)
+    progress = Progress()
+    t = Fleet(cfg, progress=progress)
     try:
         t.start()
         t.rollouts.send_ahead(0)
-        grpo_step(t, cfg, 1)  # weights 1 go to the actors, step 3 is sent with them
-        prompts = t.task.prompts(cfg.grpo.seed, 9, 0, 2)
+        grpo_step(t, progress, 1)  # weights 1 go to the actors, step 3 is sent with them
+        prompts = t.sampler.draw(cfg.grpo.seed, 9, 0, 2)
         t.rollouts.collect(t.rollouts.send("ref", 9, 0, prompts, 2))  # both actors, weights 1
-        victim = t.rollout_pids[1]
+        victim = t.where(1)[0]
         os.kill(victim, signal.SIGSTOP)
         try:
             t.rollouts.send("again", 9, 0, prompts, 2)  # queued behind the stop, sent with weights 1
-            grpo_step(t, cfg, 2)  # weights 2 queued behind it too
+            grpo_step(t, progress, 2)  # weights 2 queued behind it too
         finally:
             os.kill(victim, signal.SIGKILL)
         t.rollouts.collect(t.rollouts.open["again"])
         assert t.store.get("again", ROLLOUT).equals(t.store.get("ref", ROLLOUT))
         assert set(t.store.get("again", ["generation_policy_version"]).column(0).to_pylist()) == {1}
-        assert (t.ledger.actor_restarts, t.ledger.redispatched) == (1, 1) and t.rollout_pids[1] != victim
-        m, _ = grpo_step(t, cfg, 3)  # the replacement holds weights 2 now; step 3 was generated before the kill
+        assert (t.ledger.actor_restarts, t.ledger.redispatched) == (1, 1) and t.where(1)[0] != victim
+        m, _ = grpo_step(t, progress, 3)  # the replacement holds weights 2 now; step 3 was generated before the kill
         assert m["rollout/actor_restarts_total"] == 1 and m["rollout/rows_regenerated_total"] == 2
         assert len(t.ledger.faults) == 1 and t.ledger.faults[0]["where"]["pid"] == victim
     finally:
@@ -172,22 +174,24 @@ def test_a_failed_group_is_left_out_and_replaced_then_the_budget_stops_the_run(t
     from dataplane_rl.faults.data import DataFailureError
     from dataplane_rl.driver.fleet import Fleet
     from dataplane_rl.driver.step import grpo_step
+    from dataplane_rl.run.progress import Progress
 
     cloudpickle.register_pickle_by_value(sys.modules[Flaky.__module__])  # the actors cannot import the tests folder
     cfg = load_config(None, ["grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2", "grpo.max_num_steps=2",
                              "policy.train_global_batch_size=4", "policy.train_micro_batch_size=2",
                              "generation.max_new_tokens=4", "data_plane.enabled=true", "task.name=count",
                              "fault_tolerance.max_failed_groups=1", f"logger.run_dir={tmp_path / 'run'}"])
-    t = Fleet(cfg)
+    progress = Progress()
+    t = Fleet(cfg, progress=progress)
     try:
         t.start()
-        bad = [t.task.prompts(cfg.grpo.seed, 1, 0, 2)[1], t.task.prompts(cfg.grpo.seed, 2, 0, 2)[0]]
+        bad = [t.sampler.draw(cfg.grpo.seed, 1, 0, 2)[1], t.sampler.draw(cfg.grpo.seed, 2, 0, 2)[0]]
 
         def break_reward(actor):
             actor.task = Flaky(actor.task, bad, times=None)
 
-        ray.get([a.__ray_call__.remote(break_reward) for a in t.rollout])
-        m, samples = grpo_step(t, cfg, 1)
+        ray.get([a.__ray_call__.remote(break_reward) for a in t.actors()])
+        m, samples = grpo_step(t, progress, 1)
         assert m["train/generation_rounds"] == 2 and m["rollout/failed_groups_total"] == 1
         assert m["rollout/data_retries_total/reward"] == 2 * 2  # the group's 2 rows, each tried 1 + 2 times
         assert {s["sample_id"].split("/")[0] for s in samples} == {"step-000001", "step-000001-r1"}
@@ -197,7 +201,7 @@ def test_a_failed_group_is_left_out_and_replaced_then_the_budget_stops_the_run(t
         with pytest.raises(DataFailureError, match=r"step 2: task 'count' group 0 \(partition step-000002\): its "
                                                    r"reward call raised ZeroDivisionError: division by zero on each of 3 "
                                                    r"tries .*max_failed_groups=1"):
-            grpo_step(t, cfg, 2)
+            grpo_step(t, progress, 2)
     finally:
         t.close()
 
@@ -280,23 +284,25 @@ def test_a_restart_past_its_budget_or_without_a_checkpoint_ends_the_run_with_its
     from dataplane_rl.run.ledger import FaultLedger
     from dataplane_rl.errors import StoreUnavailableError
 
-    def trainer(ahead, trained):
-        return SimpleNamespace(rollouts=SimpleNamespace(ahead=ahead), trained=trained)
+    from dataplane_rl.run.progress import Progress
+
+    def trainer(ahead, trained):  # (the train group, the run's progress) as refusal() takes them
+        return SimpleNamespace(generates_ahead=lambda: ahead is not None), Progress(trained=trained)
 
     holder = Fault(FaultKind.STORE_HOLDER_DIED, {"store": "mooncake://127.0.0.1:1"}, "Mooncake holder 1 (pid 7) exited", None,
                    "Mooncake holder 1 (pid 7) exited with code -9")
     r = RunRestarts(load_config(None, ["checkpointing.enabled=false"]), tmp_path, None, FaultLedger())
-    assert r.refusal(trainer(None, False), holder, 2, None) is None  # sync, before the optimizer steps: regenerated
-    assert r.refusal(trainer(None, True), holder, 2, None, step_trained=True) is None  # the step returned: goes on
+    assert r.refusal(*trainer(None, False), holder, 2, None) is None  # sync, before the optimizer steps: regenerated
+    assert r.refusal(*trainer(None, True), holder, 2, None, step_trained=True) is None  # the step returned: goes on
     for t in (trainer(1, False), trainer(None, True)):  # async rows, or the weights already stepped
-        err = r.refusal(t, holder, 2, None)
+        err = r.refusal(*t, holder, 2, None)
         assert isinstance(err, StoreUnavailableError) and "step 2: Mooncake holder 1 (pid 7)" in str(err)
         assert "checkpointing.enabled=true would have let the run resume" in str(err)
     r = RunRestarts(load_config(None, ["checkpointing.enabled=true", "fault_tolerance.max_restarts=1"]), tmp_path, None, FaultLedger())
-    assert r.refusal(trainer(1, False), holder, 3, 2) is None  # resumes from checkpoint 2
-    assert "no checkpoint was saved yet" in str(r.refusal(trainer(1, False), holder, 1, None))
+    assert r.refusal(*trainer(1, False), holder, 3, 2) is None  # resumes from checkpoint 2
+    assert "no checkpoint was saved yet" in str(r.refusal(*trainer(1, False), holder, 1, None))
     r.ledger.store_restarts = 1
-    err = r.refusal(trainer(None, False), holder, 4, 2)
+    err = r.refusal(*trainer(None, False), holder, 4, 2)
     assert "fault_tolerance.max_restarts=1: the run restarted 1 time(s) already" in str(err)
 
 
@@ -311,20 +317,19 @@ def test_a_store_lost_after_an_on_policy_step_trained_costs_only_what_it_held(tm
     from dataplane_rl.driver.step_io import StepIO
     from dataplane_rl.errors import StoreUnavailableError
 
-    def call(workers, method, jobs, fields=None):
+    def send(method, jobs, fields=None):
         assert method == "emit_prev_logprobs" and fields is None
         raise StoreUnavailableError("partition step-000003: put failed: the Mooncake holder is unreachable")
 
     def fleet(dead):
-        return SimpleNamespace(store=SimpleNamespace(dead_processes=lambda: dead), transport=SimpleNamespace(call=call),
-                               workers=[], rollouts_dir=tmp_path)
+        return SimpleNamespace(store=SimpleNamespace(dead_processes=lambda: dead), send=send, call_ranks=lambda m: [])
 
     io = StepIO()
-    prev_from_train(fleet(["Mooncake holder 1 (pid 7) exited with code -9"]), 3, [], [[]], io)
+    prev_from_train(fleet(["Mooncake holder 1 (pid 7) exited with code -9"]), 3, [], [[]], io, tmp_path)
     assert "step 3: the run's store lost a process after the optimizer step" in capsys.readouterr().err
     assert "prev_logprobs" in io.timing and not list(tmp_path.iterdir())
     with pytest.raises(StoreUnavailableError, match="holder is unreachable"):
-        prev_from_train(fleet(None), 3, [], [[]], StepIO())  # shm: no process of its own died, so the error stands
+        prev_from_train(fleet(None), 3, [], [[]], StepIO(), tmp_path)  # shm: no process of its own died, so the error stands
 
 
 def test_a_step_logged_again_replaces_its_earlier_line_in_the_summary(tmp_path):

@@ -323,3 +323,212 @@ def test_citation_check_finds_what_it_should():
         "cites docs/architecture.md §99, which has no section 99",
     ], "\n".join(bad)
     assert [b.split(":")[1] for b in bad] == ["1"] * 5 + ["2"] * 4 + ["3"] * 2
+
+
+# ---- the Fleet: the run's processes, behind methods; the recoveries see it through their ports ---------------
+FLEET = PKG / "driver" / "fleet.py"
+PORTS = PKG / "faults" / "ports.py"
+MAX_FLEET_ATTRIBUTES = 12
+
+
+def assigned(node: ast.AST) -> list[ast.expr]:
+    """The targets an assignment statement writes, tuples unpacked; `x.a[i] = v` writes x.a too."""
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    else:
+        return []
+    out = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            targets += t.elts
+        elif isinstance(t, ast.Starred):
+            targets.append(t.value)
+        else:
+            out.append(t.value if isinstance(t, ast.Subscript) else t)
+    return out
+
+
+def class_attributes(path: Path, name: str) -> set[str]:
+    """Class `name`'s data attributes: its class-level names, its properties and every `self.x = ...` in it."""
+    cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+    names = set()
+    for node in cls.body:
+        names |= {t.id for t in assigned(node) if isinstance(t, ast.Name)}
+        if isinstance(node, ast.FunctionDef) and any(isinstance(d, ast.Name) and d.id == "property"
+                                                     for d in node.decorator_list):
+            names.add(node.name)
+    for node in ast.walk(cls):
+        names |= {t.attr for t in assigned(node)
+                  if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return names
+
+
+def writes_to_others(text: str, attrs: set[str]) -> list[str]:
+    """Assignments in `text` to attribute `attrs` of an object other than self (an item of one included)."""
+    return [f"{t.lineno}: {ast.unparse(t)}" for node in ast.walk(ast.parse(text)) for t in assigned(node)
+            if isinstance(t, ast.Attribute) and t.attr in attrs
+            and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))]
+
+
+def test_the_fleet_is_its_processes_behind_a_few_names():
+    """The Fleet keeps at most 12 public data attributes (the rest is private or the run's Progress), and no other
+    module assigns to any of its attributes: the steps' state is run/progress.py's record, not the fleet's."""
+    attrs = class_attributes(FLEET, "Fleet")
+    public = sorted(a for a in attrs if not a.startswith("_"))
+    assert len(public) <= MAX_FLEET_ATTRIBUTES, f"the Fleet has {len(public)} public attributes: {public}"
+    bad = [f"{path.relative_to(PKG.parent)}:{w}" for name, path in modules().items() if path != FLEET
+           for w in writes_to_others(path.read_text(), attrs)]
+    assert not bad, "assignments to the Fleet's attributes from outside it:\n" + "\n".join(bad)
+
+
+def test_the_fleet_checks_find_what_they_should():
+    text = "def f(fleet, self):\n    fleet.version = 1\n    fleet.refits[:] = []\n    a, fleet.store = 1, 2\n" \
+           "    fleet.trained += 1\n    self.version = 2\n    other.name = 3\n"
+    found = sorted(writes_to_others(text, {"version", "refits", "store", "trained"}))
+    assert found == ["2: fleet.version", "3: fleet.refits", "4: fleet.store", "5: fleet.trained"], found
+
+
+def ports() -> dict[str, set[str]]:
+    """Each protocol of faults/ports.py and the names it declares."""
+    out = {}
+    for node in ast.parse(PORTS.read_text()).body:
+        if isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases):
+            out[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)} | {
+                t.id for n in node.body for t in assigned(n) if isinstance(t, ast.Name)}
+    return out
+
+
+def port_misuse(text: str, known: dict[str, set[str]]) -> list[str]:
+    """In `text`: a parameter named `fleet`, or a use of a parameter typed by a port beyond what the port declares."""
+    bad = []
+    for fn in ast.walk(ast.parse(text)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        typed = {}
+        for a in fn.args.args + fn.args.kwonlyargs:
+            if a.arg == "fleet":
+                bad.append(f"{fn.lineno}: {fn.name}({a.arg}) takes the whole fleet; type it by a port of faults/ports.py")
+            elif isinstance(a.annotation, ast.Name) and a.annotation.id in known:
+                typed[a.arg] = known[a.annotation.id]
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in typed \
+                    and node.attr not in typed[node.value.id]:
+                bad.append(f"{node.lineno}: {ast.unparse(node)} is not in the port")
+    return bad
+
+
+def test_faults_see_the_fleet_only_through_their_ports():
+    """faults/ (below driver/ in the layers, so it imports none of it) takes no fleet: each handler is typed by a
+    protocol of faults/ports.py and uses only what it declares; it names none of the Fleet's data attributes on
+    any object but its own; and the Fleet implements every port, method by method with the same parameters."""
+    known = ports()
+    assert set(known) >= {"RolloutSlots", "TrainGroup"}, known
+    fleet_data = class_attributes(FLEET, "Fleet")
+    for path in sorted((PKG / "faults").glob("*.py")):
+        text = path.read_text()
+        assert not port_misuse(text, known), f"{path.name}: " + "; ".join(port_misuse(text, known))
+        named = {f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(text))
+                 if isinstance(node, ast.Attribute) and node.attr in fleet_data
+                 and not (isinstance(node.value, ast.Name) and node.value.id == "self")}
+        assert not named, f"{path.name} names the Fleet's attributes: {sorted(named)}"
+    import inspect
+
+    from dataplane_rl.driver.fleet import Fleet
+    from dataplane_rl.faults import ports as port_module
+
+    for name in known:
+        port = getattr(port_module, name)
+        for member, fn in vars(port).items():
+            if inspect.isfunction(fn) and not member.startswith("_"):
+                assert list(inspect.signature(getattr(Fleet, member)).parameters) == list(inspect.signature(fn).parameters), \
+                    f"Fleet.{member} does not match {name}.{member}"
+
+
+def test_the_port_check_finds_what_it_should():
+    known = {"Slots": {"actors", "where"}}
+    text = ("def a(fleet): pass\n"
+            "def b(slots: Slots, other):\n    slots.actors(); slots.where(1); slots._rollout; other.x\n")
+    assert port_misuse(text, known) == ["1: a(fleet) takes the whole fleet; type it by a port of faults/ports.py",
+                                        "3: slots._rollout is not in the port"]
+
+
+# ---- reflection: another object's state reached by computed names or through its __dict__ -------------------
+# A computed name (getattr(x, name)), a write by setattr, or x.__dict__ / vars(x) can reach any attribute, private
+# ones included, where the private-name check above cannot see it. Each use on an object other than self or cls
+# is listed here with why it is safe: (module, the call or expression as written) -> why.
+REFLECTION = {
+    ("dataplane_rl.driver.transport", "getattr(w, method)"): "a Ray actor method by name: the step's phases name it",
+    ("dataplane_rl.driver.fleet", "getattr(w, method)"): "a Ray actor method by name (call_ranks' callers name it)",
+    ("dataplane_rl.faults.rollout_actors", "getattr(a, method)"): "a Ray actor method by name (call_rollouts)",
+    ("dataplane_rl.store.ray_store", "getattr(self._catalog, method)"): "the catalog actor's method by name",
+    ("dataplane_rl.tasks", "getattr(self.task, name)"): "the user's task: a method the Task protocol declares",
+    ("dataplane_rl.tasks.prompts", "getattr(self.task, method)"): "the user's task: a method the Task protocol declares",
+    ("dataplane_rl.tasks.user_code", "getattr(import_user_module(where, key), name, None)"):
+        "the function a config key names in the user's module",
+    ("dataplane_rl.store", "getattr(importlib.import_module(module), cls)"): "a backend class from the URL table",
+    ("dataplane_rl.model.shared_weights", "getattr(torch, name.removeprefix('torch.'), None)"):
+        "a torch dtype by its name in a weights file's header",
+    ("dataplane_rl.checkpoint.files", "getattr(torch, name, None)"): "a torch dtype the unpickler allows",
+    ("dataplane_rl.checkpoint.files", "getattr(torch, name)"): "the same, once allowed",
+    ("dataplane_rl.rollout.multiturn", "getattr(res, a, None)"): "an environment step's public result fields",
+    ("dataplane_rl.schema.binding", "getattr(node, part, _MISSING)"): "a config key's dotted path, checked per part",
+    ("dataplane_rl.driver.preflight", "getattr(task, name, None)"): "the task's optional public pools",
+    ("dataplane_rl.bench.store_args", "getattr(args, flag, 1)"): "argparse's namespace, by flag",
+    ("dataplane_rl.bench.store_args", "getattr(args, flag)"): "argparse's namespace, by flag",
+    ("dataplane_rl.bench.store_args", "getattr(args, flag, 0)"): "argparse's namespace, by flag",
+    ("dataplane_rl.store.mooncake.buffers", "getattr(self._tl, name, None)"): "the store's own thread-local buffers",
+    ("dataplane_rl.store.mooncake.buffers", "setattr(self._tl, name, new)"): "the store's own thread-local buffers",
+    ("dataplane_rl.store.arrow", "schema.__dict__"): "a frozen pydantic schema: its scan cache goes beside the fields",
+}
+REFLECTIVE_CALLS = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+def reflective_uses(text: str) -> list[tuple[int, str]]:
+    """Every computed-name getattr/setattr/hasattr/delattr, setattr of a private name, x.__dict__ and vars(x) in
+    `text` whose object is not self or cls: (line, the expression)."""
+    def own(x: ast.expr) -> bool:
+        return isinstance(x, ast.Name) and x.id in ("self", "cls")
+
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args and not own(node.args[0]):
+            fn, args = node.func.id, node.args
+            if fn == "vars":
+                found.append((node.lineno, ast.unparse(node)))
+            elif fn in REFLECTIVE_CALLS and len(args) >= 2:
+                name = args[1]
+                constant = isinstance(name, ast.Constant) and isinstance(name.value, str)
+                dunder = constant and name.value.startswith("__") and name.value.endswith("__")  # a protocol check
+                if not constant or (fn != "getattr" and name.value.startswith("_") and not dunder):
+                    found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr == "__dict__" and not own(node.value):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_module_reaches_another_objects_state_by_reflection():
+    """A computed getattr, a setattr, vars() or __dict__ on another object is a private read the check above cannot
+    see: each one is listed in REFLECTION with why it is safe, and every listed one is still used."""
+    used, bad = set(), []
+    for name, path in modules().items():
+        for line, expr in reflective_uses(path.read_text()):
+            key = next((k for k in REFLECTION if k[0] == name and k[1] == expr), None)
+            if key is None:
+                bad.append(f"{path.relative_to(PKG.parent)}:{line}: {expr}")
+            used.add(key)
+    assert not bad, ("another object's state reached by reflection; ask through a public method, or list it in "
+                     "REFLECTION with why:\n" + "\n".join(bad))
+    assert not set(REFLECTION) - used, f"listed but no longer used: {sorted(set(REFLECTION) - used)}"
+
+
+def test_the_reflection_check_finds_what_it_should():
+    text = ("def f(self, fleet, name):\n"
+            "    getattr(fleet, name); setattr(fleet, '_x', 1); fleet.__dict__['v'] = 2; vars(fleet)\n"
+            "    getattr(self, name); setattr(self, '_y', 1); self.__dict__; getattr(fleet, 'ok'); vars()\n"
+            "    setattr(fleet, 'public', 3); hasattr(fleet, name)\n")
+    found = sorted(e for _, e in reflective_uses(text))
+    assert found == ["fleet.__dict__", "getattr(fleet, name)", "hasattr(fleet, name)", "setattr(fleet, '_x', 1)",
+                     "vars(fleet)"], found

@@ -163,14 +163,14 @@ class CheckpointManager:
         returns its step. `--resume` and an in-run resume (faults/restart.py) both come here. Rollout actors
         beyond the saving run's number keep their seeded RNG: generation is seeded per sample, so no number
         depends on it."""
-        import ray
-
         from dataplane_rl.checkpoint.ahead import restore_ahead
 
         driver = driver if driver is not None else self.check(path)
         fleet.call_ranks("load_checkpoint", str(path / "train"))
         RNGState().load_state_dict(driver["rng"])
-        ray.get([a.set_rng_state.remote(s) for a, s in zip(fleet.rollout, driver["rollout_rng"])])
+        states = driver["rollout_rng"][:fleet.cfg.generation.num_workers]
+        states += [None] * (fleet.cfg.generation.num_workers - len(states))  # more actors than saved: seeded RNG
+        fleet.call_rollouts(f"resume at step {driver['step']}", "set_rng_state", states)
         restore_ahead(fleet, path, driver.get("ahead", []))  # async: the rounds generated ahead
         fleet.resume_at(int(driver["step"]))  # the rollout actors get the checkpoint's weights
         return int(driver["step"])

@@ -4,6 +4,7 @@ machine's shm stores with their owners, and remove those of dead runs (store/own
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -139,7 +140,7 @@ def ls_machine(as_json: bool) -> int:
 
     found = owners.scan()
     if as_json:
-        json.dump([vars(e) for e in found], sys.stdout, indent=2)
+        json.dump([dataclasses.asdict(e) for e in found], sys.stdout, indent=2)
         print()
         return 0
     print(f"{len(found)} shm store(s) of this user in {owners.auto_root()}, "

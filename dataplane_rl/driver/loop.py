@@ -2,7 +2,8 @@
 signals and the step loop.
 
 One loop for every mode: the data plane on or off (driver/transport.py), sync or async GRPO
-(driver/rollouts.py); the step's phases are driver/step.py's functions of (fleet, config, step).
+(driver/rollouts.py); the step's phases are driver/step.py's functions of (fleet, progress, step). The loop owns
+the run's Progress (run/progress.py): each fleet it starts is made with a fresh one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataplane_rl.run.reaper import deferred_sigint
 from dataplane_rl.run.preempt import LOST, TERMINATING, RayLost, StopSignals
 from dataplane_rl.run.folder import RunDir
 from dataplane_rl.run.memory import PeakMemory
+from dataplane_rl.run.progress import Progress
 from dataplane_rl.run.run import Run
 from dataplane_rl.faults.kinds import RolloutActorError
 from dataplane_rl.run.ledger import FaultKind
@@ -90,7 +92,7 @@ def ray_lost(stop: StopSignals, run: Run | None) -> bool:
         stop.ray_lost = True
         LOST.set()
         if run is not None:
-            run.ray.lost = True
+            run.ray.mark_lost()
     return stop.ray_lost
 
 
@@ -156,6 +158,8 @@ class RunLoop:
         self.ckpt = CheckpointManager.for_config(cfg, run_id, record)
         self.config_yaml = dump_config(cfg)
         self.fleet: Fleet | None = None
+        self.progress = Progress()  # the fleet of the moment's record of the steps (new_fleet makes a new one)
+        self.rollouts_dir = None  # logger.save_rollouts: RUN_DIR/rollouts/, made by attach()
         self.timeline = self.bar = None
         self.status, self.error = "failed", None
         self.stop = StopSignals()
@@ -166,7 +170,9 @@ class RunLoop:
         self.memory = PeakMemory(lambda: self.fleet.local_roles() if self.fleet is not None else {})
 
     def new_fleet(self) -> Fleet:
-        return Fleet(self.cfg, self.run.ray, self.run.ledger)
+        """A fleet of the run's Ray and ledger with a new Progress: an old fleet's refits and weights were its actors'."""
+        self.progress = Progress()
+        return Fleet(self.cfg, self.run.ray, self.run.ledger, self.progress)
 
     def open(self, saved) -> int:
         """Start the fleet (and Ray), restore a --resume's checkpoint, open the loggers; the first step to run."""
@@ -195,8 +201,9 @@ class RunLoop:
         self.attach(self.fleet)
         self.run.ledger.saved_at = time.perf_counter()
         fleet = self.fleet
-        print(f"run folder {run.path}" + (f"; store {fleet.store_url} (dataplane-rl store ls {run.path})"
-                                          if fleet.store_url else ""), file=sys.stderr, flush=True)
+        url = fleet.store_address()
+        print(f"run folder {run.path}" + (f"; store {url} (dataplane-rl store ls {run.path})" if url else ""),
+              file=sys.stderr, flush=True)
         run.open_loggers(cfg)  # after the start: a run refused before it touches nothing in the folder
         if cfg.grpo.val_at_start and first == 1 and not self.stop.requested:
             start_metrics = {"step": 0, **validation.validate(fleet, 0)}
@@ -208,14 +215,14 @@ class RunLoop:
 
     def attach(self, fleet: Fleet) -> None:
         """Wire a fleet to the run folder (again after an in-run resume: faults/restart.py)."""
-        self.run.folder.record_store(fleet.store_url)
+        self.run.folder.record_store(fleet.store_address())
         if self.cfg.logger.save_rollouts:
-            fleet.rollouts_dir = self.run.path / "rollouts"
-            fleet.rollouts_dir.mkdir(exist_ok=True)
-        fleet.recovery.record(self.run.path)  # actors.json: each rollout actor's node and PID
+            self.rollouts_dir = self.run.path / "rollouts"
+            self.rollouts_dir.mkdir(exist_ok=True)
+        fleet.record_actors(self.run.path)  # actors.json: each rollout actor's node and PID
         # async GRPO: the first steps generate now; a resumed run has its steps ahead back from the
         # checkpoint (checkpoint/ahead.py), so this sends none of them again
-        fleet.rollouts.send_ahead(fleet.version)
+        fleet.rollouts.send_ahead(self.progress.version)
 
     def steps(self, first: int) -> None:
         """Steps `first`..grpo.max_num_steps, each trained, logged and checkpointed; a fault the run survives runs
@@ -230,7 +237,7 @@ class RunLoop:
             try:
                 if trained is None:
                     with trace.span("step", step=step):
-                        metrics, samples = grpo_step(self.fleet, self.cfg, step)
+                        metrics, samples = grpo_step(self.fleet, self.progress, step, self.rollouts_dir)
                     check_finite(metrics)
                     trained = [metrics, samples, False]
                 if not trained[2]:
@@ -270,17 +277,18 @@ class RunLoop:
             raise e  # Ray went with a signal to the whole group: nothing to ask it any more
         fault = restarts.classify(fleet, e)
         if fault is None:
-            dead = train_rank_error(fleet, e, step, self.run.path, self.saved_step)  # a rank's death, told
+            # a rank's death, told
+            dead = train_rank_error(fleet, self.cfg.checkpointing, e, step, self.run.path, self.saved_step)
             if dead is None:
                 raise e
             raise dead from None
-        refused = restarts.refusal(fleet, fault, step, self.saved_step, trained is not None)
+        refused = restarts.refusal(fleet, self.progress, fault, step, self.saved_step, trained is not None)
         if refused is not None:
             raise refused from None
-        if fault.what is FaultKind.STORE_HOLDER_DIED and restarts.can_regenerate(fleet, trained is not None):
+        if fault.what is FaultKind.STORE_HOLDER_DIED and restarts.can_regenerate(fleet, self.progress, trained is not None):
             # a step whose training is done goes on from where it was (validation, logging, saving)
             restarts.swap_store(fleet, fault, step, step_started, trained is not None)
-            self.run.folder.record_store(fleet.store_url)
+            self.run.folder.record_store(fleet.store_address())
             return step, trained
         self.fleet, step = restarts.resume(fleet, fault, step, self.attach)
         self.bar.rewind(step - 1)
@@ -321,9 +329,9 @@ class RunLoop:
             # import and the run exited 1): held back until the folder is complete, then raised
             with deferred_sigint():
                 summary = run.folder.finish(self.status, self.error, {
-                    "run_dir": str(run.path), "signal": self.stop.signum, "nodes": fleet.nodes if fleet else {},
-                    "faults": run.ledger.faults, "store_url": fleet.store_url if fleet else None,
-                    "kept_store_url": fleet.kept_store_url if fleet else None,
+                    "run_dir": str(run.path), "signal": self.stop.signum, "nodes": fleet.nodes() if fleet else {},
+                    "faults": run.ledger.faults, "store_url": fleet.store_address() if fleet else None,
+                    "kept_store_url": fleet.kept_url() if fleet else None,
                     "memory": self.memory.summary() if self.memory.samples else None})
                 if self.timeline is not None:  # the checkpoints' and the close's spans, the actors' last events
                     try:

@@ -16,7 +16,10 @@ import numpy as np
 
 from dataplane_rl import trace
 from dataplane_rl.errors import DataPlaneError, StoreTimeoutError, format_rows
+from dataplane_rl.faults.data import DataFaults
+from dataplane_rl.faults.rollout_actors import RolloutRecovery
 from dataplane_rl.rollout.worker import Pending, RolloutJob
+from dataplane_rl.run.progress import Progress
 
 
 class RolloutWaitError(DataPlaneError, TimeoutError):
@@ -24,10 +27,12 @@ class RolloutWaitError(DataPlaneError, TimeoutError):
 
 
 class Rollouts:
-    """Sends generation rounds to the rollout actors and takes them back whole, through the transport."""
+    """Sends generation rounds to the rollout actors of `fleet` (driver/fleet.py) with the weights of the run's
+    `progress`, and takes them back whole through the transport; a dead actor goes to `recovery`, a failed group
+    to `data_faults`."""
 
-    def __init__(self, fleet) -> None:
-        self.fleet = fleet  # driver/fleet.py: the actors, the store, the transport, the recoveries
+    def __init__(self, fleet, progress: Progress, recovery: RolloutRecovery, data_faults: DataFaults) -> None:
+        self.fleet, self.progress, self.recovery, self.data_faults = fleet, progress, recovery, data_faults
         a = fleet.cfg.grpo.async_grpo
         self.ahead = a.max_trajectory_age_steps if a.enabled else None  # None: sync, nothing sent ahead
         self.timeout = a.wait_timeout_s
@@ -38,13 +43,12 @@ class Rollouts:
     # -- sending ------------------------------------------------------------------------------------
     def send(self, pid: str, step: int, round_: int, prompts: list, G: int, group_offset: int = 0,
              validation: bool = False) -> Pending:
-        t = self.fleet
+        t, version = self.fleet, self.progress.version
         t.store.create_partition(pid, t.schema, len(prompts) * G)
-        splits = np.array_split(np.arange(len(prompts)), len(t.rollout))
+        splits = np.array_split(np.arange(len(prompts)), t.cfg.generation.num_workers)
         jobs = [RolloutJob(pid, step, round_, int(s[0]) * G, (s + group_offset).tolist(), [prompts[i] for i in s],
-                           validation=validation, weights=t.version) for s in splits if s.size]
-        p = self.open[pid] = Pending(pid, step, G, jobs, [a.generate.remote(j) for a, j in zip(t.rollout, jobs)],
-                                     t.version)
+                           validation=validation, weights=version) for s in splits if s.size]
+        p = self.open[pid] = Pending(pid, step, G, jobs, t.dispatch(jobs), version)
         return p
 
     def send_round(self, step: int, round_: int) -> Pending:
@@ -85,16 +89,16 @@ class Rollouts:
         rows = [np.arange(j.row_start, j.row_start + len(j.prompts) * p.G) for j in p.jobs]
         while True:
             try:
-                receipts = self.fleet.transport.collect(p.pid, list(zip(rows, p.futures)), self.fields, self.timeout)
+                receipts = self.fleet.wait_rows(p.pid, list(zip(rows, p.futures)), self.fields, self.timeout)
                 break
             except StoreTimeoutError:
                 raise RolloutWaitError(self._missing(p)) from None
             except RayActorError as e:
-                self.fleet.recovery.survive(e, f"step {p.step}: waiting for partition {p.pid}")
+                self.recovery.survive(e, f"step {p.step}: waiting for partition {p.pid}")
         self.open.pop(p.pid, None)
         for i, r in enumerate(receipts):  # job i ran on rollout actor i (send), or on its replacement in slot i
             trace.absorb(r.pop("trace", None), f"rollout-{i}")
-        self.fleet.recovery.collected(receipts)
+        self.recovery.collected(receipts)
         if io is not None:
             for r in receipts:
                 io.add(r)
@@ -104,7 +108,7 @@ class Rollouts:
     def read(self, step: int, p: Pending, receipts: list[dict], fields, io) -> tuple:
         """A collected round's `fields` on its written rows, and those rows: a group whose reward or environment
         failed on every try wrote none (faults/data.py accounts it and stops the run past its budget)."""
-        failed_rows = self.fleet.data_faults.take(step, p.pid, receipts)
+        failed_rows = self.data_faults.take(step, p.pid, receipts)
         t0 = time.perf_counter()
         if failed_rows:
             rows = np.setdiff1d(np.arange(sum(len(j.prompts) for j in p.jobs) * p.G), failed_rows)

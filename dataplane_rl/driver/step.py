@@ -1,14 +1,16 @@
-"""GRPO's step as functions of (fleet, config, step), the same phases for sync and async GRPO (docs/architecture.md §4).
+"""GRPO's step as functions of (fleet, progress, step), the same phases for sync and async GRPO (docs/architecture.md §4).
 
 Sync and async differ only in where `collect_groups` finds a step's rollout partition (generated on demand, or
 sent ahead: driver/rollouts.py) and in whether `refit_phase` waits for the rollout actors. The data plane
-on/off switch is driver/transport.py; the processes are the Fleet's (driver/fleet.py).
+on/off switch is driver/transport.py; the processes are the Fleet's (driver/fleet.py), what the steps have done
+is the run's Progress (run/progress.py), which only the step and the fleet's refits write.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -24,15 +26,18 @@ from dataplane_rl.driver.rollouts import fresh_groups
 from dataplane_rl.driver.samples import train_data_rows
 from dataplane_rl.driver.step_io import DynamicSamplingError, Groups, StepIO
 from dataplane_rl.driver.step_metrics import step_metrics
+from dataplane_rl.run.progress import Progress
 
 
-def grpo_step(fleet, cfg, step: int) -> tuple[dict, list[dict]]:
-    """One GRPO step on `fleet`, sync or async alike: its metrics line and its train_data/ rows."""
-    io = StepIO()
-    fleet.in_step = step  # the step under way, for the faults a recovery records
-    fleet.trained = False  # until the optimizer steps: a lost store can still be regenerated (faults/restart.py)
+def grpo_step(fleet, progress: Progress, step: int, rollouts_dir: Path | None = None) -> tuple[dict, list[dict]]:
+    """One GRPO step on `fleet`, sync or async alike: its metrics line and its train_data/ rows. `progress`: the
+    run's record the fleet was made with; rollouts_dir: where each step's rows go as a parquet file
+    (logger.save_rollouts; None: nowhere)."""
+    cfg, io = fleet.cfg, StepIO()
+    progress.in_step = step  # the step under way, for the faults a recovery records
+    progress.trained = False  # until the optimizer steps: a lost store can still be regenerated (faults/restart.py)
     t_step = time.perf_counter()
-    got = collect_groups(fleet, cfg, step, io)
+    got = collect_groups(fleet, step, io)
     if cfg.grpo.async_grpo.in_flight_weight_updates:  # async/token_age_* and mixed_version_samples
         got.token_versions = read(fleet, got.rs, ["token_policy_version"], io).column(0).combine_chunks()
     rewards = advantages_and_masks(fleet, cfg, got, io)
@@ -41,27 +46,27 @@ def grpo_step(fleet, cfg, step: int) -> tuple[dict, list[dict]]:
     samples = train_data(fleet, got.rs, io)
     per_rank_steps = shard(fleet, cfg, got)
     logprobs(fleet, cfg, per_rank_steps, io)
-    if fleet.rollouts_dir is not None and fleet.prev_pass:
-        save_parquet(fleet.store, got.rs, fleet.rollouts_dir / f"step_{step:06d}.parquet")
+    if rollouts_dir is not None and fleet.prev_pass:
+        save_parquet(fleet.store, got.rs, rollouts_dir / f"step_{step:06d}.parquet")
     train = train_policy(fleet, cfg, per_rank_steps, io)
-    fleet.trained = True
+    progress.trained = True
     if not fleet.prev_pass:
-        prev_from_train(fleet, step, got.rs, per_rank_steps, io)
-    fleet.version = step
-    refit_phase(fleet, cfg, io)
+        prev_from_train(fleet, step, got.rs, per_rank_steps, io, rollouts_dir)
+    progress.version = step
+    refit_phase(fleet, progress, io)
     if not cfg.data_plane.keep_partitions:
         drop(fleet, got.pids)
     io.timing["step"] = time.perf_counter() - t_step
-    return log(fleet, cfg, step, train, got, rewards, io), samples
+    return log(fleet, progress, step, train, got, rewards, io), samples
 
 
 @trace.traced("collect_groups")
-def collect_groups(fleet, cfg, step: int, io: StepIO) -> Groups:
+def collect_groups(fleet, step: int, io: StepIO) -> Groups:
     """Whole groups for the step: the step's round partition (sent ahead in async mode), then, with
     dynamic sampling or stale rows, more rounds with the current weights until P groups are kept.
     A group is kept only if it is informative (dynamic sampling) and every row's version is at least
     step-1-age (async; sync rows are always version step-1)."""
-    g = cfg.grpo
+    g = fleet.cfg.grpo
     P = g.num_prompts_per_step
     oldest = step - 1 - (fleet.rollouts.ahead or 0)
     kept: list = []  # (pid, rows of one whole group)
@@ -150,8 +155,7 @@ def logprobs(fleet, cfg, per_rank_steps: list[list[RowSet]], io: StepIO) -> None
     reference's and the teacher's, written as columns; no pass when none of them is needed."""
     t0 = time.perf_counter()
     if fleet.prev_pass or cfg.loss_fn.reference_policy_kl_penalty > 0 or cfg.distillation.enabled:
-        fleet.transport.call(fleet.workers, "logprobs", [merge(s) for s in per_rank_steps],
-                             fleet.schema.field_set("LOGPROB_SEED_FIELDS"))
+        fleet.send("logprobs", [merge(s) for s in per_rank_steps], fleet.schema.field_set("LOGPROB_SEED_FIELDS"))
     io.timing["logprobs"] = time.perf_counter() - t0
 
 
@@ -161,7 +165,7 @@ def train_policy(fleet, cfg, per_rank_steps: list[list[RowSet]], io: StepIO) -> 
     t0 = time.perf_counter()
     # an on-policy step's prev_logprobs are not written yet: its train forward gives them
     fields = [f for f in cfg.train_fields(fleet.schema) if fleet.prev_pass or f != "prev_logprobs"]
-    results = fleet.transport.call(fleet.workers, "train", per_rank_steps, fields)
+    results = fleet.send("train", per_rank_steps, fields)
     io.timing["train"] = time.perf_counter() - t0
     ranks_io(fleet, io)
     return results[0]
@@ -169,24 +173,23 @@ def train_policy(fleet, cfg, per_rank_steps: list[list[RowSet]], io: StepIO) -> 
 
 def ranks_io(fleet, io: StepIO) -> None:
     """The train ranks' data-plane traffic and trace events since they were last taken."""
-    import ray
-
-    for r, receipt in enumerate(ray.get([w.take_io.remote() for w in fleet.workers])):
+    for r, receipt in enumerate(fleet.call_ranks("take_io")):
         io.add(receipt)
         trace.absorb(receipt.pop("trace", None), f"train-rank-{r}")
 
 
 @trace.traced("prev_logprobs")
-def prev_from_train(fleet, step: int, rs: RowSet, per_rank_steps: list[list[RowSet]], io: StepIO) -> None:
+def prev_from_train(fleet, step: int, rs: RowSet, per_rank_steps: list[list[RowSet]], io: StepIO,
+                    rollouts_dir: Path | None) -> None:
     """An exactly on-policy step's prev_logprobs, which its train forward gave, written as the policy's column, then
     the step's rollouts file (which holds them). After the optimizer step a lost store cannot be regenerated, but
     the step needs nothing more from it: as `drop`, the column and the file go with the store's rows, and the step
     goes on (the next store operation replaces the store: faults/restart.py)."""
     t0 = time.perf_counter()
     try:
-        fleet.transport.call(fleet.workers, "emit_prev_logprobs", [merge(s) for s in per_rank_steps])
-        if fleet.rollouts_dir is not None:
-            save_parquet(fleet.store, rs, fleet.rollouts_dir / f"step_{step:06d}.parquet")
+        fleet.send("emit_prev_logprobs", [merge(s) for s in per_rank_steps])
+        if rollouts_dir is not None:
+            save_parquet(fleet.store, rs, rollouts_dir / f"step_{step:06d}.parquet")
     except Exception as e:  # noqa: BLE001 - a store error of a dead holder is survived; any other raises
         if not dead_store(fleet.store, e):
             raise
@@ -197,16 +200,15 @@ def prev_from_train(fleet, step: int, rs: RowSet, per_rank_steps: list[list[RowS
 
 
 @trace.traced("refit")
-def refit_phase(fleet, cfg, io: StepIO) -> None:
+def refit_phase(fleet, progress: Progress, io: StepIO) -> None:
     """Sync: the rollout actors load the new weights before the next step. Async: they load them after
     the batches in flight, and the steps those weights may generate are sent at once."""
     t0 = time.perf_counter()
     if fleet.rollouts.ahead is None:
         io.timing["refit_engine"] = fleet.refit()
     else:
-        fleet.refit(wait=False)  # earlier refits' errors surface here; a dead actor is replaced
-        io.timing["refit_engine"] = fleet.recovery.settle_refits(f"step {fleet.version}: refit")
-        fleet.rollouts.send_ahead(fleet.version)
+        io.timing["refit_engine"] = fleet.refit(wait=False)  # earlier refits' errors surface here
+        fleet.rollouts.send_ahead(progress.version)
     io.timing["refit"] = time.perf_counter() - t0
 
 
@@ -237,11 +239,11 @@ def drop(fleet, pids: list[str]) -> None:
             return
 
 
-def log(fleet, cfg, step: int, train: dict, got: Groups, kept_rewards: np.ndarray, io: StepIO) -> dict:
+def log(fleet, progress: Progress, step: int, train: dict, got: Groups, kept_rewards: np.ndarray, io: StepIO) -> dict:
     """The step's metrics (driver/step_metrics.py)."""
     now = time.perf_counter()
-    since = now - (fleet.last_step_end if fleet.last_step_end is not None else now - io.timing["step"])
-    fleet.last_step_end = now
-    return step_metrics(step, train, got, kept_rewards, io, since=since, epochs=cfg.grpo.num_epochs,
-                        async_on=fleet.rollouts.ahead is not None, data_plane=bool(fleet.store_url),
+    since = now - (progress.last_step_end if progress.last_step_end is not None else now - io.timing["step"])
+    progress.last_step_end = now
+    return step_metrics(step, train, got, kept_rewards, io, since=since, epochs=fleet.cfg.grpo.num_epochs,
+                        async_on=fleet.rollouts.ahead is not None, data_plane=bool(fleet.store_address()),
                         counters={**fleet.ledger.counters(), **fleet.sampler.counters()})

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import sys
 
+from dataplane_rl.config import Config
 from dataplane_rl.errors import DataPlaneError
-from dataplane_rl.run.ledger import FaultKind
+from dataplane_rl.run.ledger import FaultKind, FaultLedger
 
 
 class DataFailureError(DataPlaneError, RuntimeError):
@@ -21,11 +22,11 @@ class DataFailureError(DataPlaneError, RuntimeError):
 
 
 class DataFaults:
-    """The failed groups of `fleet`'s rounds, recorded in the run's `ledger`."""
+    """The failed groups of a run's rounds (its config `cfg`), recorded in the run's `ledger`."""
 
-    def __init__(self, fleet, ledger) -> None:
-        self.fleet, self.ledger = fleet, ledger
-        ft = fleet.cfg.fault_tolerance
+    def __init__(self, cfg: Config, ledger: FaultLedger) -> None:
+        self.cfg, self.ledger = cfg, ledger
+        ft = cfg.fault_tolerance
         self.budget, self.tries = ft.max_failed_groups, ft.max_data_retries + 1
 
     def take(self, step: int, pid: str, receipts: list[dict]) -> list[int]:
@@ -43,7 +44,7 @@ class DataFaults:
     def fail(self, step: int, pid: str, group: int, reason: str, error: str) -> None:
         ledger = self.ledger
         ledger.failed_groups += 1
-        task = self.fleet.cfg.task.name
+        task = self.cfg.task.name
         what = (f"step {step}: task '{task}' group {group} (partition {pid}): its {reason} call raised {error} on each "
                 f"of {self.tries} tries (fault_tolerance.max_data_retries={self.tries - 1})")
         if ledger.failed_groups > self.budget:
@@ -51,7 +52,7 @@ class DataFaults:
                                    "already, so the run stops here; fix the task's code or raise the budget")
         ledger.fault(FaultKind.data(reason), step, {"task": task, "partition": pid, "group": group}, error,
                      "group left out, its place taken from a further round",
-                     {"rows_left_out": self.fleet.cfg.grpo.num_generations_per_prompt},
+                     {"rows_left_out": self.cfg.grpo.num_generations_per_prompt},
                      {"used": ledger.failed_groups, "of": self.budget, "key": "fault_tolerance.max_failed_groups"})
         print(f"{what}; the whole group is left out, never trained; fault_tolerance.max_failed_groups: {ledger.failed_groups} "
               f"of {self.budget} used", file=sys.stderr, flush=True)

@@ -24,9 +24,10 @@ import time
 from dataclasses import dataclass
 
 from dataplane_rl.faults.kinds import first_line
+from dataplane_rl.faults.ports import TrainGroup
 from dataplane_rl.run.ledger import FaultKind
-from dataplane_rl.faults.store import dead_store
-from dataplane_rl.faults.train_ranks import dead_rank, rank_where, save_output, train_rank_error
+from dataplane_rl.run.progress import Progress
+from dataplane_rl.faults.train_ranks import dead_rank, save_output, train_rank_error
 from dataplane_rl.errors import StoreUnavailableError
 
 PROBE_S = 3.0  # how long a train rank may take to answer "are you alive" (a busy one is alive: only death answers fast)
@@ -42,11 +43,11 @@ class Fault:
     output: str | None = None  # where the dead rank's last output went
 
 
-def probe_dead_rank(fleet) -> int | None:
+def probe_dead_rank(group: TrainGroup) -> int | None:
     """The first train rank whose actor is dead (a dead actor answers at once; a busy one is left alone)."""
     import ray
 
-    calls = [w.__ray_ready__.remote() for w in fleet.workers]
+    calls = [w.__ray_ready__.remote() for w in group.ranks()]
     done, _ = ray.wait(calls, num_returns=len(calls), timeout=PROBE_S)
     for rank, call in enumerate(calls):
         if call in done:
@@ -58,8 +59,8 @@ def probe_dead_rank(fleet) -> int | None:
 
 
 class RunRestarts:
-    """In-run restarts: classify a step's failure, swap the store or resume with a new fleet (`new_fleet()`,
-    started here); what they cost goes to the run's `ledger`."""
+    """In-run restarts: classify a step's failure, swap the store or resume with a new train group (`new_fleet()`,
+    started here); what they cost goes to the run's `ledger`. Each method takes the train group of the moment."""
 
     def __init__(self, cfg, run_dir, ckpt, ledger, new_fleet=None) -> None:
         self.cfg, self.run_dir, self.ckpt, self.ledger, self.new_fleet = cfg, run_dir, ckpt, ledger, new_fleet
@@ -70,32 +71,32 @@ class RunRestarts:
         return self.ledger.restarts_used
 
     # -- what failed --------------------------------------------------------------------------------
-    def classify(self, fleet, e: BaseException) -> Fault | None:
+    def classify(self, group: TrainGroup, e: BaseException) -> Fault | None:
         """A dead process this module recovers from, or None (the error is not one: it ends the run as before)."""
         import ray
 
-        dead = dead_store(fleet.store, e)
+        dead = group.dead_store_processes(e)
         if dead:
-            return Fault(FaultKind.STORE_HOLDER_DIED, {"store": fleet.store_url}, first_line(dead[0]).split("; last lines")[0], e,
-                         "\n".join(dead))
-        if not fleet.workers or not isinstance(e, ray.exceptions.RayError):
+            return Fault(FaultKind.STORE_HOLDER_DIED, {"store": group.store_address()},
+                         first_line(dead[0]).split("; last lines")[0], e, "\n".join(dead))
+        if not group.ranks() or not isinstance(e, ray.exceptions.RayError):
             return None
-        rank = dead_rank(fleet, e)
+        rank = dead_rank(group, e)
         if rank is None:  # a survivor's error (gloo: the peer closed the connection), or a rollout's: ask
-            rank = probe_dead_rank(fleet)
+            rank = probe_dead_rank(group)
         if rank is None:
             return None
-        pid, node = rank_where(fleet, rank)
+        pid, node = group.rank_where(rank)
         return Fault(FaultKind.TRAIN_RANK_DIED, {"rank": rank, "pid": pid, "node": node}, first_line(e), e,
-                     output=str(save_output(fleet, rank, self.run_dir)))
+                     output=str(save_output(group, rank, self.run_dir)))
 
     # -- what to do ---------------------------------------------------------------------------------
-    def can_regenerate(self, fleet, step_trained: bool = False) -> bool:
+    def can_regenerate(self, group: TrainGroup, progress: Progress, step_trained: bool = False) -> bool:
         """A lost store costs at most the step under way: sync GRPO, before the step's optimizer steps (its rows are
         made again) or after the step returned (it read what it needed before them: grpo_step)."""
-        return fleet.rollouts.ahead is None and (not fleet.trained or step_trained)
+        return not group.generates_ahead() and (not progress.trained or step_trained)
 
-    def refusal(self, fleet, fault: Fault, step: int, saved_step: int | None,
+    def refusal(self, group: TrainGroup, progress: Progress, fault: Fault, step: int, saved_step: int | None,
                 step_trained: bool = False) -> BaseException | None:
         """The error the run stops with, or None when it can recover."""
         budget = f"fault_tolerance.max_restarts={self.budget}"
@@ -103,11 +104,12 @@ class RunRestarts:
         if fault.what is FaultKind.TRAIN_RANK_DIED:
             if self.cfg.checkpointing.enabled and saved_step is not None and not spent:
                 return None
-            err = train_rank_error(fleet, fault.exc, step, self.run_dir, saved_step, fault.where["rank"])
+            err = train_rank_error(group, self.cfg.checkpointing, fault.exc, step, self.run_dir, saved_step,
+                                   fault.where["rank"])
             if spent and self.cfg.checkpointing.enabled and saved_step is not None:
                 err.args = (f"{err.args[0]}; {budget}: the run restarted {self.used} time(s) already",)
             return err
-        if not spent and (self.can_regenerate(fleet, step_trained) or (self.cfg.checkpointing.enabled and saved_step is not None)):
+        if not spent and (self.can_regenerate(group, progress, step_trained) or (self.cfg.checkpointing.enabled and saved_step is not None)):
             return None
         if spent:
             why = f"{budget}: the run restarted {self.used} time(s) already"
@@ -131,20 +133,20 @@ class RunRestarts:
               + (f"; its last output is in {fault.output}" if fault.output else "")
               + f"; fault_tolerance.max_restarts: {self.used} of {self.budget} used", file=sys.stderr, flush=True)
 
-    def swap_store(self, fleet, fault: Fault, step: int, step_started: float, step_trained: bool = False) -> None:
+    def swap_store(self, group: TrainGroup, fault: Fault, step: int, step_started: float, step_trained: bool = False) -> None:
         """Replace the run's store and have every actor open the new one; the step then runs again from its start,
         or, `step_trained`, goes on from where it was."""
         t0 = time.perf_counter()
-        fleet.reopen_store()
+        url = group.reopen_store()
         self.ledger.store_restarts += 1
         now = time.perf_counter()
         then = ("went on with the step, trained before the loss" if step_trained else
                 f"ran step {step} again from its start (same prompts, seeds and weights)")
-        self.record(fault, step, f"replaced the store with {fleet.store_url} and {then}",
+        self.record(fault, step, f"replaced the store with {url} and {then}",
                     {"steps_rerun": 0, "seconds_to_recover": round(now - t0, 3),
                      "seconds_lost": round(now - (t0 if step_trained else step_started), 3)})
 
-    def resume(self, old, fault: Fault, step: int, attach):
+    def resume(self, old: TrainGroup, fault: Fault, step: int, attach):
         """A new fleet (new actors, process group and store, on the same Ray) restored from the last
         checkpoint; `attach(fleet)` wires it to the run folder. Returns it and the first step to run."""
         t0 = time.perf_counter()

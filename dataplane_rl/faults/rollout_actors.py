@@ -17,15 +17,18 @@ import time
 from pathlib import Path
 
 from dataplane_rl.faults.kinds import RolloutActorError, first_line
-from dataplane_rl.run.ledger import FaultKind
+from dataplane_rl.faults.ports import RolloutSlots
+from dataplane_rl.run.ledger import FaultKind, FaultLedger
+from dataplane_rl.run.progress import Progress
 
 
 class RolloutRecovery:
-    """Dead rollout actors of `fleet` replaced and their jobs run again; what it costs goes to the run's `ledger`."""
+    """Dead rollout actors in `slots` replaced and their jobs run again, within `budget` replacements
+    (fault_tolerance.max_generation_failures); the weights and pending refits are the run's `progress`, what it
+    costs goes to the run's `ledger`."""
 
-    def __init__(self, fleet, ledger) -> None:
-        self.fleet, self.ledger = fleet, ledger
-        self.budget = fleet.cfg.fault_tolerance.max_generation_failures
+    def __init__(self, slots: RolloutSlots, progress: Progress, ledger: FaultLedger, budget: int) -> None:
+        self.slots, self.progress, self.ledger, self.budget = slots, progress, ledger, budget
         self.weights: dict[int, object] = {}  # weight version -> its state-dict reference, while an open job needs it
         self.actors_file: Path | None = None
 
@@ -39,19 +42,14 @@ class RolloutRecovery:
     def write(self) -> None:
         if self.actors_file is None:
             return
-        f = self.fleet
-        nodes = f.nodes.get("rollout", [])
-        rows = [{"slot": i, "pid": pid, "node": nodes[i] if i < len(nodes) else None} for i, pid in enumerate(f.rollout_pids)]
         tmp = self.actors_file.with_suffix(".json.tmp")
-        train = [{"rank": r, "pid": pid, "node": ip} for r, (pid, ip) in enumerate(zip(f.train_pids, f.nodes.get("train", [])))]
-        store = f.store.processes() if f.store is not None else []  # the run's own Mooncake store: master and holders
-        tmp.write_text(json.dumps({"rollout": rows, "train": train, "store": store}, indent=2) + "\n")
+        tmp.write_text(json.dumps(self.slots.processes(), indent=2) + "\n")
         tmp.replace(self.actors_file)
 
     def keep_weights(self, version: int, ref) -> None:
         """Record the refit of `version`; forget versions no open job was sent with."""
         self.weights[version] = ref
-        need = {p.version for p in self.fleet.rollouts.open.values()} | {version}
+        need = {p.version for p in self.slots.open_rounds()} | {version}
         self.weights = {v: r for v, r in self.weights.items() if v in need}
 
     # -- noticing a death ---------------------------------------------------------------------------
@@ -61,8 +59,9 @@ class RolloutRecovery:
         import ray
         from ray.exceptions import RayActorError
 
-        calls = [(i, f) for p in self.fleet.rollouts.open.values() for i, f in enumerate(p.futures)]
-        calls += [(i, f) for i, a, f in [*extra, *self.fleet.refits] if a is self.fleet.rollout[i]]
+        actors = self.slots.actors()
+        calls = [(i, f) for p in self.slots.open_rounds() for i, f in enumerate(p.futures)]
+        calls += [(i, f) for i, a, f in [*extra, *self.progress.refits] if a is actors[i]]
         if not calls:
             return set()
         done, _ = ray.wait([f for _, f in calls], num_returns=len(calls), timeout=0)
@@ -96,22 +95,22 @@ class RolloutRecovery:
 
     # -- the replacement ----------------------------------------------------------------------------
     def replace(self, slot: int, what: str, error: str) -> None:
-        f, ledger = self.fleet, self.ledger
+        slots, ledger = self.slots, self.ledger
         t0 = time.perf_counter()
-        old_pid, node = f.rollout_pids[slot], f.nodes["rollout"][slot]
+        old_pid, node = slots.where(slot)
         ledger.actor_restarts += 1
         try:
-            pid = f.replace_rollout(slot)
+            pid = slots.replace_rollout(slot)
         except Exception as e:  # noqa: BLE001 - any failure to start ends the run, as the death did before
             raise RolloutActorError(f"{what}: rollout actor {slot} died ({error}) and its replacement did not start "
-                                    f"within {f.ready_timeout_s:.0f} s ({first_line(e)}); the run stops here, "
-                                    "its folder keeps the steps completed") from None
-        jobs, rows = self.redispatch(slot, f.rollout[slot])
+                                    f"({first_line(e)}); the run stops here, its folder keeps the steps completed") from None
+        new_node = slots.where(slot)[1]
+        jobs, rows = self.redispatch(slot, slots.actors()[slot])
         lost = time.perf_counter() - t0
         ledger.seconds_lost += lost
         ledger.redispatched += jobs
-        ledger.fault(FaultKind.ROLLOUT_ACTOR_DIED, f.in_step, {"slot": slot, "pid": old_pid, "node": node}, error,
-                     f"replaced by pid {pid} on {f.nodes['rollout'][slot]}",
+        ledger.fault(FaultKind.ROLLOUT_ACTOR_DIED, self.progress.in_step, {"slot": slot, "pid": old_pid, "node": node},
+                     error, f"replaced by pid {pid} on {new_node}",
                      {"jobs_redispatched": jobs, "rows_redispatched": rows, "seconds_to_replace": round(lost, 3)},
                      {"used": ledger.actor_restarts, "of": self.budget, "key": "fault_tolerance.max_generation_failures"},
                      during=what)
@@ -124,7 +123,7 @@ class RolloutRecovery:
         """Send the slot's unfinished jobs of every open round to `actor`, in send order, each after the
         weights it was first sent with; end on the current weights. Returns (jobs, rows) sent."""
         loaded, jobs, rows = 0, 0, 0  # a new actor holds the initial weights, version 0
-        for p in self.fleet.rollouts.open.values():
+        for p in self.slots.open_rounds():
             if slot >= len(p.jobs) or succeeded(p.futures[slot]):
                 continue
             if p.version != loaded:
@@ -133,10 +132,10 @@ class RolloutRecovery:
             job = dataclasses.replace(p.jobs[slot], retry=True)
             p.futures[slot] = actor.generate.remote(job)
             jobs, rows = jobs + 1, rows + len(job.group_ids) * p.G
-        f = self.fleet
-        if f.policy_ref is not None and loaded != f.version:
+        now = self.progress
+        if now.policy_ref is not None and loaded != now.version:
             # sync: lands before the next round's call; async: checked with the other refits
-            f.refits.append((slot, actor, actor.load_weights.remote(f.policy_ref, f.version)))
+            now.refits.append((slot, actor, actor.load_weights.remote(now.policy_ref, now.version)))
         return jobs, rows
 
     # -- calls on every actor -----------------------------------------------------------------------
@@ -148,7 +147,7 @@ class RolloutRecovery:
 
         while True:
             calls = [(i, a, getattr(a, method).remote(*(args[i] for args in per_slot_args)))
-                     for i, a in enumerate(self.fleet.rollout)]
+                     for i, a in enumerate(self.slots.actors())]
             try:
                 return ray.get([f for _, _, f in calls])
             except RayActorError as e:
@@ -160,16 +159,16 @@ class RolloutRecovery:
         from ray.exceptions import RayActorError
 
         while True:
-            fleet, refits = self.fleet, list(self.fleet.refits)
+            pending, refits = self.progress.refits, list(self.progress.refits)
             done, _ = ray.wait([f for _, _, f in refits], num_returns=len(refits), timeout=0)
             done = set(done)
-            fleet.refits[:] = [r for r in refits if r[2] not in done]
+            pending[:] = [r for r in refits if r[2] not in done]
             try:
                 return max(ray.get([f for _, _, f in refits if f in done]), default=0.0)
             except RayActorError as e:
-                fleet.refits += [r for r in refits if r[2] in done]  # dead_slots() looks at them
+                pending += [r for r in refits if r[2] in done]  # dead_slots() looks at them
                 self.survive(e, what)
-                fleet.refits[:] = [r for r in fleet.refits if r[2] not in done]
+                pending[:] = [r for r in pending if r[2] not in done]
 
     def collected(self, receipts: list[dict]) -> None:
         """Count the rows a retried job wrote (the cells its first attempt had not committed) and its seconds."""

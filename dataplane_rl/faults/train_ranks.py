@@ -13,7 +13,9 @@ import glob
 import os
 from pathlib import Path
 
+from dataplane_rl.config import CheckpointingConfig
 from dataplane_rl.faults.kinds import first_line
+from dataplane_rl.faults.ports import TrainGroup
 from dataplane_rl.errors import DataPlaneError
 
 TAIL_LINES = 60
@@ -23,10 +25,10 @@ class TrainRankError(DataPlaneError, RuntimeError):
     """A train rank died; the run stops with the steps it completed (and its checkpoints)."""
 
 
-def dead_rank(fleet, e: BaseException) -> int | None:
+def dead_rank(group: TrainGroup, e: BaseException) -> int | None:
     """The rank whose actor the RayActorError `e` is about, or None (not a train rank's)."""
     aid = getattr(e, "actor_id", None)
-    for rank, w in enumerate(fleet.workers):
+    for rank, w in enumerate(group.ranks()):
         if aid and w._actor_id.hex() == aid:
             return rank
     return None
@@ -48,16 +50,9 @@ def last_output(pid: int | None, lines: int = TAIL_LINES) -> str:
     return "\n".join(out)
 
 
-def rank_where(fleet, rank: int) -> tuple[int | None, str | None]:
-    """Train rank `rank`'s PID and node IP, as the run recorded them at start (None: not recorded)."""
-    pid = fleet.train_pids[rank] if rank < len(fleet.train_pids) else None
-    nodes = fleet.nodes.get("train", [])
-    return pid, nodes[rank] if rank < len(nodes) else None
-
-
-def save_output(fleet, rank: int, run_dir: Path) -> Path:
+def save_output(group: TrainGroup, rank: int, run_dir: Path) -> Path:
     """Copy train rank `rank`'s last output to RUN_DIR/faults/train-rank-N.log (a second death: .2.log, ...)."""
-    pid, _ = rank_where(fleet, rank)
+    pid, _ = group.rank_where(rank)
     folder = Path(run_dir) / "faults"
     folder.mkdir(exist_ok=True)
     head = f"train rank {rank}, pid {pid}\n"
@@ -69,22 +64,23 @@ def save_output(fleet, rank: int, run_dir: Path) -> Path:
     return path
 
 
-def train_rank_error(fleet, e: BaseException, step: int, run_dir: Path, last_checkpoint: int | None,
-                     rank: int | None = None):
-    """TrainRankError for a RayActorError from a train worker (its output saved), or None for another actor's.
-    rank: the dead rank when the error came from another (a survivor's, faults/restart.py found the dead one)."""
-    rank = dead_rank(fleet, e) if rank is None else rank
+def train_rank_error(group: TrainGroup, ckpt: CheckpointingConfig, e: BaseException, step: int, run_dir: Path,
+                     last_checkpoint: int | None, rank: int | None = None):
+    """TrainRankError for a RayActorError from a train worker (its output saved), or None for another actor's;
+    `ckpt`: the run's checkpointing config. rank: the dead rank when the error came from another (a survivor's,
+    faults/restart.py found the dead one)."""
+    rank = dead_rank(group, e) if rank is None else rank
     if rank is None:
         return None
     first = first_line(e)
-    pid, node = rank_where(fleet, rank)
-    path = save_output(fleet, rank, run_dir)
-    if not fleet.cfg.checkpointing.enabled:
+    pid, node = group.rank_where(rank)
+    path = save_output(group, rank, run_dir)
+    if not ckpt.enabled:
         then = ("checkpointing.enabled=true would have saved the steps done (every checkpointing.save_period steps), "
                 "for `dataplane-rl train --resume RUN_DIR` to continue from")
     elif last_checkpoint:
         then = f"`dataplane-rl train --resume {run_dir}` continues from its checkpoint of step {last_checkpoint}"
     else:
-        then = f"no checkpoint was saved yet (checkpointing.save_period={fleet.cfg.checkpointing.save_period})"
+        then = f"no checkpoint was saved yet (checkpointing.save_period={ckpt.save_period})"
     return TrainRankError(f"step {step}: train rank {rank} (pid {pid} on {node}) died ({first}); the run stops here; "
                           f"its last output is in {path}; {then}")

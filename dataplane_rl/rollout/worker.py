@@ -214,10 +214,12 @@ class RolloutWorker:
 
         return RNGState().state_dict()
 
-    def set_rng_state(self, state: dict) -> None:
+    def set_rng_state(self, state: dict | None) -> None:
+        """Restore a checkpoint's RNG state (None: the checkpoint had no actor in this slot; keep the seeded one)."""
         from dataplane_rl.rng import RNGState
 
-        RNGState().load_state_dict(state)
+        if state is not None:
+            RNGState().load_state_dict(state)
 
     def encode(self, key) -> list[int]:
         return self.prompt(key)[0]

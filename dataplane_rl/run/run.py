@@ -54,6 +54,10 @@ class RayOwner:
             if line:
                 print(line, file=sys.stderr)
 
+    def mark_lost(self) -> None:
+        """Ray's processes were stopped under us (a SIGTERM to the process group): stop() waits on nothing of Ray."""
+        self.lost = True
+
     def stop(self) -> None:
         import ray
 
