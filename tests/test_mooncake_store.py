@@ -366,7 +366,7 @@ def run_library_user(env: dict) -> tuple[list[str], dict[int, list[str]], str]:
 def test_a_library_users_local_store_listens_only_on_loopback():
     """open_store("mooncake://") from plain Python: its own clients (each a handshake and a data listener)
     and the cluster's processes bind 127.0.0.1, without a preload, and nothing warns."""
-    from dataplane_rl.store.bind_shim import shim_path
+    from dataplane_rl.store.mooncake.bind_shim import shim_path
 
     assert shim_path() is not None, "no C compiler built the bind shim here; the no-compiler case is the next test"
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DATAPLANE_RL_BIND_ADDRESS")}
@@ -395,8 +395,8 @@ def test_an_unpatchable_mooncake_names_the_preload(monkeypatch):
     """Where Mooncake's bind() cannot be redirected (a layout this code does not know: simulated), the
     warning gives the preload `dataplane-rl train` uses, with the shim's path."""
     require_mooncake()
-    from dataplane_rl.store import bind_patch
-    from dataplane_rl.store.bind_shim import shim_path
+    from dataplane_rl.store.mooncake import bind_patch
+    from dataplane_rl.store.mooncake.bind_shim import shim_path
 
     path = shim_path()
     assert path is not None

@@ -2,7 +2,7 @@
 
     store.py    MooncakeStore: the backend hooks (blocks in, blocks out)
     catalog.py  partition metas and committed refs as Mooncake keys (no lock)
-    puts.py     a put's blocks and commit record, stored in the same calls
+    commit.py   a put's blocks and commit record, stored in the same calls
     retry.py    transient answers of a loaded store, retried and counted
     health.py   what the store lost, named: a dead holder, a full store, an unreachable master
     buffers.py  registered memory: the write arena and the read landing buffers

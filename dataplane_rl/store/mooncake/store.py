@@ -14,7 +14,7 @@ ChunkRef's key is `<object>@<offset>`.
 
 Put: blocks are serialized straight into a registered arena (one copy), back to back. The commit reads
 what other writers committed since this process last looked (one batched read; nothing when there is
-nothing), checks conflicts, and stores blocks and commit record together (puts.py): one
+nothing), checks conflicts, and stores blocks and commit record together (commit.py): one
 `batch_put_session_start` reserves every block object and the next refs slot r/<inc>/<n>, one
 `batch_put_from_multi_buffer_ranges` fills them, one `batch_put_session_end` publishes the blocks and a
 second the record. If another writer took the slot, the blocks go alone and the record takes the next free
@@ -85,7 +85,7 @@ from dataplane_rl.store.mooncake.client import (
 )
 from dataplane_rl.store.mooncake.cluster import MooncakeCluster
 from dataplane_rl.store.mooncake.health import Health
-from dataplane_rl.store.mooncake.puts import Record, put_objects
+from dataplane_rl.store.mooncake.commit import Record, put_objects
 from dataplane_rl.store.mooncake.retry import READ_TRANSIENT, Retries
 
 # Blocks of one put are stored as objects of up to this size: measured, one 5.7 MB object takes ~30% less
@@ -260,7 +260,7 @@ class MooncakeStore(ColumnStore):
 
     def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen=None) -> None:
         """Store the blocks _store laid out in this thread's arena and commit them, in the same calls when
-        the next slot is free (puts.py): first read what other writers committed since (one call, nothing
+        the next slot is free (commit.py): first read what other writers committed since (one call, nothing
         if none) and check against it; else store the blocks alone and commit the long way."""
         pending, self._putting.pending = getattr(self._putting, "pending", None), None
         conflict = lambda part: self._conflict(Snapshot(part.meta, part.refs), refs)  # noqa: E731

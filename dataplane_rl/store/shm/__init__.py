@@ -8,7 +8,8 @@
     pool.py     segments of dropped partitions, kept pre-touched for reuse
     maps.py     the per-process map cache and the leases that keep a mapping alive
 
-The private, trusted files it is made of are ../files.py, shared with the ownership records (../owners.py).
+    files.py    the private, trusted files it is made of (also used by the ownership records and shared weights)
+    owners.py   who owns an auto-made store folder, and collecting those of dead owners (`store gc`)
 """
 
 from __future__ import annotations

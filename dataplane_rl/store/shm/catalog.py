@@ -25,7 +25,7 @@ from dataplane_rl.errors import CorruptChunkError, PartitionExistsError, StoreUn
 from dataplane_rl.store import chunks
 from dataplane_rl.store.arrow import schema_of
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot
-from dataplane_rl.store.files import CHUNK_KEY, DIR_MODE, check_trusted, create_file, open_file, untrusted
+from dataplane_rl.store.shm.files import CHUNK_KEY, DIR_MODE, check_trusted, create_file, open_file, untrusted
 from dataplane_rl.store.shm.logs import HEAD_BYTES, Tail, _head, _record, meta_text, parse_meta
 
 __all__ = ["LOG", "Log", "ShmCatalog", "_head", "_record"]  # _head, _record: tests forge logs with them

@@ -32,7 +32,7 @@ import numpy as np
 from dataplane_rl.store import chunks
 from dataplane_rl.store.arrow import schema_of
 from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot
-from dataplane_rl.store.files import open_file
+from dataplane_rl.store.shm.files import open_file
 from dataplane_rl.store.shm.catalog import LOGS, Log
 from dataplane_rl.store.shm.logs import Tail, empty_log
 

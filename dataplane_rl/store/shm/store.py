@@ -53,13 +53,14 @@ from urllib.parse import parse_qsl
 import pyarrow as pa
 
 from dataplane_rl.errors import ConfigError, CorruptChunkError, StoreFullError, StoreUnavailableError
-from dataplane_rl.store import chunks, owners
+from dataplane_rl.store import chunks
+from dataplane_rl.store.shm import owners
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import PID, Block, ChunkRef, PartitionMeta, layout, split_key
 from dataplane_rl.store.shm.arena import DEFAULT_ARENA, DEFAULT_PREFAULT, DEFAULT_SEGMENT, Arena, MiB
 from dataplane_rl.store.shm.catalog import Log, ShmCatalog
 from dataplane_rl.store.shm.commit import GONE, ShmCommit, range_lock
-from dataplane_rl.store.files import (
+from dataplane_rl.store.shm.files import (
     DIR_MODE,
     OSErrorsAs,
     check_trusted,
