@@ -1,6 +1,7 @@
 """`mooncake://`: the Mooncake distributed store as a column-store backend (docs/architecture.md §5.4).
 
-    store.py    MooncakeStore: the backend hooks (blocks in, blocks out)
+    store.py    MooncakeStore: what a user opens: the URL, the cluster it starts or joins, its processes
+    storage.py  MooncakeStorage: the store's storage (../storage.py): blocks in, blocks out, what was lost
     catalog.py  partition metas and committed refs as Mooncake keys (no lock)
     commit.py   a put's blocks and commit record, stored in the same calls
     retry.py    transient answers of a loaded store, retried and counted
