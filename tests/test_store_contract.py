@@ -632,3 +632,64 @@ def test_property_round_trip(store, plan):
     finally:
         store.drop_partition(pid)
 
+
+# ---- the store by composition ----------------------------------------------------------------------
+BACKEND_CLASSES = {  # scheme -> (module, class): every backend a user can open
+    "memory": ("dataplane_rl.store.memory", "MemoryStore"),
+    "shm": ("dataplane_rl.store.shm.store", "ShmStore"),
+    "mooncake": ("dataplane_rl.store.mooncake.store", "MooncakeStore"),
+    "ray": ("dataplane_rl.store.ray_store", "RayStore"),
+}
+
+
+def overridden_private_names(cls: type) -> list[str]:
+    """The `_name`s (not dunders) that `cls` or a class it mixes in beyond ColumnStore's own bases defines and
+    ColumnStore (with its bases) has too: a private method of the store that the backend replaces."""
+    from dataplane_rl.store.base import ColumnStore
+
+    own = [k for k in cls.__mro__ if k not in ColumnStore.__mro__]
+    return sorted(f"{k.__name__}.{name}" for k in own for name in vars(k)
+                  if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+                  and hasattr(ColumnStore, name))
+
+
+@pytest.mark.parametrize("scheme", sorted(BACKEND_CLASSES))
+def test_backends_override_no_private_name_of_the_store(scheme):
+    """A backend supplies a Storage (store/storage.py) and may add public methods; it replaces nothing private of
+    ColumnStore, so the store's semantics are the same code on every backend."""
+    import importlib
+
+    from dataplane_rl.store import BACKENDS
+    from dataplane_rl.store.base import ColumnStore
+
+    assert BACKENDS.keys() == BACKEND_CLASSES.keys(), "a backend was added: list it in BACKEND_CLASSES"
+    module, name = BACKEND_CLASSES[scheme]
+    cls = getattr(pytest.importorskip(module), name)
+    assert issubclass(cls, ColumnStore)
+    assert not overridden_private_names(cls), overridden_private_names(cls)
+
+
+def test_private_override_check_finds_what_it_should():
+    """The checker itself: a backend that replaces a private method of ColumnStore, directly or through a mixin,
+    is named; a private name of its own is not."""
+    from dataplane_rl.store.base import ColumnStore
+
+    class Mixin:
+        def _put(self, *a):  # replaces ColumnStore._put
+            return 0
+
+    class Backend(Mixin, ColumnStore):
+        def _snap(self, pid):  # replaces ColumnStore._snap
+            return None
+
+        def _own_helper(self):  # a name ColumnStore does not have
+            return None
+
+    assert overridden_private_names(Backend) == ["Backend._snap", "Mixin._put"]
+
+
+def test_every_backend_works_over_a_storage(store):
+    """The object holding the bytes and the catalog is the store's `storage`, an instance of the protocol."""
+    from dataplane_rl.store.storage import Storage
+
+    assert isinstance(store.storage, Storage) and store.storage.url == store.url
