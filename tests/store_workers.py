@@ -209,14 +209,14 @@ def commit_loop(url: str, pid: str, group: int, fields: Sequence[str], in_commit
     """Put groups of `group` rows, one after another, until killed; `in_commit` (a shared int) is 1 while a
     commit is in flight, so the test can kill this process inside one, and `done` counts committed puts."""
     store = _store(url)
-    commit = store._commit
+    commit = store.storage.commit
 
     def flagged(*args):
         in_commit.value = 1
         commit(*args)
         in_commit.value = 0
 
-    store._commit = flagged
+    store.storage.commit = flagged
     for g in range(store.num_rows(pid) // group):
         rows = range(g * group, (g + 1) * group)
         store.put(pid, grpo_columns(rows, fields), rows)

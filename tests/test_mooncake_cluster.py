@@ -122,7 +122,7 @@ def _listening(pid: int) -> list[str]:
 def test_local_store_listens_only_on_loopback(mooncake_cluster):
     """A one-machine store says 127.0.0.1 and listens only there: the master by its flags, the holders
     (whose Mooncake listeners bind every interface) through the bind shim."""
-    from dataplane_rl.store.bind_shim import shim_path
+    from dataplane_rl.store.mooncake.bind_shim import shim_path
 
     assert shim_path() is not None, "the bind shim could not be built (no C compiler?): holders listen on all interfaces"
     c = mooncake_cluster

@@ -138,14 +138,14 @@ def test_a_reservation_the_master_gave_to_another_client_is_put_again(cluster_of
     client's value is the one stored."""
     cluster = cluster_of(extra_master_flags=("--put_start_discard_timeout_sec=1", "--put_start_release_timeout_sec=10"))
     slow, fast = open_store(cluster.url), open_store(cluster.url)
-    cat, key = slow._catalog, "dprl/t/r/abc/0"
+    cat, key = slow.storage._catalog, "dprl/t/r/abc/0"
     assert cat.client.batch_put_session_start([key], [8], cat.pin) == [0]
     time.sleep(1.5)  # past the discard timeout (not an assertion: the cause)
-    assert fast._catalog.put_if_absent(key, b"theirs!!") == 0  # the master discards ours and gives it to them
+    assert fast.storage._catalog.put_if_absent(key, b"theirs!!") == 0  # the master discards ours and gives it to them
     mine = cat._arenas.get("catalog", 8)
     mine.array[:8] = np.frombuffer(b"mine....", dtype=np.uint8)
     assert cat.fill([(key, mine.ptr, 8)], "a test key") == [key]  # ILLEGAL_CLIENT at the end: put it again
     assert slow.counters()["dataplane_store_retries_total"] == 1
-    assert slow._catalog.get_small([key]) == [b"theirs!!"]
+    assert slow.storage._catalog.get_small([key]) == [b"theirs!!"]
     slow.close()
     fast.close()

@@ -89,8 +89,8 @@ def test_killed_holder_is_a_clear_error():
             store.put("p", big_tokens(range(lo, lo + 4), 256), range(lo, lo + 4))
         client = open_store(store.url)  # a pure client: it cannot poll the holder processes
         assert client.cluster is None and client.get("p", ["input_ids"]).num_rows == 64
-        objects = {r.key.rpartition("@")[0] for r in store._snapshot("p").refs}  # block keys are <object>@<offset>
-        holders = {store._client.get_replica_desc(k)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+        objects = {r.key.rpartition("@")[0] for r in store.storage.snapshot("p").refs}  # block keys are <object>@<offset>
+        holders = {store.storage._client.get_replica_desc(k)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
                    for k in objects}
         assert len(holders) == 2, "Mooncake placed all 16 puts on one holder (odds 1 in 32768)"
         store.cluster.kill_holder(0, signal.SIGKILL)
@@ -197,12 +197,12 @@ def test_a_commit_lost_with_its_holder_is_named_not_called_unwritten():
     with MooncakeCluster(num_holders=2, global_segment_size=16 << 20, client_ttl_s=2) as cluster:
         client = open_store(cluster.url)
         try:
-            raw = client._catalog._client
+            raw = client.storage._catalog._client
             for attempt in range(20):  # the master places keys at random: make the partition until they fit
                 client.create_partition("p", "grpo", 12)
                 for r in range(12):
                     client.put("p", big_tokens([r], 64), [r])
-                inc = client._catalog.parts["p"].inc
+                inc = client.storage._catalog.parts["p"].inc
                 home = {_holder_of(cluster, raw, k) for k in (meta_key("p"), marker_key("p", inc))}
                 slots = [_holder_of(cluster, raw, refs_key("p", inc, k)) for k in range(12)]
                 if len(home) == 1 and any(h not in home for h in slots[:-1]):
@@ -298,7 +298,7 @@ def test_stale_refs_of_an_earlier_partition_are_ignored(session_store):
     store.create_partition("p", "grpo", 4)
     store.drop_partition("p")
     stale = json.dumps({"inc": "000000000000", "refs": []}).encode()
-    assert store._catalog.put_if_absent("dprl/p/r/0", stale) == 0
+    assert store.storage._catalog.put_if_absent("dprl/p/r/0", stale) == 0
     store.create_partition("p", "grpo", 4)
     assert store.status("p").rows_written["total_reward"] == 0
     store.put("p", grpo_columns(range(4), ["total_reward"]), range(4))
@@ -366,7 +366,7 @@ def run_library_user(env: dict) -> tuple[list[str], dict[int, list[str]], str]:
 def test_a_library_users_local_store_listens_only_on_loopback():
     """open_store("mooncake://") from plain Python: its own clients (each a handshake and a data listener)
     and the cluster's processes bind 127.0.0.1, without a preload, and nothing warns."""
-    from dataplane_rl.store.bind_shim import shim_path
+    from dataplane_rl.store.mooncake.bind_shim import shim_path
 
     assert shim_path() is not None, "no C compiler built the bind shim here; the no-compiler case is the next test"
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DATAPLANE_RL_BIND_ADDRESS")}
@@ -395,8 +395,8 @@ def test_an_unpatchable_mooncake_names_the_preload(monkeypatch):
     """Where Mooncake's bind() cannot be redirected (a layout this code does not know: simulated), the
     warning gives the preload `dataplane-rl train` uses, with the shim's path."""
     require_mooncake()
-    from dataplane_rl.store import bind_patch
-    from dataplane_rl.store.bind_shim import shim_path
+    from dataplane_rl.store.mooncake import bind_patch
+    from dataplane_rl.store.mooncake.bind_shim import shim_path
 
     path = shim_path()
     assert path is not None

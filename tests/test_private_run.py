@@ -25,7 +25,7 @@ import pytest
 
 from dataplane_rl.config import load_config
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.store import owners
+from dataplane_rl.store.shm import owners
 from dataplane_rl.run import private_ray
 from test_shutdown import CHILD, Tree, wait_for
 from test_train_e2e import overriding

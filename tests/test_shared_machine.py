@@ -96,7 +96,7 @@ def test_a_sealed_bind_slot_is_written_and_sealed_again():
     import ctypes
     import mmap
 
-    from dataplane_rl.store.bind_patch import _protection, _write_pointer
+    from dataplane_rl.store.mooncake.bind_patch import _protection, _write_pointer
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p

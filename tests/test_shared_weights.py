@@ -19,7 +19,7 @@ import torch
 from dataplane_rl.model.load import load_model, load_tokenizer, resolve_model
 from dataplane_rl.model.shared_weights import ALIGN, SharedWeights, WeightsFolder, attach
 from dataplane_rl.rollout.engine import HFEngine
-from dataplane_rl.store import owners
+from dataplane_rl.store.shm import owners
 
 
 @pytest.fixture

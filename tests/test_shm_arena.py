@@ -31,7 +31,7 @@ def test_puts_of_one_writer_share_one_segment(store):
     for lo in range(0, 64, 8):
         store.put("a", grpo_columns(range(lo, lo + 8), FIELDS, seed=lo), range(lo, lo + 8))
     assert len(inodes(store, "a")) == 1
-    offsets = sorted(int(r.key.rpartition("@")[2]) for r in store._snapshot("a").refs)
+    offsets = sorted(int(r.key.rpartition("@")[2]) for r in store.storage.snapshot("a").refs)
     assert len(set(offsets)) == 8 and all(o % 64 == 0 for o in offsets)
     for lo in range(0, 64, 8):
         assert_rows(store, "a", range(lo, lo + 8), FIELDS, seed=lo)
@@ -60,8 +60,8 @@ def test_a_writer_gets_its_own_segment_back_by_name(store, monkeypatch):
     store.drop_partition("a")
     assert any(n.endswith(name.removeprefix("put-")) for n in os.listdir(store.path / ".pool"))
     listed = []
-    real = store._pool.files
-    monkeypatch.setattr(store._pool, "files", lambda: listed.append(1) or real())
+    real = store.storage._pool.files
+    monkeypatch.setattr(store.storage._pool, "files", lambda: listed.append(1) or real())
     store.create_partition("b", "grpo", 16)
     store.put("b", grpo_columns(range(16), FIELDS, seed=2), range(16))
     assert os.listdir(store.path / "b" / "chunks") == [name] and not listed
@@ -86,7 +86,7 @@ def test_a_new_store_has_ready_pages_and_its_first_put_takes_them(tmp_path):
 def test_a_failed_put_gives_its_range_back(store):
     store.create_partition("a", "grpo", 8)
     store.put("a", grpo_columns(range(4), FIELDS), range(4))
-    used = store._arena._open["a"].used
+    used = store.storage._arena._open["a"].used
     with pytest.raises(DuplicateWriteError):
         store.put("a", grpo_columns([0], ["total_reward"]), [0])  # a second write of a cell: refused early
     from dataplane_rl.store import chunks
@@ -102,7 +102,7 @@ def test_a_failed_put_gives_its_range_back(store):
             store.put("a", grpo_columns(range(4, 8), FIELDS), range(4, 8))
     finally:
         chunks.write_block = real
-    assert store._arena._open["a"].used == used
+    assert store.storage._arena._open["a"].used == used
     store.put("a", grpo_columns(range(4, 8), FIELDS, seed=5), range(4, 8))
     assert_rows(store, "a", range(4, 8), FIELDS, seed=5)
 
@@ -137,7 +137,7 @@ def test_a_put_takes_a_pooled_segment_of_at_most_4x_or_8_mib(tmp_path):
         s.create_partition("a", "grpo", 8)
         s.put("a", big(1), range(4))  # 512 KiB
         s.drop_partition("a")
-        s._arena.prefault(16 << 20)  # and two 8 MiB segments
+        s.storage._arena.prefault(16 << 20)  # and two 8 MiB segments
         s.create_partition("b", "grpo", 8)
         s.put("b", grpo_columns(range(8), FIELDS), range(8))  # ~1 kB: a 64 KiB segment
         took = {e.stat().st_size for e in os.scandir(s.path / "b" / "chunks")}
@@ -145,7 +145,7 @@ def test_a_put_takes_a_pooled_segment_of_at_most_4x_or_8_mib(tmp_path):
         s.create_partition("c", "grpo", 4)
         s.put("c", big(2), range(4))  # 512 KiB asked: an 8 MiB pooled one is within 8 MiB
         assert {e.stat().st_size for e in os.scandir(s.path / "c" / "chunks")} == {8 << 20}
-        assert s._pool.add_new(32 << 20)
+        assert s.storage._pool.add_new(32 << 20)
         for pid, want in (("d", 8 << 20), ("e", 64 << 10)):  # the last 8 MiB one; then never the 32 MiB one
             s.create_partition(pid, "grpo", 8)
             s.put(pid, grpo_columns(range(8), FIELDS), range(8))
@@ -159,7 +159,7 @@ def test_arena_options_travel_in_the_url_and_bad_ones_are_refused(tmp_path):
     s = open_store(f"shm://{tmp_path}/s?arena_mb=64&prefault_mb=1")
     assert s.url == f"shm://{tmp_path}/s?arena_mb=64&prefault_mb=1"
     other = open_store(s.url)
-    assert other._arena.limit_bytes == 64 << 20
+    assert other.storage._arena.limit_bytes == 64 << 20
     other.close()
     s.close()
     with pytest.raises(ConfigError, match="arena_mb=N"):

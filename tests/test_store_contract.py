@@ -62,7 +62,7 @@ def assert_rows(store, pid, rows, fields, seed=0):
 
 def refs_of(store, pid: str, column: str) -> list:
     """The committed blocks holding `column`, as the catalog lists them."""
-    return [r for r in store._snapshot(pid).refs if column in r.columns]
+    return [r for r in store.storage.snapshot(pid).refs if column in r.columns]
 
 
 def column_byte(store, pid: str, ref, column: str) -> int:
@@ -71,7 +71,7 @@ def column_byte(store, pid: str, ref, column: str) -> int:
     from dataplane_rl.store.arrow import block_columns
     from dataplane_rl.store.chunks import block_layout
 
-    cols = block_columns(store._snapshot(pid).meta.schema_json, ref.columns)
+    cols = block_columns(store.storage.snapshot(pid).meta.schema_json, ref.columns)
     o_at, v_at, vbytes, _ = block_layout(cols.offsets, ref.rows.size, ref.sizes)[0][ref.columns.index(column)]
     return v_at if vbytes else o_at
 
@@ -84,9 +84,9 @@ def corrupt(store, pid: str, column: str, lose: bool = False) -> None:
     obj, off = ref.key.rpartition("@")[0], int(ref.key.rpartition("@")[2]) if "@" in ref.key else 0
     at = column_byte(store, pid, ref, column)
     if isinstance(store, MemoryStore):
-        data = bytearray(store._blobs[ref.key].to_pybytes())
+        data = bytearray(store.storage._blobs[ref.key].to_pybytes())
         data[at] ^= 0xFF
-        store._blobs[ref.key] = pa.py_buffer(b"" if lose else bytes(data))
+        store.storage._blobs[ref.key] = pa.py_buffer(b"" if lose else bytes(data))
     elif store.scheme == "shm":
         path = store.path / pid / "chunks" / obj
         if lose:
@@ -100,7 +100,7 @@ def corrupt(store, pid: str, column: str, lose: bool = False) -> None:
     elif store.scheme == "mooncake":
         from mooncake_fixtures import damage_key
 
-        damage_key(store._client, obj, off, off + at, lose)
+        damage_key(store.storage._client, obj, off, off + at, lose)
     elif store.scheme == "ray":
         def damage(catalog, pid=pid, key=ref.key, lose=lose, at=at):  # runs inside the catalog actor
             import ray
@@ -114,7 +114,7 @@ def corrupt(store, pid: str, column: str, lose: bool = False) -> None:
 
         import ray
 
-        ray.get(store._catalog.__ray_call__.remote(damage))
+        ray.get(store.storage._catalog.__ray_call__.remote(damage))
     else:  # a backend the damage tests cannot reach is a gap in the suite, not a reason to pass
         pytest.fail(f"{type(store).__name__}: the damage tests do not know its storage; teach corrupt()", pytrace=False)
 
@@ -287,8 +287,8 @@ def test_a_reader_keeps_a_bounded_cache_of_partitions(store, monkeypatch):
         store.put(pid, grpo_columns(range(N), ["input_lengths", "total_reward"], seed=i), range(N))
         assert_rows(store, pid, range(N), ["total_reward"], seed=i)
     assert len(store._known) <= 4 and len(store._indexes) <= 4
-    forgotten = {"shm": lambda: set(store._logs),
-                 "mooncake": lambda: set(store._catalog.parts)}.get(store.scheme)
+    forgotten = {"shm": lambda: set(store.storage._logs),
+                 "mooncake": lambda: set(store.storage._catalog.parts)}.get(store.scheme)
     if forgotten is not None:  # the backend's own caches follow
         assert not forgotten() & set(pids[:6]), forgotten()
     assert_rows(store, pids[0], range(N), ["total_reward"], seed=0)  # forgotten, still readable
@@ -486,11 +486,11 @@ def _commit_fails(store, pid):
     def boom(*a, **k):
         raise RuntimeError("injected commit failure")
 
-    store._commit = boom
+    store.storage.commit = boom
     try:
         store.put(pid, grpo_columns([2, 3], ["total_reward", "group_id", "input_ids", "input_lengths"]), [2, 3])
     finally:
-        del store._commit
+        del store.storage.commit
 
 
 def _second_chunk_fails(store, pid):
@@ -631,3 +631,65 @@ def test_property_round_trip(store, plan):
         assert_rows(store, pid, range(n), fields[::-1], seed)
     finally:
         store.drop_partition(pid)
+
+
+# ---- the store by composition ----------------------------------------------------------------------
+BACKEND_CLASSES = {  # scheme -> (module, class): every backend a user can open
+    "memory": ("dataplane_rl.store.memory", "MemoryStore"),
+    "shm": ("dataplane_rl.store.shm.store", "ShmStore"),
+    "mooncake": ("dataplane_rl.store.mooncake.store", "MooncakeStore"),
+    "ray": ("dataplane_rl.store.ray_store", "RayStore"),
+}
+
+
+def overridden_private_names(cls: type) -> list[str]:
+    """The `_name`s (not dunders) that `cls` or a class it mixes in beyond ColumnStore's own bases defines and
+    ColumnStore (with its bases) has too: a private method of the store that the backend replaces."""
+    from dataplane_rl.store.base import ColumnStore
+
+    own = [k for k in cls.__mro__ if k not in ColumnStore.__mro__]
+    return sorted(f"{k.__name__}.{name}" for k in own for name in vars(k)
+                  if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+                  and hasattr(ColumnStore, name))
+
+
+@pytest.mark.parametrize("scheme", sorted(BACKEND_CLASSES))
+def test_backends_override_no_private_name_of_the_store(scheme):
+    """A backend supplies a Storage (store/storage.py) and may add public methods; it replaces nothing private of
+    ColumnStore, so the store's semantics are the same code on every backend."""
+    import importlib
+
+    from dataplane_rl.store import BACKENDS
+    from dataplane_rl.store.base import ColumnStore
+
+    assert BACKENDS.keys() == BACKEND_CLASSES.keys(), "a backend was added: list it in BACKEND_CLASSES"
+    module, name = BACKEND_CLASSES[scheme]
+    cls = getattr(pytest.importorskip(module), name)
+    assert issubclass(cls, ColumnStore)
+    assert not overridden_private_names(cls), overridden_private_names(cls)
+
+
+def test_private_override_check_finds_what_it_should():
+    """The checker itself: a backend that replaces a private method of ColumnStore, directly or through a mixin,
+    is named; a private name of its own is not."""
+    from dataplane_rl.store.base import ColumnStore
+
+    class Mixin:
+        def _put(self, *a):  # replaces ColumnStore._put
+            return 0
+
+    class Backend(Mixin, ColumnStore):
+        def _snap(self, pid):  # replaces ColumnStore._snap
+            return None
+
+        def _own_helper(self):  # a name ColumnStore does not have
+            return None
+
+    assert overridden_private_names(Backend) == ["Backend._snap", "Mixin._put"]
+
+
+def test_every_backend_works_over_a_storage(store):
+    """The object holding the bytes and the catalog is the store's `storage`, an instance of the protocol."""
+    from dataplane_rl.store.storage import Storage
+
+    assert isinstance(store.storage, Storage) and store.storage.url == store.url

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from dataplane_rl.store import open_store, owners
+from dataplane_rl.store import open_store
+from dataplane_rl.store.shm import owners
 from store_workers import grpo_columns
 
 # a stand-in for a run's driver: makes its store, writes a partition, says where, waits to be killed

@@ -50,7 +50,7 @@ def test_shaped_round_trip_in_any_row_order(store, part, monkeypatch):
     monkeypatch.setattr(store, "chunk_bytes", 4096)  # several row blocks per put: cuts fall inside the put
     store.put(part, grpo_columns(range(0, 7), TEACHER), range(0, 7))
     store.put(part, grpo_columns([11, 7, 9, 8, 10], TEACHER), [11, 7, 9, 8, 10])
-    assert len({r.key for r in store._snapshot(part).refs}) > 3
+    assert len({r.key for r in store.storage.snapshot(part).refs}) > 3
     assert store.ready(part, TEACHER).tolist() == list(range(N))
     _equal(store.get(part, TEACHER), range(N))
     for rows in ([3, 4, 5], [11, 0, 6, 6, 2], list(range(N))[::-1], np.arange(1, N, 3)):

@@ -73,7 +73,7 @@ def test_shm_put_is_one_file_of_aligned_blocks():
         store.chunk_bytes = 256  # several row blocks, all in the put's one file
         store.put("a", grpo_columns(range(64), fields, seed=3), range(64))
         assert len(os.listdir(store.path / "a" / "chunks")) == 1
-        refs = store._snapshot("a").refs
+        refs = store.storage.snapshot("a").refs
         assert len(refs) > 2 and len({r.key for r in refs}) == len(refs)
         assert all(r.columns == tuple(fields) for r in refs)  # each block holds every column of the put
         assert all(int(r.key.rpartition("@")[2]) % 64 == 0 for r in refs)

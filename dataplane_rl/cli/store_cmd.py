@@ -1,6 +1,6 @@
 """`dataplane-rl store ls|show|export|drop|gc`: look into (or export, or free) a live column store, by URL or
 by a run folder: a live run's (its store.json names the store) or one that kept its partitions (its summary.json); list this
-machine's shm stores with their owners, and remove those of dead runs (store/owners.py)."""
+machine's shm stores with their owners, and remove those of dead runs (store/shm/owners.py)."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def print_stats(stats: dict) -> None:
 
 
 def ls_machine(as_json: bool) -> int:
-    from dataplane_rl.store import owners
+    from dataplane_rl.store.shm import owners
 
     found = owners.scan()
     if as_json:
@@ -153,7 +153,7 @@ def ls_machine(as_json: bool) -> int:
 
 
 def gc_cmd(args) -> int:
-    from dataplane_rl.store import owners
+    from dataplane_rl.store.shm import owners
 
     removed = owners.collect(say=print)
     print(f"removed {len(removed)} orphaned store(s), {sum(e.nbytes for e in removed)} bytes "
@@ -317,10 +317,10 @@ def drop_cmd(args) -> int:
 
 
 def refuse_live(store, args) -> None:
-    """A ConfigError if a live process owns the store (its owner record: store/owners.py): dropping from
+    """A ConfigError if a live process owns the store (its owner record: store/shm/owners.py): dropping from
     under a run once made it die with a remote traceback. Only shm stores record their owner."""
     from dataplane_rl.errors import ConfigError
-    from dataplane_rl.store import owners
+    from dataplane_rl.store.shm import owners
 
     folder = getattr(store, "path", None)
     owner = owners.read_owner(str(folder)) if folder is not None else None

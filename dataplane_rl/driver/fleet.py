@@ -21,7 +21,7 @@ from pathlib import Path
 from dataplane_rl import trace
 from dataplane_rl.config import Config
 from dataplane_rl.ray_calls import get_all
-from dataplane_rl.store import owners
+from dataplane_rl.store.shm import owners
 from dataplane_rl.run import private_ray
 from dataplane_rl.run.ledger import FaultLedger
 from dataplane_rl.run.progress import Progress

@@ -110,7 +110,7 @@ def check_folders(cfg: Config) -> None:
     import os
 
     from dataplane_rl.checkpoint.manager import CheckpointManager
-    from dataplane_rl.store import owners
+    from dataplane_rl.store.shm import owners
 
     if cfg.checkpointing.enabled:
         key = "checkpointing.checkpoint_dir" if cfg.checkpointing.checkpoint_dir else "checkpointing (RUN_DIR/checkpoints)"

@@ -13,7 +13,7 @@ read while the trainer writes (synchronous steps on one rank, nothing in flight:
 goes further: the trainer's own parameters move into the file once, the optimizer updates them there, and a refit
 copies nothing at all. An unlinked file lives
 on while an actor maps it, so rank 0 unlinks every version that no open job needs as it publishes the next. The
-folder is an auto-made shm folder with an owner record (store/owners.py): a clean close removes it, and a killed
+folder is an auto-made shm folder with an owner record (store/shm/owners.py): a clean close removes it, and a killed
 trainer's folder goes at the next `train` start or `dataplane-rl store gc`.
 """
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dataplane_rl.store import owners
-from dataplane_rl.store.files import create_file
+from dataplane_rl.store.shm import owners
+from dataplane_rl.store.shm.files import create_file
 
 ALIGN = 64  # every tensor starts on a cache line, so a byte range views as any dtype
 FILE_MODE = 0o600  # the weights are the run's own (docs/security.md: private files)

@@ -5,7 +5,7 @@ A run that starts its own Ray (no `cluster.address`) makes it private:
   workers and the driver's core worker bind gRPC to the wildcard address. Two things fix it:
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray's node IP 127.0.0.1 (ray._private.services.
   get_node_ip_address, which otherwise turns 127.0.0.1 into the node's LAN address), and the bind_local.c
-  preload shim (store/bind_shim.py) turns each wildcard bind into a bind to 127.0.0.1. Every actor
+  preload shim (store/mooncake/bind_shim.py) turns each wildcard bind into a bind to 127.0.0.1. Every actor
   inherits it, and its Mooncake client points the shim at the address it advertises (127.0.0.1 for the
   run's own store);
 - Ray's token authentication is on, with a token of this run only, in a 0600 file in a 0700 folder
@@ -35,8 +35,8 @@ from typing import Callable
 
 from dataplane_rl.config import Config
 from dataplane_rl.hosts import is_loopback
-from dataplane_rl.store import owners
-from dataplane_rl.store.bind_shim import ADDRESS_ENV, bind_env
+from dataplane_rl.store.shm import owners
+from dataplane_rl.store.mooncake.bind_shim import ADDRESS_ENV, bind_env
 
 REEXEC_ENV = "DATAPLANE_RL_PRIVATE_RAY"  # set in the re-executed driver: its environment is the run's already
 TOKEN_DIR_ENV = "DATAPLANE_RL_RAY_TOKEN_DIR"  # the token folder this run made, removed at its exit

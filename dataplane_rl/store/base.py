@@ -1,30 +1,23 @@
 """The column-store semantics every backend shares (docs/architecture.md §5).
 
 `ColumnStore` implements the public API once: validation against the declared schema, row identity,
-write-once cells, all-or-nothing puts, missing-cell errors, checksummed blocks and readiness. A backend
-supplies only storage, through hooks with one fixed return type each and no state kept between calls:
-
-    _snapshot(pid) -> Snapshot           the partition's meta and committed refs, in one catalog read
-    _store(meta, blocks) -> [ChunkRef]   store the bytes of a put's row blocks, not yet visible
-    _commit(meta, refs, seen) -> None    make them visible atomically, re-checking under the catalog's
-                                         lock that no cell is already written (`self._conflict`), which
-                                         can be skipped while the committed refs are still `seen`
-    _discard(meta, refs) -> None         remove stored bytes of a put that did not commit
-    _read(pid, refs) -> [pa.Buffer]      the bytes of committed blocks
-    _create, _drop, _list, _close
+write-once cells, all-or-nothing puts, missing-cell errors, checksummed blocks and readiness. It works over
+one storage object (storage.py, the protocol a backend implements), which it calls and never extends: a
+backend class such as ShmStore passes its storage to `ColumnStore.__init__` and adds public methods only.
 
 A put becomes one block per `chunk_bytes` of rows, holding every column of the put as its own flat
 buffers (chunks.py): validation reads each column once, encoding is one copy per column buffer, and
-checksums go per column, so a reader verifies just what it reads. Bytes
-are stored first and refs committed last, so a failed or concurrent put never leaves a half-written
-partition.
+checksums go per column, so a reader verifies just what it reads. The storage stores the bytes first
+and commits their refs last, so a failed or concurrent put never leaves a half-written partition. How a
+get becomes a table is reads.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import time
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
@@ -33,23 +26,25 @@ import pyarrow as pa
 
 from dataplane_rl.errors import (
     AlignmentError,
+    ConfigError,
     DataPlaneError,
     DuplicateWriteError,
     MissingColumnError,
     PartitionNotFoundError,
     SchemaError,
+    StoreTimeoutError,
     StoreUnavailableError,
     format_rows,
 )
 from dataplane_rl.schema import Schema, load_schema
-from dataplane_rl.store import stats
+from dataplane_rl.store import reads, stats
 from dataplane_rl.store.arrow import arrow_types, flatten, make_blocks, schema_of, to_arrow
 from dataplane_rl.store.capabilities import Capabilities
-from dataplane_rl.store.chunks import PID, Block, ChunkRef, NotFinite, PartitionMeta, Snapshot
+from dataplane_rl.store.chunks import PID, ChunkRef, NotFinite, PartitionMeta, Snapshot
 from dataplane_rl.store.index import RowIndex, as_slice, overlap
-from dataplane_rl.store.reads import Reads
-from dataplane_rl.store.stats import PartitionStatus
 from dataplane_rl.store.rows import PutWhere, row_ids
+from dataplane_rl.store.stats import PartitionStatus
+from dataplane_rl.store.storage import Storage
 
 # Rows per partition: the row index keeps two int32 arrays of num_rows per column, so more would be
 # gigabytes of bookkeeping
@@ -58,84 +53,32 @@ MAX_ROWS = 1 << 26
 KNOWN_PARTITIONS = 64
 
 
-class ColumnStore(Reads, Capabilities, ABC):
-    """A partitioned, write-once column store. Subclasses implement the `_`-prefixed storage hooks."""
+class ColumnStore(Capabilities):
+    """A partitioned, write-once column store over one `Storage` (storage.py), which a backend supplies."""
 
     scheme: str = ""
     # A put is stored as row blocks of about this many bytes, so a reader of a shard checksums only the
     # blocks holding its rows, not the whole put once per reader.
     chunk_bytes: int = 4 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, storage: Storage, counters: stats.Counters | None = None) -> None:
+        """`counters`: where this store counts its calls; given by a backend whose storage counts into them
+        too (Mooncake's retries)."""
+        self._storage = storage
         self._closed = False
         self._indexes: dict[str, tuple[str, RowIndex]] = {}
         self._known: OrderedDict[str, None] = OrderedDict()  # partitions touched here, least recent first
-        self._counters = stats.Counters()
+        self._counters = counters if counters is not None else stats.Counters()
 
-    # -- backend hooks ---------------------------------------------------------------------------
     @property
-    @abstractmethod
+    def storage(self) -> Storage:
+        """What holds the bytes and the catalog (storage.py): the backend's half of the store."""
+        return self._storage
+
+    @property
     def url(self) -> str:
         """A URL another process can pass to open_store to reach the same data."""
-
-    @abstractmethod
-    def _create(self, meta: PartitionMeta) -> None:
-        """Record a new partition; raise PartitionExistsError if the id is taken."""
-
-    @abstractmethod
-    def _snapshot(self, pid: str) -> Snapshot:
-        """Meta (with the backend's incarnation token) and committed refs; PartitionNotFoundError if unknown."""
-
-    @abstractmethod
-    def _store(self, meta: PartitionMeta, blocks: list[Block]) -> list[ChunkRef]:
-        """Store each block with `chunks.write_block` (or `encode_block`); return one ref per block, in order.
-        Nothing is visible to readers yet. If it raises, it removes whatever it stored."""
-
-    @abstractmethod
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen: list[ChunkRef]) -> None:
-        """Atomically make refs visible, after checking under the catalog's lock that none of their
-        cells is already committed (raise `self._conflict(...)`; the put checked against the committed
-        refs `seen` already, so while they are still that list the check may be skipped);
-        PartitionNotFoundError if the incarnation `meta.token` is gone."""
-
-    @abstractmethod
-    def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
-        """Delete the stored bytes of refs that are not committed (a failed commit). Must not raise."""
-
-    @abstractmethod
-    def _read(self, pid: str, refs: list[ChunkRef]) -> list[pa.Buffer]:
-        """The bytes of each ref, in order (an empty buffer for bytes that are gone)."""
-
-    @abstractmethod
-    def _drop(self, pid: str) -> None:
-        """Forget the partition and free its blocks; raise PartitionNotFoundError if unknown."""
-
-    @abstractmethod
-    def _list(self) -> list[str]:
-        """Ids of live partitions."""
-
-    def _close(self) -> None:
-        """Release backend resources."""
-
-    def _forget(self, pid: str) -> None:
-        """Drop what this process caches about `pid` (its catalog state); it is read again if needed."""
-
-    def _known_snapshot(self, pid: str) -> Snapshot | None:
-        """A put's snapshot without a catalog read, for a backend whose `_commit` checks write-once by
-        itself without reading what other writers committed (shm's claims): the put then neither reads
-        their commits nor checks against them before storing. None (the default): it does both."""
-        return None
-
-    def _share_counters(self, metrics: dict[str, float], final: bool) -> None:
-        """Write this process's counters where other processes of the store can add them up (shm)."""
-
-    def _other_counters(self) -> dict[str, float]:
-        """The counters other processes of the store wrote (added up), for `stats()`."""
-        return {}
-
-    def _gauges(self) -> dict[str, float]:
-        """The backend's own gauges for `stats()` (capacity, space), in Prometheus names."""
-        return {}
+        return self._storage.url
 
     # -- public API ------------------------------------------------------------------------------
     def create_partition(self, pid: str, schema: str | Schema = "grpo", num_rows: int = 0) -> None:
@@ -151,7 +94,7 @@ class ColumnStore(Reads, Capabilities, ABC):
             from dataplane_rl.config import bound_schema
 
             s = bound_schema(s)
-        self._create(PartitionMeta(pid, s.json_text, int(num_rows)))
+        self._storage.create(PartitionMeta(pid, s.json_text, int(num_rows)))
 
     def put(self, pid: str, columns: Mapping[str, Any], rows: Any) -> None:
         """Write `columns` for `rows` (indices or a range). All or nothing; every cell once."""
@@ -168,17 +111,18 @@ class ColumnStore(Reads, Capabilities, ABC):
         c = self._counters
         c.call(op, nbytes, time.perf_counter() - t0)
         if c.due():
-            self._share_counters(c.metrics(), final=False)
+            self._storage.share_counters(c.metrics(), final=False)
 
     def _put(self, pid: str, columns: Mapping[str, Any], rows: Any) -> int:
-        known = self._known_snapshot(pid) if isinstance(pid, str) and pid in self._known else None
+        known = self._storage.known_snapshot(pid) if isinstance(pid, str) and pid in self._known else None
         if known is None:
             return self._put_from(pid, self._snap(pid), False, columns, rows)
+        self._known.move_to_end(pid)
         try:
             return self._put_from(pid, known, True, columns, rows)
         except PartitionNotFoundError as e:
             # what this process knew is gone: dropped (the commit saw it), and maybe made again: look it up
-            self._forget(pid)
+            self._storage.forget(pid)
             try:
                 snap = self._snap(pid)
             except PartitionNotFoundError:
@@ -186,7 +130,7 @@ class ColumnStore(Reads, Capabilities, ABC):
             return self._put_from(pid, snap, False, columns, rows)
 
     def _put_from(self, pid: str, snap: Snapshot, known: bool, columns: Mapping[str, Any], rows: Any) -> int:
-        """A put starting from `snap`: this process's own knowledge of the partition if `known` (no catalog
+        """A put starting from `snap`: what this process already held of the partition if `known` (no catalog
         read; a stale one ends in PartitionNotFoundError before anything is committed), else a fresh read."""
         meta, schema = snap.meta, schema_of(snap.meta)
         rows = self._rows(pid, meta, rows, unique=True)
@@ -220,26 +164,27 @@ class ColumnStore(Reads, Capabilities, ABC):
         if schema.length_column not in arrays:
             tokens = [n for n in arrays if by_name[n].kind == "token"]
             if tokens:  # checked against the length column: what every writer committed of it
-                lengths = self._stored_lengths(self._snap(pid) if known else snap, rows, tokens)
+                lengths = self._stored_lengths(snap, rows, tokens, held=known)
         flat = flatten(schema, arrays, lengths)
         if flat is None:  # something may be wrong: the exact check names it (or finds nothing)
             schema.check(arrays, lengths, where=str(where)[:-1], rows=rows)
             flat = flatten(schema, arrays, lengths, validate=False)
-        err = None if known else self._conflict(snap, rows=rows, columns=list(arrays))
+        # a storage whose commit checks write-once alone (shm's claims) needs no check against a held snapshot
+        err = None if known and self._storage.checks_alone else self._conflict(snap, rows=rows, columns=list(arrays))
         if err:
             raise err
         try:
-            refs = self._store(meta, make_blocks(rows, tuple(arrays), *flat, self.chunk_bytes))
+            staged = self._storage.store(meta, make_blocks(rows, tuple(arrays), *flat, self.chunk_bytes))
         except NotFinite:  # the store gave back what it wrote; the exact check names the cells
             schema.check(arrays, lengths, where=str(where)[:-1], rows=rows)
             parts = [p._replace(finite=False) for p in flat[0]]  # huge finite values overflowed v.v: fine
-            refs = self._store(meta, make_blocks(rows, tuple(arrays), parts, flat[1], self.chunk_bytes))
+            staged = self._storage.store(meta, make_blocks(rows, tuple(arrays), parts, flat[1], self.chunk_bytes))
         try:
-            self._commit(meta, refs, snap.refs)
+            self._storage.commit(meta, staged, snap.refs, self._conflict)
         except BaseException:
-            self._discard(meta, refs)
+            self._storage.discard(meta, staged.refs)
             raise
-        return sum(r.nbytes for r in refs)
+        return sum(r.nbytes for r in staged.refs)
 
     def get(self, pid: str, fields: str | Sequence[str], rows: Any = None) -> pa.Table:
         """The requested fields for `rows` (default all), in the requested row order, as an Arrow table."""
@@ -253,12 +198,52 @@ class ColumnStore(Reads, Capabilities, ABC):
             try:
                 table = self._table(snap, fields, self._rows(pid, snap.meta, rows, unique=False))
             except MissingColumnError as e:
-                raise self._unwritten(pid, e) from None
+                raise self._storage.unwritten(pid, e) from None
         except DataPlaneError as e:
             self._counters.refused(e)
             raise
         self._counted("get", 0, t0)  # its bytes: counted by _table, per block read
         return table
+
+    def ready(self, pid: str, fields: str | Sequence[str]) -> np.ndarray:
+        """The rows (sorted int64) on which every named field is written. Reads the catalog, never data."""
+        self._check_open()
+        snap = self._snap(pid)
+        fields = self._field_list(pid, snap.meta, fields, "ready")
+        idx = self._index_of(snap)
+        with idx.lock:
+            return idx.ready(fields)
+
+    def wait(self, pid: str, fields: str | Sequence[str], rows: Any = None, timeout: float = 60.0) -> np.ndarray:
+        """Block until every named field is written on `rows` (default all); return those rows.
+
+        Raises StoreTimeoutError after `timeout` seconds naming the rows and fields still missing, and
+        PartitionNotFoundError at once if the partition does not exist (or is dropped while waiting)."""
+        self._check_open()
+        # NaN compares false with every deadline (a wait that never ends); a string fails deep in the loop
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) or timeout < 0:
+            raise ConfigError(f"partition {pid} wait: timeout={timeout!r} must be a finite number of seconds >= 0")
+        snap = self._snap(pid)
+        fields = self._field_list(pid, snap.meta, fields, "wait")
+        want = self._rows(pid, snap.meta, rows, unique=False)
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while True:
+            idx = self._index_of(snap)
+            with idx.lock:
+                missing = {f: lack for f in fields if (lack := idx.unwritten(f, want)).size}
+            if not missing:
+                return want
+            left = deadline - time.monotonic()
+            if left <= 0:
+                detail = "; ".join(f"{f}: rows {format_rows(np.unique(r))}" for f, r in missing.items())
+                raise self._storage.unwritten(pid, StoreTimeoutError(
+                    f"partition {pid}: waited {timeout:g} s and these cells are still unwritten: {detail}; check "
+                    "that the writer is alive, or raise the timeout"))
+            # back off from 0.5 ms to 20 ms: one catalog read per wake-up, no spinning
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.02)
+            snap = self._storage.snapshot(pid)
 
     def counters(self) -> dict[str, float]:
         """This process's own counters of the store's calls, read from memory (no catalog, no other
@@ -272,8 +257,9 @@ class ColumnStore(Reads, Capabilities, ABC):
         every one; a damaged one is counted, not raised), and the backend's space (shm: the arena's capacity,
         allocated, pooled and free bytes)."""
         self._check_open()
-        return stats.of_store(self, partitions, lambda: stats.add(self._other_counters(), self._counters.metrics()),
-                              self._gauges)
+        storage = self._storage
+        return stats.of_store(self, partitions, lambda: stats.add(storage.other_counters(), self._counters.metrics()),
+                              storage.gauges)
 
     def status(self, pid: str) -> PartitionStatus:
         self._check_open()
@@ -289,11 +275,11 @@ class ColumnStore(Reads, Capabilities, ABC):
 
     def list_partitions(self) -> list[str]:
         self._check_open()
-        return sorted(self._list())
+        return sorted(self._storage.list())
 
     def drop_partition(self, pid: str) -> None:
         self._check_open()
-        self._drop(self._check_pid(pid))
+        self._storage.drop(self._check_pid(pid))
         self._indexes.pop(pid, None)
         self._known.pop(pid, None)
 
@@ -311,8 +297,8 @@ class ColumnStore(Reads, Capabilities, ABC):
             self._closed = True
             self._indexes.clear()
             with contextlib.suppress(Exception):  # a store that is gone keeps no counters
-                self._share_counters(self._counters.metrics(), final=True)
-            self._close()
+                self._storage.share_counters(self._counters.metrics(), final=True)
+            self._storage.close()
 
     def __enter__(self) -> "ColumnStore":
         return self
@@ -323,13 +309,13 @@ class ColumnStore(Reads, Capabilities, ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
-    # -- for backends ----------------------------------------------------------------------------
+    # -- helpers -----------------------------------------------------------------------------------
     def _snap(self, pid: Any) -> Snapshot:
-        """`_snapshot` of a public call. A process caches each partition it touches (row index, meta,
+        """The storage's snapshot, for a public call. A process caches each partition it touches (row index, meta,
         refs); a reader never drops the partitions it reads (the driver does), so only the last
         KNOWN_PARTITIONS stay cached and older ones are forgotten (measured before: a train worker grew
         ~36 kB per step over 1000 steps)."""
-        snap = self._snapshot(self._check_pid(pid))
+        snap = self._storage.snapshot(self._check_pid(pid))
         known = self._known
         if pid in known:
             known.move_to_end(pid)
@@ -338,7 +324,7 @@ class ColumnStore(Reads, Capabilities, ABC):
             while len(known) > KNOWN_PARTITIONS:
                 old, _ = known.popitem(last=False)
                 self._indexes.pop(old, None)
-                self._forget(old)
+                self._storage.forget(old)
         return snap
 
     def _index_of(self, snap: Snapshot) -> RowIndex:
@@ -355,6 +341,28 @@ class ColumnStore(Reads, Capabilities, ABC):
         idx.add(snap.refs)
         self._indexes[pid] = (token, idx)
         return idx
+
+    def _table(self, snap: Snapshot, fields: list[str], rows: np.ndarray) -> pa.Table:
+        return reads.table(snap, self._index_of(snap), fields, rows, self._storage.read, self._counters)
+
+    def _stored_lengths(self, snap: Snapshot, rows: np.ndarray, token_cols: list[str], held: bool) -> np.ndarray:
+        """The committed lengths of `rows`, which a put's token columns are checked against. `held`: `snap` is
+        what this process already held, which may predate the lengths another writer committed: on a miss,
+        the catalog is read before the put is refused."""
+        length_col = schema_of(snap.meta).length_column
+        idx = self._index_of(snap)
+        with idx.lock:
+            known = idx.known_lengths(rows)
+        if known is not None:
+            return known
+        try:
+            col = self._table(snap, [length_col], rows).column(0)
+        except MissingColumnError as e:
+            if held:
+                return self._stored_lengths(self._snap(snap.meta.pid), rows, token_cols, held=False)
+            raise MissingColumnError(f"{e}; token column(s) {token_cols} are checked against {length_col}, "
+                                     f"so write {length_col} first or in the same put") from None
+        return col.to_numpy().astype(np.int64)
 
     def _conflict(self, snap: Snapshot, refs: list[ChunkRef] | None = None, *, rows: np.ndarray | None = None,
                   columns: list[str] | None = None) -> DuplicateWriteError | None:
@@ -377,19 +385,6 @@ class ColumnStore(Reads, Capabilities, ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreUnavailableError(f"store {self.url} is closed; open a new one with open_store")
-
-    def _not_found(self, pid: str, why: str = "is unknown or dropped") -> PartitionNotFoundError:
-        """The error for a partition that is not there, naming the live ones (if they can be listed)."""
-        try:
-            live = sorted(self._list()) or "none"
-        except (OSError, DataPlaneError):
-            live = "unknown"
-        return PartitionNotFoundError(f"partition {pid} {why} in {self.url}; live partitions: {live}")
-
-    def _unwritten(self, pid: str, err: DataPlaneError) -> DataPlaneError:
-        """The error for cells of `pid` that look unwritten (`err`: a get's or a wait's): a backend that can
-        lose commits with a process (Mooncake) names the loss instead."""
-        return err
 
     def _check_pid(self, pid: Any) -> str:
         if not isinstance(pid, str) or not PID.fullmatch(pid):

@@ -12,6 +12,7 @@ from dataplane_rl.errors import PartitionExistsError
 from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot
+from dataplane_rl.store.storage import Staged, Storage
 
 _ids = itertools.count()
 
@@ -20,8 +21,14 @@ class MemoryStore(ColumnStore):
     scheme = "memory"
 
     def __init__(self, name: str = "") -> None:
-        super().__init__()
-        self._name = name or f"store{next(_ids)}"
+        super().__init__(MemoryStorage(name or f"store{next(_ids)}"))
+
+
+class MemoryStorage(Storage):
+    """Metas, refs and block bytes in this process's dicts, under one lock."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
         self._lock = threading.Lock()
         self._metas: dict[str, PartitionMeta] = {}
         self._refs: dict[str, list[ChunkRef]] = {}
@@ -29,9 +36,9 @@ class MemoryStore(ColumnStore):
 
     @property
     def url(self) -> str:
-        return f"memory://{self._name}"
+        return f"memory://{self.name}"
 
-    def _create(self, meta: PartitionMeta) -> None:
+    def create(self, meta: PartitionMeta) -> None:
         with self._lock:
             if meta.pid in self._metas:
                 raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it first or "
@@ -39,14 +46,14 @@ class MemoryStore(ColumnStore):
             self._metas[meta.pid] = PartitionMeta(meta.pid, meta.schema_json, meta.num_rows, uuid.uuid4().hex)
             self._refs[meta.pid] = []
 
-    def _snapshot(self, pid: str) -> Snapshot:
+    def snapshot(self, pid: str) -> Snapshot:
         with self._lock:
             meta = self._metas.get(pid)
             if meta is None:
-                raise self._not_found(pid)
+                raise self.not_found(pid)
             return Snapshot(meta, self._refs[pid])  # the list is replaced on commit, never changed
 
-    def _store(self, meta, blocks) -> list[ChunkRef]:
+    def store(self, meta, blocks) -> Staged:
         refs = []
         try:
             for block in blocks:
@@ -56,43 +63,44 @@ class MemoryStore(ColumnStore):
                     self._blobs[ref.key] = buf
                 refs.append(ref)
         except BaseException:
-            self._discard(meta, refs)
+            self.discard(meta, refs)
             raise
-        return refs
+        return Staged(refs)
 
-    def _commit(self, meta, refs, seen=None) -> None:
+    def commit(self, meta, staged, seen, conflict) -> None:
+        refs = staged.refs
         with self._lock:
             live = self._metas.get(meta.pid)
             if live is None or live.token != meta.token:
-                raise self._not_found(meta.pid)
+                raise self.not_found(meta.pid)
             committed = self._refs[meta.pid]
-            err = self._conflict(Snapshot(live, committed), refs)
+            err = conflict(Snapshot(live, committed), refs)
             if err:
                 raise err
             self._refs[meta.pid] = committed + list(refs)
 
-    def _discard(self, meta, refs) -> None:
+    def discard(self, meta, refs) -> None:
         with self._lock:
             keep = {r.key for r in self._refs.get(meta.pid, [])}
             for ref in refs:
                 if ref.key not in keep:
                     self._blobs.pop(ref.key, None)
 
-    def _read(self, pid, refs):
+    def read(self, pid, refs):
         return [self._blobs.get(r.key, pa.py_buffer(b"")) for r in refs]
 
-    def _drop(self, pid: str) -> None:
+    def drop(self, pid: str) -> None:
         with self._lock:
             if pid not in self._metas:
-                raise self._not_found(pid)
+                raise self.not_found(pid)
             for ref in self._refs.pop(pid):
                 self._blobs.pop(ref.key, None)
             del self._metas[pid]
 
-    def _list(self) -> list[str]:
+    def list(self) -> list[str]:
         return list(self._metas)
 
-    def _close(self) -> None:
+    def close(self) -> None:
         self._metas.clear()
         self._refs.clear()
         self._blobs.clear()

@@ -13,8 +13,8 @@ Ownership: a Ray object dies with the process that owns it (the one that called 
 committed chunk into an object it owns itself: writer-owned bytes live only until the commit, and the
 data then lives as long as the catalog actor, freed when the partition is dropped.
 
-Commit is a compare-and-swap on the partition's version: the writer checks conflicts (ColumnStore's
-`_conflicts`) against the refs it read, and the catalog accepts only if no other put committed since;
+Commit is a compare-and-swap on the partition's version: the writer checks conflicts (the `conflict`
+function the store hands `commit`) against the refs it read, and the catalog accepts only if no other put committed since;
 otherwise the writer re-checks against the refs the catalog returns. The catalog is one single-threaded
 actor: every committed byte passes through it, which is part of why this is a baseline.
 """
@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import logging
 import socket
+import uuid
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import ray
 
 from dataplane_rl.errors import (
@@ -34,13 +36,10 @@ from dataplane_rl.errors import (
     StoreUnavailableError,
 )
 from dataplane_rl.ray_calls import init
-import uuid
-
-import pyarrow as pa
-
 from dataplane_rl.store import chunks
 from dataplane_rl.store.base import ColumnStore
 from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot
+from dataplane_rl.store.storage import Staged, Storage
 
 NAMESPACE = "dataplane-rl"
 _TIMEOUT_S = 300.0
@@ -139,7 +138,18 @@ class RayStore(ColumnStore):
     scheme = "ray"
 
     def __init__(self, address: str | None = None, name: str = "default") -> None:
-        super().__init__()
+        super().__init__(RayStorage(address, name))
+
+    @classmethod
+    def from_url(cls, rest: str, **options: Any) -> "RayStore":
+        address, _, name = rest.partition("/")
+        return cls(address or None, name or "default", **options)
+
+
+class RayStorage(Storage):
+    """Block bytes as Ray objects, metas and committed refs in the catalog actor."""
+
+    def __init__(self, address: str | None, name: str) -> None:
         if not name or "/" in name:
             raise ConfigError(f"ray store name {name!r} is invalid; use ray://[HOST:PORT][/NAME] with a plain NAME")
         _connect(address)
@@ -154,11 +164,6 @@ class RayStore(ColumnStore):
             raise StoreUnavailableError(f"cannot start the catalog actor {actor_name}: {e}") from e
         self._pending: dict[str, Any] = {}  # chunk key -> writer-owned ObjectRef until committed
 
-    @classmethod
-    def from_url(cls, rest: str, **options: Any) -> "RayStore":
-        address, _, name = rest.partition("/")
-        return cls(address or None, name or "default", **options)
-
     @property
     def url(self) -> str:
         return f"ray://{self._address}/{self._name}"
@@ -170,8 +175,8 @@ class RayStore(ColumnStore):
             raise StoreUnavailableError(f"the catalog of {self.url} is unreachable ({type(e).__name__}); its "
                                         "partitions are lost if the actor died: re-create them") from e
 
-    # -- catalog hooks ---------------------------------------------------------------------------
-    def _create(self, meta: PartitionMeta) -> None:
+    # -- catalog ---------------------------------------------------------------------------
+    def create(self, meta: PartitionMeta) -> None:
         if not self._call("create", meta.pid, meta.to_json()):
             raise PartitionExistsError(f"partition {meta.pid} already exists in {self.url}; drop it first or "
                                        "use a new id")
@@ -179,16 +184,16 @@ class RayStore(ColumnStore):
     def _fetch(self, pid: str) -> tuple[int, list[ChunkRef]]:
         got = self._call("chunks", pid)
         if got is None:
-            raise self._not_found(pid)
+            raise self.not_found(pid)
         return got[0], [ChunkRef.from_json(d) for d in got[1]]
 
-    def _snapshot(self, pid: str) -> Snapshot:
+    def snapshot(self, pid: str) -> Snapshot:
         text = self._call("meta", pid)
         if text is None:
-            raise self._not_found(pid)
+            raise self.not_found(pid)
         return Snapshot(PartitionMeta.from_json(text), self._fetch(pid)[1])
 
-    def _store(self, meta: PartitionMeta, blocks) -> list[ChunkRef]:
+    def store(self, meta: PartitionMeta, blocks) -> Staged:
         refs: list[ChunkRef] = []
         try:
             for block in blocks:
@@ -197,36 +202,36 @@ class RayStore(ColumnStore):
                 self._pending[ref.key] = ray.put(np.frombuffer(buf, dtype=np.uint8))
                 refs.append(ref)
         except BaseException:
-            self._discard(meta, refs)
+            self.discard(meta, refs)
             raise
-        return refs
+        return Staged(refs)
 
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen=None) -> None:
-        pid = meta.pid
+    def commit(self, meta: PartitionMeta, staged: Staged, seen, conflict) -> None:
+        pid, refs = meta.pid, staged.refs
         version, committed = self._fetch(pid)
         payload = [r.to_json() for r in refs]
         objs = [self._pending[r.key] for r in refs]
         while True:
-            err = self._conflict(Snapshot(meta, committed), refs)
+            err = conflict(Snapshot(meta, committed), refs)
             if err:
                 raise err
             status, version, current = self._call("commit", pid, version, payload, objs)
             if status == "gone":
-                raise self._not_found(pid)
+                raise self.not_found(pid)
             if status == "ok":
                 break
             committed = [ChunkRef.from_json(d) for d in current]
         for r in refs:
             self._pending.pop(r.key, None)
 
-    def _discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
+    def discard(self, meta: PartitionMeta, refs: list[ChunkRef]) -> None:
         for r in refs:
             self._pending.pop(r.key, None)  # the writer-owned object goes with its last reference
 
-    def _read(self, pid: str, refs: list[ChunkRef]) -> list[pa.Buffer]:
+    def read(self, pid: str, refs: list[ChunkRef]) -> list[pa.Buffer]:
         objs = self._call("objects", pid, [r.key for r in refs])
         if objs is None:
-            raise self._not_found(pid)
+            raise self.not_found(pid)
         out: list[pa.Buffer] = []
         for obj in objs:
             try:
@@ -235,13 +240,13 @@ class RayStore(ColumnStore):
                 out.append(pa.py_buffer(b""))  # lost or evicted: the checksum check reports it as missing
         return out
 
-    def _drop(self, pid: str) -> None:
+    def drop(self, pid: str) -> None:
         if not self._call("drop", pid):
-            raise self._not_found(pid)
+            raise self.not_found(pid)
 
-    def _list(self) -> list[str]:
+    def list(self) -> list[str]:
         return self._call("list")
 
-    def _close(self) -> None:
+    def close(self) -> None:
         # The catalog and its data outlive this handle (it is detached); other processes may still read.
         self._pending.clear()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dataplane_rl.errors import ConfigError
-from dataplane_rl.store.owners import MARKER
+from dataplane_rl.store.shm.owners import MARKER
 
 
 def store_folder_of(path: Path) -> Path | None:

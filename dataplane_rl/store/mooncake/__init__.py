@@ -1,8 +1,9 @@
 """`mooncake://`: the Mooncake distributed store as a column-store backend (docs/architecture.md §5.4).
 
-    store.py    MooncakeStore: the backend hooks (blocks in, blocks out)
+    store.py    MooncakeStore: what a user opens: the URL, the cluster it starts or joins, its processes
+    storage.py  MooncakeStorage: the store's storage (../storage.py): blocks in, blocks out, what was lost
     catalog.py  partition metas and committed refs as Mooncake keys (no lock)
-    puts.py     a put's blocks and commit record, stored in the same calls
+    commit.py   a put's blocks and commit record, stored in the same calls
     retry.py    transient answers of a loaded store, retried and counted
     health.py   what the store lost, named: a dead holder, a full store, an unreachable master
     buffers.py  registered memory: the write arena and the read landing buffers

@@ -5,7 +5,7 @@
     dprl/<pid>/r/<inc>/<n>       the n-th committed put: {"inc", "refs": [ChunkRef...]}; put-if-absent
     dprl/<pid>/c/<inc>/<id>      blocks of one put (store.py)
 
-A put's record normally goes into the next slot in the same calls as its blocks (puts.py), after this
+A put's record normally goes into the next slot in the same calls as its blocks (commit.py), after this
 process has read the slots it had not seen (`catch_up`). If another writer took that slot, `commit`
 appends the long way: reserve the slot after the last one known (put-if-absent, with the marker check);
 on -705 read the slots missed, re-check conflicts, aim at the next. A slot reserved alone is held only

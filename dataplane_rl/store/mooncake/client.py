@@ -35,8 +35,8 @@ from typing import Any
 from dataplane_rl.errors import StoreUnavailableError
 from dataplane_rl.hosts import advertise_host, is_loopback, quiet_glog
 from dataplane_rl.resources import pip_install_extra
-from dataplane_rl.store.bind_patch import bind_here
-from dataplane_rl.store.bind_shim import ADDRESS_ENV
+from dataplane_rl.store.mooncake.bind_patch import bind_here
+from dataplane_rl.store.mooncake.bind_shim import ADDRESS_ENV
 
 INSTALL_HINT = (f"install the `mooncake` extra: {pip_install_extra('mooncake')} "
                 "(package mooncake-transfer-engine-non-cuda), and Debian libibverbs1 (apt-get install libibverbs1)")

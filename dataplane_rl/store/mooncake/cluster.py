@@ -26,8 +26,8 @@ from typing import Sequence
 
 from dataplane_rl.errors import StoreUnavailableError
 from dataplane_rl.hosts import is_loopback
-from dataplane_rl.store.bind_patch import warn_no_shim
-from dataplane_rl.store.bind_shim import bind_env, shim_path
+from dataplane_rl.store.mooncake.bind_patch import warn_no_shim
+from dataplane_rl.store.mooncake.bind_shim import bind_env, shim_path
 from dataplane_rl.store.mooncake.client import (
     CLIENT_ENV_DEFAULTS,
     INSTALL_HINT,

@@ -1,4 +1,4 @@
-"""The catalog of an shm store: a partition's meta log, and one log per writer process (see shm.py).
+"""The catalog of an shm store: a partition's meta log, and one log per writer process (see storage.py).
 
     DIR/<pid>/log       the PartitionMeta, written once at create (logs.py's format)
     DIR/<pid>/logs/<n>  writer n's log: one record per committed put of that process, the ChunkRefs of its
@@ -25,7 +25,7 @@ from dataplane_rl.errors import CorruptChunkError, PartitionExistsError, StoreUn
 from dataplane_rl.store import chunks
 from dataplane_rl.store.arrow import schema_of
 from dataplane_rl.store.chunks import PID, ChunkRef, PartitionMeta, Snapshot
-from dataplane_rl.store.files import CHUNK_KEY, DIR_MODE, check_trusted, create_file, open_file, untrusted
+from dataplane_rl.store.shm.files import CHUNK_KEY, DIR_MODE, check_trusted, create_file, open_file, untrusted
 from dataplane_rl.store.shm.logs import HEAD_BYTES, Tail, _head, _record, meta_text, parse_meta
 
 __all__ = ["LOG", "Log", "ShmCatalog", "_head", "_record"]  # _head, _record: tests forge logs with them
@@ -111,10 +111,10 @@ class Log:
 
 
 class ShmCatalog:
-    """ShmStore's catalog hooks (a mixin: it uses the store's folder, caches, locks and error helpers)."""
+    """ShmStorage's catalog: create, snapshot, list (a mixin of storage.py's ShmStorage, whose folder, caches,
+    locks and errors it uses)."""
 
-    # -- catalog hooks ---------------------------------------------------------------------------
-    def _create(self, meta: PartitionMeta) -> None:
+    def create(self, meta: PartitionMeta) -> None:
         """Build the partition in a hidden folder, then rename it into place (atomic; refuses an existing
         one). The creator keeps its files open: it knows the meta, so its first put or get reads nothing."""
         tmp = os.path.join(self._dir, f".create-{uuid.uuid4().hex}")
@@ -149,7 +149,7 @@ class ShmCatalog:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _snapshot(self, pid: str) -> Snapshot:
+    def snapshot(self, pid: str) -> Snapshot:
         """The meta and the committed refs: a stat of the folder (its inode is the incarnation token: a
         partition dropped and made again is a new folder), a read of each writer log's header and one open
         to find a new writer; new records, each parsed once per process, with one more read each."""
@@ -157,7 +157,7 @@ class ShmCatalog:
         try:
             token = str(os.lstat(pdir).st_ino)
         except (FileNotFoundError, NotADirectoryError):
-            raise self._not_found(pid) from None
+            raise self.not_found(pid) from None
         with self._refs_lock:
             log = self._logs.get(pid)
             if log is None or log.token != token:
@@ -173,7 +173,7 @@ class ShmCatalog:
             dfd = open_file(pdir, os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
             check_trusted(pdir)  # a symlink (O_DIRECTORY says ENOTDIR, not ELOOP) or a file is named as such
-            raise self._not_found(pid) from None
+            raise self.not_found(pid) from None
         st = os.fstat(dfd)
         log = Log(pdir, dfd, str(st.st_ino))
         try:
@@ -199,7 +199,7 @@ class ShmCatalog:
                     raise CorruptChunkError(f"partition {pid} of {self.url} is damaged: "
                                             f"{os.path.join(pdir, e.filename or '')} is missing; the partition "
                                             "cannot be trusted, drop it and regenerate the step") from None
-                raise self._not_found(pid) from None
+                raise self.not_found(pid) from None
             raise
         return log
 
@@ -238,7 +238,7 @@ class ShmCatalog:
                                         "the partition cannot be trusted, drop it")
         return refs
 
-    def _list(self) -> list[str]:
+    def list(self) -> list[str]:
         return [n for n in os.listdir(self._dir) if PID.fullmatch(n)]
 
     def _close_log(self, pid: str) -> None:

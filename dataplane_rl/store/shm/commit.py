@@ -15,7 +15,7 @@ is kept by the claims, DIR/<pid>/claims: a byte per cell, [num_rows, columns] ro
 So two puts of one cell commit one after the other, the second sees the first's claim, and a reader, who
 reads only the logs, sees a put whole or not at all. A failed append clears the claims it set; a killed
 writer's claims stay and cost the next put of those cells one exact check. A drop locks every claim byte
-(store.py `_locked`) before it renames the partition away, so it waits for the commits in flight, and a
+(storage.py `_locked`) before it renames the partition away, so it waits for the commits in flight, and a
 commit that gets its range lock after a drop finds the folder gone.
 """
 
@@ -32,9 +32,10 @@ import numpy as np
 from dataplane_rl.store import chunks
 from dataplane_rl.store.arrow import schema_of
 from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot
-from dataplane_rl.store.files import open_file
+from dataplane_rl.store.shm.files import open_file
 from dataplane_rl.store.shm.catalog import LOGS, Log
 from dataplane_rl.store.shm.logs import Tail, empty_log
+from dataplane_rl.store.storage import Conflict, Staged
 
 _FLOCK = struct.Struct("hhqqi4x")  # Linux's struct flock: type, whence, start, len, pid (0 for OFD locks)
 _SPAN = 1 << 20  # claim bytes a commit reads in one piece; rows spread wider are read run by run
@@ -59,26 +60,28 @@ def range_lock(fd: int, kind: int, start: int, length: int) -> None:
 
 
 class ShmCommit:
-    """ShmStore's `_commit` hook (a mixin over ShmCatalog: it uses the store's logs, locks and errors)."""
+    """ShmStorage's commit (a mixin of storage.py's ShmStorage, over ShmCatalog: it uses their logs, locks and
+    errors)."""
 
-    def _known_snapshot(self, pid: str) -> Snapshot | None:
+    def known_snapshot(self, pid: str) -> Snapshot | None:
         """What this process knows of the partition: a put needs no more, its commit checks the claims and,
         under the claims' lock, that the folder is still this incarnation (a stale one: the put fails with
-        PartitionNotFoundError before committing anything, and base.py looks the partition up again)."""
+        PartitionNotFoundError before committing anything, and the store looks the partition up again)."""
         with self._refs_lock:
             log = self._logs.get(pid)
         return None if log is None else Snapshot(log.meta, log.refs)
 
-    def _commit(self, meta: PartitionMeta, refs: list[ChunkRef], seen: list[ChunkRef] | None = None) -> None:
-        pid = meta.pid
+    def commit(self, meta: PartitionMeta, staged: Staged, seen: list[ChunkRef], conflict: Conflict) -> None:
+        """Steps 1-5 of the module doc. `seen` is not used: the claims say whether anything needs checking."""
+        pid, refs = meta.pid, staged.refs
         with self._refs_lock:
             log = self._logs.get(pid)
         if log is None or log.token != meta.token:
-            self._snapshot(pid)
+            self.snapshot(pid)
             with self._refs_lock:
                 log = self._logs[pid]
         if log.token != meta.token:
-            raise self._not_found(pid, GONE)
+            raise self.not_found(pid, GONE)
         cols = _claim_row(meta.schema_json, refs[0].columns)  # a put's blocks all hold its columns
         width = cols.size
         rows = refs[0].rows if len(refs) == 1 else np.concatenate([r.rows for r in refs])
@@ -97,7 +100,7 @@ class ShmCommit:
                 try:
                     mine, claims = self._my_log(log), log.claims()
                 except FileNotFoundError:
-                    raise self._not_found(pid, GONE) from None
+                    raise self.not_found(pid, GONE) from None
             start, length = lo * width, (hi - lo) * width
             range_lock(claims, fcntl.F_WRLCK, start, length)
             try:
@@ -107,13 +110,13 @@ class ShmCommit:
                     if str(os.lstat(log.folder).st_ino) != log.token:
                         raise FileNotFoundError
                 except (FileNotFoundError, NotADirectoryError):
-                    raise self._not_found(pid, GONE) from None
-                self._claim_and_append(pid, log, mine, refs, claims, width, runs, cols)
+                    raise self.not_found(pid, GONE) from None
+                self._claim_and_append(pid, log, mine, refs, claims, width, runs, cols, conflict)
             finally:
                 range_lock(claims, fcntl.F_UNLCK, start, length)
 
     def _claim_and_append(self, pid: str, log: Log, mine: Tail, refs: list[ChunkRef], claims: int, width: int,
-                          runs: list, cols: np.ndarray) -> None:
+                          runs: list, cols: np.ndarray, conflict: Conflict) -> None:
         """Steps 2-4 of the module doc, under the range lock; `runs`: (first row, end row, the put's rows
         among them) of each stretch of claims read and written."""
         parts, taken = [], False
@@ -129,7 +132,7 @@ class ShmCommit:
             with self._refs_lock:
                 self._follow(pid, log)
                 snap = Snapshot(log.meta, log.refs)
-            err = self._conflict(snap, refs)
+            err = conflict(snap, refs)
             if err:
                 raise err
         before = [bytes(buf) for _, buf, _, _, _ in parts]

@@ -17,7 +17,7 @@ import struct
 
 from dataplane_rl.errors import CorruptChunkError
 from dataplane_rl.store.chunks import PartitionMeta, checksum
-from dataplane_rl.store.files import framed, unframe
+from dataplane_rl.store.shm.files import framed, unframe
 
 _HEAD = struct.Struct("<8sQQ")  # magic, committed end, xxh3 of the end's 8 bytes
 _MAGIC = b"dprl-log"

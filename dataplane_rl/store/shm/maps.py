@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from dataplane_rl.store.files import check_trusted, open_file
+from dataplane_rl.store.shm.files import check_trusted, open_file
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python's mmap names it from 3.12
 

@@ -19,7 +19,7 @@ import os
 import shutil
 import uuid
 
-from dataplane_rl.store.files import open_file
+from dataplane_rl.store.shm.files import open_file
 
 
 def _idle(path: str) -> bool:

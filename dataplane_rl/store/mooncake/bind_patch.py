@@ -23,7 +23,7 @@ import struct
 import threading
 import warnings
 
-from dataplane_rl.store.bind_shim import ADDRESS_ENV, shim_path
+from dataplane_rl.store.mooncake.bind_shim import ADDRESS_ENV, shim_path
 
 SECURITY_DOC = "docs/security.md"
 # relocation types that fill a slot with a symbol's address (elf.h), by e_machine
@@ -56,7 +56,7 @@ def warn_once(what: str, reason: str, fix: str) -> None:
 def warn_no_shim() -> None:
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "dataplane-rl")
     warn_once("the local Mooncake store's listeners (this process's client and the store's holders)",
-              "no C compiler built the bind shim (dataplane_rl/store/bind_local.c) that makes them bind 127.0.0.1",
+              "no C compiler built the bind shim (dataplane_rl/store/mooncake/bind_local.c) that makes them bind 127.0.0.1",
               f"install cc (the next open builds it once into {cache}), or drop inbound TCP on every interface "
               "but lo")
 

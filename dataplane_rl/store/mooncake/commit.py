@@ -1,6 +1,7 @@
-"""Storing a put's objects, with its commit record in the same calls when it can (store.py, catalog.py).
+"""A Mooncake put's commit: its objects stored with the commit record in the same calls when it can (storage.py, catalog.py).
 
-A put reserves its block objects and, in the same `batch_put_session_start`, the next refs slot and the
+`commit_put` first reads what other writers committed since this process last looked (one call, nothing if
+none) and checks the put against it. A put then reserves its block objects and, in the same `batch_put_session_start`, the next refs slot and the
 check that its incarnation's marker still exists; one `batch_put_from_multi_buffer_ranges` fills blocks
 and record; one `batch_put_session_end` publishes the blocks and, only once they all are, a second one the
 record: so a reader that sees the record can read every block (all or nothing), at four calls for the
@@ -16,8 +17,9 @@ from typing import NamedTuple
 import numpy as np
 
 from dataplane_rl.errors import format_rows
-from dataplane_rl.store.chunks import ChunkRef
-from dataplane_rl.store.mooncake.catalog import Catalog, batches
+from dataplane_rl.store.chunks import ChunkRef, PartitionMeta, Snapshot
+from dataplane_rl.store.mooncake.buffers import Arenas
+from dataplane_rl.store.mooncake.catalog import Catalog, batches, marker_key
 from dataplane_rl.store.mooncake.client import (
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
@@ -26,6 +28,7 @@ from dataplane_rl.store.mooncake.client import (
     TRANSFER_FAIL,
 )
 from dataplane_rl.store.mooncake.retry import Retries
+from dataplane_rl.store.storage import Conflict, Staged
 
 
 class Record(NamedTuple):
@@ -35,6 +38,32 @@ class Record(NamedTuple):
     marker: str
     address: int
     size: int
+
+
+def commit_put(cat: Catalog, arenas: Arenas, meta: PartitionMeta, staged: Staged, conflict: Conflict) -> None:
+    """Store the objects `staged.pending` ((key, address, size) each, laid out in this thread's arena) and commit
+    `staged.refs`, in the same calls when the next slot is free; else store the objects alone and commit the
+    long way (catalog.commit). Without objects to store, just the long way."""
+    pid, refs = meta.pid, staged.refs
+    check = lambda part: conflict(Snapshot(part.meta, part.refs), refs)  # noqa: E731
+    if staged.pending is None:
+        cat.commit(meta, refs, check)
+        return
+    part = cat.known(pid, meta.token)
+    if part.inc != meta.token:
+        raise cat.not_found(pid, "was dropped while this put was writing (nothing was written)")
+    cat.catch_up(pid, part)
+    err = check(part)
+    if err:
+        raise err
+    n = part.puts
+    key, payload = cat.record(pid, part, refs)
+    buf = arenas.get("record", len(payload))
+    buf.array[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    if put_objects(cat, pid, staged.pending, refs, Record(key, marker_key(pid, part.inc), buf.ptr, len(payload))):
+        cat.appended(part, n, refs)
+        return
+    cat.commit(meta, refs, check, checked=n)  # checked against slots 0..n-1 above
 
 
 def put_objects(cat: Catalog, pid: str, objects: list[tuple[str, int, int]], refs: list[ChunkRef],

@@ -1,4 +1,4 @@
-/* LD_PRELOAD shim for the Mooncake holders of a one-machine store (built by store/bind_shim.py).
+/* LD_PRELOAD shim for the Mooncake holders of a one-machine store (built by store/mooncake/bind_shim.py).
  *
  * Mooncake's transfer engine binds its handshake and TCP data listeners to the wildcard address
  * (INADDR_ANY, and [::] dual-stack for the data port) and offers no switch for it, so a store that
@@ -7,7 +7,7 @@
  * dual-stack socket accepts) and leaves every other bind alone.
  *
  * A process that did not preload it (a library user's Python) loads it with dlopen, points the `bind`
- * slots of Mooncake's libraries at this bind() (store/bind_patch.py) and names the address with
+ * slots of Mooncake's libraries at this bind() (store/mooncake/bind_patch.py) and names the address with
  * dataplane_rl_bind_to(); DATAPLANE_RL_BIND_ADDRESS, where set, still wins. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>

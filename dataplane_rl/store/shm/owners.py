@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 from dataplane_rl.errors import CorruptChunkError
 from dataplane_rl.pids import start_time
-from dataplane_rl.store.files import create_file, framed, read_file, unframe, untrusted
+from dataplane_rl.store.shm.files import create_file, framed, read_file, unframe, untrusted
 
 OWNER_FILE = ".owner"
 KEPT_FILE = ".kept"
