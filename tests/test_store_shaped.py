@@ -128,13 +128,13 @@ def test_refusals_name_the_column_and_shape_and_store_nothing(store, part):
 
 def test_saved_partition_round_trip(store, part, tmp_path):
     """Async checkpoints save the rounds generated ahead as Arrow IPC and put them back (checkpoint/ahead.py)."""
-    from dataplane_rl.checkpoint.ahead import _read, _write
+    from dataplane_rl.checkpoint.ahead import read_table, write_table
     from dataplane_rl.columns.rowsets import write
 
     fields = ["input_lengths", "input_ids", *TEACHER]
     store.put(part, grpo_columns(range(N), TEACHER), range(N))
-    _write(tmp_path / "p.arrow", store.get(part, fields))
-    table = _read(tmp_path, {"file": "p.arrow", "rows": N})
+    write_table(tmp_path / "p.arrow", store.get(part, fields))
+    table = read_table(tmp_path, "p.arrow", N)
     store.create_partition("again", "grpo", N)
     write(store, [("again", np.arange(N))], table)
     _equal(store.get("again", TEACHER), range(N))

@@ -46,28 +46,29 @@ def save_ahead(fleet, folder: Path) -> list[dict]:
         written = np.setdiff1d(np.arange(size), failed) if failed else None
         table = fleet.store.get(p.pid, r.fields, written)
         rel = f"partitions/{p.pid}.arrow"
-        _write(folder / rel, table)
+        write_table(folder / rel, table)
         entries.append({"pid": p.pid, "step": p.step, "G": p.G, "rows": table.num_rows, "file": rel,
                         "jobs": [asdict(j) for j in p.jobs], "receipts": receipts,
                         **({"size": size, "written": written.tolist()} if failed else {})})
     return entries
 
 
-def _write(path: Path, table: pa.Table) -> None:
+def write_table(path: Path, table: pa.Table) -> None:
     """A partition's columns as an Arrow IPC file (shaped token columns keep their fixed_size_list types)."""
     with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
         w.write_table(table)
 
 
-def _read(folder: Path, e: dict) -> pa.Table:
-    path = folder / e["file"]
+def read_table(folder: Path, file: str, rows: int) -> pa.Table:
+    """A saved partition's columns (an Arrow IPC file: no code runs on reading it), checked to hold `rows` rows."""
+    path = folder / file
     try:
         with pa.memory_map(str(path)) as f:
             table = pa.ipc.open_file(f).read_all()
     except (OSError, pa.ArrowInvalid) as err:
         raise CheckpointError(f"{path}: not an Arrow IPC file ({err})") from None
-    if table.num_rows != e["rows"]:
-        raise CheckpointError(f"{path}: {table.num_rows} rows, driver.json says {e['rows']}")
+    if table.num_rows != rows:
+        raise CheckpointError(f"{path}: {table.num_rows} rows, driver.json says {rows}")
     return table
 
 
@@ -77,7 +78,7 @@ def check_partitions(folder: Path, entries: list) -> None:
         for e in entries:
             if Path(e["file"]).is_absolute() or ".." in Path(e["file"]).parts:
                 raise CheckpointError(f"{folder}/driver.json: partition file {e['file']!r} is outside the checkpoint")
-            _read(folder, e)
+            read_table(folder, e["file"], e["rows"])
             for j in e["jobs"]:
                 RolloutJob(**j)
     except (KeyError, TypeError, AttributeError) as err:
@@ -87,7 +88,7 @@ def check_partitions(folder: Path, entries: list) -> None:
 def restore_ahead(fleet, folder: Path, entries: list) -> None:
     """Put the saved rounds into this run's store and schedule them for their steps."""
     for e in entries:
-        table = _read(folder, e)
+        table = read_table(folder, e["file"], e["rows"])
         fleet.store.create_partition(e["pid"], fleet.schema, e.get("size", e["rows"]))
         written = np.asarray(e["written"], np.int64) if "written" in e else np.arange(e["rows"])  # failed groups: not
         write(fleet.store, [(e["pid"], written)], table)

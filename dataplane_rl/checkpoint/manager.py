@@ -112,16 +112,20 @@ class CheckpointManager:
         driver = read_json(path / DRIVER)
         check_plain_items(path / "train")
         from dataplane_rl.checkpoint.ahead import check_partitions
+        from dataplane_rl.checkpoint.replay import check_replay
 
         check_partitions(path, driver.get("ahead", []))
+        check_replay(path, driver.get("replay"))
         return driver
 
     @trace.traced("checkpoint")
-    def save(self, fleet, step: int, config_yaml: str) -> Path:
-        """Save every process's state through `fleet`'s interface (driver/fleet.py) as checkpoint `step`."""
+    def save(self, fleet, step: int, config_yaml: str, replay=None) -> Path:
+        """Save every process's state through `fleet`'s interface (driver/fleet.py) as checkpoint `step`, and the
+        group replay buffer `replay` (driver/replay.py; None: off) with the rows it refers to."""
         import json
 
         from dataplane_rl.checkpoint.ahead import save_ahead
+        from dataplane_rl.checkpoint.replay import save_replay
 
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".step_*.tmp"):  # what a crashed save left behind
@@ -133,7 +137,7 @@ class CheckpointManager:
             fleet.call_ranks("save_checkpoint", str(tmp / "train"))  # a dead rank: at once
             driver = {"step": step, "rng": RNGState().state_dict(),
                       "rollout_rng": fleet.call_rollouts(f"step {step}: checkpoint", "rng_state"),
-                      "ahead": save_ahead(fleet, tmp)}
+                      "ahead": save_ahead(fleet, tmp), "replay": save_replay(fleet.store, replay, tmp)}
             if self.record is not None:
                 driver["run"] = self.record
             (tmp / DRIVER).write_text(json.dumps(driver))
@@ -158,12 +162,13 @@ class CheckpointManager:
         return final
 
     @trace.traced("checkpoint_load")
-    def load(self, fleet, path: Path, driver: dict | None = None) -> int:
+    def load(self, fleet, path: Path, driver: dict | None = None, replay=None) -> int:
         """Restore every process from `path` (verified by find) and refit the rollout actors with its weights;
         returns its step. `--resume` and an in-run resume (faults/restart.py) both come here. Rollout actors
         beyond the saving run's number keep their seeded RNG: generation is seeded per sample, so no number
-        depends on it."""
+        depends on it. `replay`: the run's group replay buffer (None: off), given the checkpoint's state and rows."""
         from dataplane_rl.checkpoint.ahead import restore_ahead
+        from dataplane_rl.checkpoint.replay import restore_replay
 
         driver = driver if driver is not None else self.check(path)
         fleet.call_ranks("load_checkpoint", str(path / "train"))
@@ -172,6 +177,7 @@ class CheckpointManager:
         states += [None] * (fleet.cfg.generation.num_workers - len(states))  # more actors than saved: seeded RNG
         fleet.call_rollouts(f"resume at step {driver['step']}", "set_rng_state", states)
         restore_ahead(fleet, path, driver.get("ahead", []))  # async: the rounds generated ahead
+        restore_replay(fleet.store, fleet.schema, path, driver.get("replay"), replay)
         fleet.resume_at(int(driver["step"]))  # the rollout actors get the checkpoint's weights
         return int(driver["step"])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 from pathlib import Path
 from typing import Literal, Optional
@@ -13,6 +14,7 @@ from dataplane_rl.config.distillation import DistillationConfig
 from dataplane_rl.config.faults import FaultToleranceConfig
 from dataplane_rl.config.loss import LossConfig
 from dataplane_rl.config.multi_turn import MultiTurnConfig
+from dataplane_rl.config.replay import ReplayConfig
 from dataplane_rl.config.task import TaskConfig
 from dataplane_rl.config_types import CONFIG, StrictScalars
 from dataplane_rl.errors import ConfigError
@@ -51,6 +53,7 @@ class GRPOConfig(_Section):
     val_batch_size: int = Field(64, ge=1, description="Held-out prompts per validation partition (one generate round each).")
     seq_logprob_error_threshold: Optional[float] = Field(None, ge=1.0, description="Samples whose multiplicative probability error (mean over valid tokens of exp(abs(generation - prev log-prob))) exceeds this leave the loss and its normalisers (NeMo-RL's key; sample_mask is not rewritten). null: none.")
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
 
 
 class SchedulerConfig(_Section):
@@ -303,6 +306,15 @@ class Config(_Section):
                 f"grpo.async_grpo.max_trajectory_age_steps={a.max_trajectory_age_steps} trains on rows of older "
                 "weights, which needs loss_fn.use_importance_sampling_correction=true (weights exp(prev - generation) "
                 "log-probs); set it, or grpo.async_grpo.max_trajectory_age_steps=0")
+        r = g.replay
+        if r.enabled and a.enabled:
+            raise ValueError("grpo.replay.enabled=true needs grpo.async_grpo.enabled=false: a replayed group's place in "
+                             "a step is decided when the step starts, after its round was sent ahead; turn one off")
+        if r.enabled and math.ceil(g.num_prompts_per_step * r.fresh_fraction) * g.num_generations_per_prompt < self.policy.dp_size:
+            raise ValueError(f"grpo.replay.fresh_fraction={r.fresh_fraction} leaves fewer fresh rows a step "
+                             f"(ceil(grpo.num_prompts_per_step x fraction) x grpo.num_generations_per_prompt) than "
+                             f"policy.dp_size={self.policy.dp_size}: every rank scores some of a step's new rows; raise "
+                             "the fraction")
         if a.in_flight_weight_updates and not a.enabled:
             raise ValueError("grpo.async_grpo.in_flight_weight_updates=true needs grpo.async_grpo.enabled=true (the "
                              "synchronous loop refits only between steps, when no generation runs); set both")

@@ -33,6 +33,7 @@ from dataplane_rl.faults.train_ranks import train_rank_error
 from dataplane_rl.driver.rollouts import RolloutWaitError
 from dataplane_rl.driver.step_io import DynamicSamplingError
 from dataplane_rl.driver.fleet import Fleet
+from dataplane_rl.driver.replay import ReplayBuffer
 from dataplane_rl.driver.step import grpo_step
 from dataplane_rl.driver.preflight import open_run_store, preflight
 
@@ -158,12 +159,14 @@ class RunLoop:
         self.ckpt = CheckpointManager.for_config(cfg, run_id, record)
         self.config_yaml = dump_config(cfg)
         self.fleet: Fleet | None = None
-        self.progress = Progress()  # the fleet of the moment's record of the steps (new_fleet makes a new one)
+        # the group replay buffer (grpo.replay), the run's across fleets: a checkpoint restores it with the weights
+        self.replay = ReplayBuffer(cfg.grpo.replay, cfg.grpo.seed) if cfg.grpo.replay.enabled else None
+        self.progress = Progress(replay=self.replay)  # the fleet of the moment's record (new_fleet makes a new one)
         self.rollouts_dir = None  # logger.save_rollouts: RUN_DIR/rollouts/, made by attach()
         self.timeline = self.bar = None
         self.status, self.error = "failed", None
         self.stop = StopSignals()
-        self.restarts = RunRestarts(cfg, run.path, self.ckpt, run.ledger, self.new_fleet)
+        self.restarts = RunRestarts(cfg, run.path, self.ckpt, run.ledger, self.new_fleet, self.replay)
         self.saved_step: int | None = None  # the latest checkpoint's step
         self.done = 0  # the last step finished
         # each process's peak memory, sampled from the fleet's start until it closes (summary.json's `memory`)
@@ -171,7 +174,7 @@ class RunLoop:
 
     def new_fleet(self) -> Fleet:
         """A fleet of the run's Ray and ledger with a new Progress: an old fleet's refits and weights were its actors'."""
-        self.progress = Progress()
+        self.progress = Progress(replay=self.replay)
         return Fleet(self.cfg, self.run.ray, self.run.ledger, self.progress)
 
     def open(self, saved) -> int:
@@ -187,7 +190,7 @@ class RunLoop:
         first = 1
         if self.start is not None:
             run.folder.resume_from(self.config_yaml, step_of(self.start))
-            first = self.ckpt.load(self.fleet, self.start, saved) + 1
+            first = self.ckpt.load(self.fleet, self.start, saved, self.replay) + 1
             left = cfg.grpo.max_num_steps - first + 1
             print(f"resumed {run.path} from its checkpoint of step {first - 1}; "
                   + (f"steps {first}-{cfg.grpo.max_num_steps} to go" if left else "no steps left to run"),
@@ -266,7 +269,7 @@ class RunLoop:
     def checkpoint(self, step: int) -> None:
         c = self.cfg.checkpointing
         if c.enabled and (step % c.save_period == 0 or step == self.cfg.grpo.max_num_steps or self.stop.requested):
-            self.ckpt.save(self.fleet, step, self.config_yaml)
+            self.ckpt.save(self.fleet, step, self.config_yaml, self.replay)
             self.saved_step, self.run.ledger.saved_at = step, time.perf_counter()
 
     def survive(self, e: Exception, step: int, step_started: float, trained) -> tuple[int, list | None]:

@@ -51,10 +51,12 @@ class Rollouts:
         p = self.open[pid] = Pending(pid, step, G, jobs, t.dispatch(jobs), version)
         return p
 
-    def send_round(self, step: int, round_: int) -> Pending:
+    def send_round(self, step: int, round_: int, n: int | None = None) -> Pending:
+        """Round `round_` of `step`: n prompts (default grpo.num_prompts_per_step; fewer when the replay buffer
+        gives the rest), each generated grpo.num_generations_per_prompt times."""
         g = self.fleet.cfg.grpo
         pid = f"step-{step:06d}" if round_ == 0 else f"step-{step:06d}-r{round_}"
-        prompts = self.fleet.sampler.draw(g.seed, step, round_, g.num_prompts_per_step)
+        prompts = self.fleet.sampler.draw(g.seed, step, round_, n or g.num_prompts_per_step)
         return self.send(pid, step, round_, prompts, g.num_generations_per_prompt)
 
     def send_ahead(self, version: int) -> None:
@@ -74,8 +76,8 @@ class Rollouts:
         """The store that held every round in flight is gone (faults/restart.py): none of them will arrive."""
         self.open, self.pending = {}, {}
 
-    def first_round(self, step: int) -> Pending:
-        return self.pending.pop(step, None) or self.send_round(step, 0)
+    def first_round(self, step: int, n: int | None = None) -> Pending:
+        return self.pending.pop(step, None) or self.send_round(step, 0, n)
 
     # -- taking back --------------------------------------------------------------------------------
     @trace.traced("wait_for_rollouts")

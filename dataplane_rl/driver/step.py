@@ -25,6 +25,7 @@ from dataplane_rl.faults.store import dead_store
 from dataplane_rl.driver.rollouts import fresh_groups
 from dataplane_rl.driver.samples import train_data_rows
 from dataplane_rl.driver.step_io import DynamicSamplingError, Groups, StepIO
+from dataplane_rl.driver.replay import ReplayBuffer, admitted, fresh_shards
 from dataplane_rl.driver.step_metrics import step_metrics
 from dataplane_rl.run.progress import Progress
 
@@ -37,7 +38,10 @@ def grpo_step(fleet, progress: Progress, step: int, rollouts_dir: Path | None = 
     progress.in_step = step  # the step under way, for the faults a recovery records
     progress.trained = False  # until the optimizer steps: a lost store can still be regenerated (faults/restart.py)
     t_step = time.perf_counter()
-    got = collect_groups(fleet, step, io)
+    replay = progress.replay  # the group replay buffer (driver/replay.py); None: grpo.replay is off
+    if replay is not None:
+        replay.begin_step()
+    got = collect_groups(fleet, step, io, replay, progress.version)
     if cfg.grpo.async_grpo.in_flight_weight_updates:  # async/token_age_* and mixed_version_samples
         got.token_versions = read(fleet, got.rs, ["token_policy_version"], io).column(0).combine_chunks()
     rewards = advantages_and_masks(fleet, cfg, got, io)
@@ -45,7 +49,7 @@ def grpo_step(fleet, progress: Progress, step: int, rollouts_dir: Path | None = 
     # store, so a store lost then costs nothing of the step (faults/restart.py; `prev_from_train`)
     samples = train_data(fleet, got.rs, io)
     per_rank_steps = shard(fleet, cfg, got)
-    logprobs(fleet, cfg, per_rank_steps, io)
+    logprobs(fleet, cfg, per_rank_steps if not got.reused else fresh_shards(got, cfg.policy.dp_size), io)
     if rollouts_dir is not None and fleet.prev_pass:
         save_parquet(fleet.store, got.rs, rollouts_dir / f"step_{step:06d}.parquet")
     train = train_policy(fleet, cfg, per_rank_steps, io)
@@ -54,20 +58,33 @@ def grpo_step(fleet, progress: Progress, step: int, rollouts_dir: Path | None = 
         prev_from_train(fleet, step, got.rs, per_rank_steps, io, rollouts_dir)
     progress.version = step
     refit_phase(fleet, progress, io)
+    done = got.pids
+    if replay is not None:  # the step's informative groups kept by reference; their partitions stay pinned
+        replay.admit(admitted(got, step))
+        done = sorted((set(done) | set(replay.evict(step))) - replay.pinned())
+        rewards = to_numpy(got.scalars.column("total_reward")).astype(np.float64)  # every trained group's
     if not cfg.data_plane.keep_partitions:
-        drop(fleet, got.pids)
+        drop(fleet, done)
     io.timing["step"] = time.perf_counter() - t_step
-    return log(fleet, progress, step, train, got, rewards, io), samples
+    metrics = log(fleet, progress, step, train, got, rewards, io)
+    if replay is not None:
+        metrics.update(replay.metrics())
+        metrics["replay/fresh_groups"] = len(got.groups)
+    return metrics, samples
 
 
 @trace.traced("collect_groups")
-def collect_groups(fleet, step: int, io: StepIO) -> Groups:
+def collect_groups(fleet, step: int, io: StepIO, replay: ReplayBuffer | None = None, version: int = 0) -> Groups:
     """Whole groups for the step: the step's round partition (sent ahead in async mode), then, with
     dynamic sampling or stale rows, more rounds with the current weights until P groups are kept.
     A group is kept only if it is informative (dynamic sampling) and every row's version is at least
-    step-1-age (async; sync rows are always version step-1)."""
+    step-1-age (async; sync rows are always version step-1). With the replay buffer, groups it replays for
+    weights `version` take part of the P places first (and, with dynamic sampling, those a round left out) and
+    the rounds generate only the rest."""
     g = fleet.cfg.grpo
     P = g.num_prompts_per_step
+    reused = replay.take(P - replay.fresh_groups(P), version) if replay is not None else []
+    want = P - len(reused)  # the groups the rounds generate
     oldest = step - 1 - (fleet.rollouts.ahead or 0)
     kept: list = []  # (pid, rows of one whole group)
     scalars: dict[str, pa.Table] = {}  # per round partition: its DRIVER_FIELDS on its written rows, read once
@@ -76,7 +93,7 @@ def collect_groups(fleet, step: int, io: StepIO) -> Groups:
     generated = flat = round_ = 0
     rounds = g.max_gen_batches if g.use_dynamic_sampling or fleet.rollouts.ahead else 1
     while round_ < rounds:
-        p = fleet.rollouts.first_round(step) if round_ == 0 else fleet.rollouts.send_round(step, round_)
+        p = fleet.rollouts.first_round(step, want) if round_ == 0 else fleet.rollouts.send_round(step, round_, want)
         receipts = fleet.rollouts.collect(p, io)
         io.timing["generate"] = io.timing.get("generate", 0.0) + max(r["generate_s"] for r in receipts)
         refits += sum(r.get("in_flight_refits", 0) for r in receipts)
@@ -97,37 +114,49 @@ def collect_groups(fleet, step: int, io: StepIO) -> Groups:
         if g.use_dynamic_sampling:
             keep = np.intersect1d(keep, informative_groups(rewards, groups))
         for gid in keep:
-            if len(kept) < P:
+            if len(kept) < want:
                 kept.append((p.pid, rows[groups == gid]))
-        if len(kept) >= P:
+        if (replay is not None and g.use_dynamic_sampling and len(kept) < want
+                and len(kept) * g.num_generations_per_prompt >= fleet.cfg.policy.dp_size):  # each rank scores a new row
+            extra = replay.take(want - len(kept), version)  # in place of groups left out for equal rewards
+            reused, want = reused + extra, want - len(extra)
+        if len(kept) >= want:
             break
-    if len(kept) < P:
+    if len(kept) < want:
         drop(fleet, list(scalars))
         raise DynamicSamplingError(
-            f"step {step}: kept {len(kept)} of {P} groups (non-equal rewards with grpo.use_dynamic_sampling, "
+            f"step {step}: kept {len(kept) + len(reused)} of {P} groups (non-equal rewards with grpo.use_dynamic_sampling, "
             f"versions >= {oldest} with grpo.async_grpo; {dropped} stale rows dropped) after {len(scalars)} "
             f"rounds (grpo.max_gen_batches={g.max_gen_batches}); raise grpo.max_gen_batches, lower "
             "grpo.num_prompts_per_step, or turn grpo.use_dynamic_sampling off")
     rs = merge([[k] for k in kept])  # the kept rows, whole groups in order, by partition
     sc = pa.concat_tables([scalars[pid].take(pa.array(np.searchsorted(written[pid], rows))) for pid, rows in rs])
-    return Groups(rs, sc, list(scalars), rounds_rewards, rounds_sources, dropped, generated, flat, refits)
+    got = Groups(rs, sc, list(scalars), rounds_rewards, rounds_sources, dropped, generated, flat, refits, groups=kept)
+    if reused:  # after the new groups: their rows, advantages and log-probs as the store holds them
+        again = merge([[(e.pid, np.asarray(e.rows, np.int64))] for e in reused])
+        got.fresh, got.reused = rs, reused
+        got.rs = merge([rs, again])
+        got.scalars = pa.concat_tables([sc, read(fleet, again, fleet.schema.field_set("DRIVER_FIELDS"), io)])
+    return got
 
 
 @trace.traced("advantages")
 def advantages_and_masks(fleet, cfg, got: Groups, io: StepIO) -> np.ndarray:
     """Per-sample advantages and sample_mask, put as driver columns; returns the kept rewards."""
-    g, sc = cfg.grpo, got.scalars
+    g, rs = cfg.grpo, got.fresh if got.reused else got.rs  # a replayed group's cells are written already
+    sc = got.scalars.slice(0, rowset_size(rs))
     rewards = to_numpy(sc.column("total_reward")).astype(np.float64)
     groups = to_numpy(sc.column("group_id"))
     # group ids repeat across rounds: make them unique per (round partition, group)
-    seg = np.concatenate([np.full(len(rows), i) for i, (_, rows) in enumerate(got.rs)])
+    seg = np.concatenate([np.full(len(rows), i) for i, (_, rows) in enumerate(rs)])
     unique_groups = seg * (g.num_prompts_per_step + 1) + groups
     adv = advantages(rewards, unique_groups, normalize=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline)
     truncated = to_numpy(sc.column("truncated")).astype(bool)
     sample_mask = np.where(truncated & g.overlong_filtering, 0, 1).astype(np.int8)
     t0 = time.perf_counter()
-    io.bytes_written += write(fleet.store, got.rs, pa.table({"advantages": pa.array(adv), "sample_mask": pa.array(sample_mask)}))
+    io.bytes_written += write(fleet.store, rs, pa.table({"advantages": pa.array(adv), "sample_mask": pa.array(sample_mask)}))
     io.put_s += time.perf_counter() - t0
+    got.advantages = adv
     return rewards
 
 

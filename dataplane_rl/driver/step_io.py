@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 
 from dataplane_rl.columns.rowsets import RowSet
@@ -46,3 +47,7 @@ class Groups:
     zero_advantage_groups: int = 0  # of those, the groups whose rewards are all equal
     in_flight_refits: int = 0  # refits that landed inside the generations of the step's rounds (receipts)
     token_versions: pa.Array | None = None  # token_policy_version of the kept rows (in-flight weight updates only)
+    groups: list = field(default_factory=list)  # the step's new groups, each (pid, rows), in `rs` order
+    advantages: np.ndarray | None = None  # the new groups' rows' advantages, in that order
+    fresh: RowSet | None = None  # with replayed groups: the new groups' rows (rs: those, then the replayed ones)
+    reused: list = field(default_factory=list)  # the replayed entries (driver/replay.py), in `rs` order after `fresh`

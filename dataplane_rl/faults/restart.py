@@ -62,8 +62,9 @@ class RunRestarts:
     """In-run restarts: classify a step's failure, swap the store or resume with a new train group (`new_fleet()`,
     started here); what they cost goes to the run's `ledger`. Each method takes the train group of the moment."""
 
-    def __init__(self, cfg, run_dir, ckpt, ledger, new_fleet=None) -> None:
+    def __init__(self, cfg, run_dir, ckpt, ledger, new_fleet=None, replay=None) -> None:
         self.cfg, self.run_dir, self.ckpt, self.ledger, self.new_fleet = cfg, run_dir, ckpt, ledger, new_fleet
+        self.replay = replay  # the group replay buffer (grpo.replay), restored with the checkpoint on resume
         self.budget = cfg.fault_tolerance.max_restarts
 
     @property
@@ -93,8 +94,10 @@ class RunRestarts:
     # -- what to do ---------------------------------------------------------------------------------
     def can_regenerate(self, group: TrainGroup, progress: Progress, step_trained: bool = False) -> bool:
         """A lost store costs at most the step under way: sync GRPO, before the step's optimizer steps (its rows are
-        made again) or after the step returned (it read what it needed before them: grpo_step)."""
-        return not group.generates_ahead() and (not progress.trained or step_trained)
+        made again) or after the step returned (it read what it needed before them: grpo_step). Not while the replay
+        buffer holds groups: their rows died with the store (a checkpoint holds them)."""
+        held = progress.replay is not None and bool(progress.replay.pinned())
+        return not group.generates_ahead() and not held and (not progress.trained or step_trained)
 
     def refusal(self, group: TrainGroup, progress: Progress, fault: Fault, step: int, saved_step: int | None,
                 step_trained: bool = False) -> BaseException | None:
@@ -159,7 +162,7 @@ class RunRestarts:
         try:
             new.start()
             path = self.ckpt.find()
-            first = self.ckpt.load(new, path, self.ckpt.check(path)) + 1
+            first = self.ckpt.load(new, path, self.ckpt.check(path), self.replay) + 1
             attach(new)
         except BaseException:
             new.close()

@@ -21,3 +21,5 @@ class Progress:
     policy_ref: Any = None  # the last refit's weights: a state dict in the object store, or a SharedWeights
     # async: the rollout actors' load_weights calls not yet confirmed, as (slot, actor, future)
     refits: list = field(default_factory=list)
+    # the group replay buffer (driver/replay.py) when grpo.replay is on: the run loop's, handed to each new record
+    replay: Any = None
