@@ -199,6 +199,12 @@ class DataPlaneConfig(_Section):
     mooncake: MooncakeConfig = Field(default_factory=MooncakeConfig)
     shm: ShmConfig = Field(default_factory=ShmConfig)
 
+    @property
+    def url(self) -> str | None:
+        """The store URL the run opens: `backend` with the data plane on, None off (the columns stay in the driver's
+        memory). The one fact every module asks of the data plane."""
+        return self.backend if self.enabled else None
+
     model_config = ConfigDict(**CONFIG, populate_by_name=True)
 
     @field_validator("backend")

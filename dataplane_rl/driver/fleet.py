@@ -133,7 +133,7 @@ class Fleet:
         ray_nodes = placement.alive_nodes()
         placement.check_backend_spans(cfg, ray_nodes)
         self._store = open_run_store(cfg)
-        self._transport = DriverTransport(self._store, cfg.data_plane.enabled)
+        self._transport = DriverTransport(self._store, cfg.data_plane.url is not None)
         if cfg.data_plane.keep_partitions:
             self._store.keep()  # an auto-made shm:// folder must outlive the run, or nothing is kept
             self._kept_url = self.store_address()

@@ -20,8 +20,8 @@ READY_TIMEOUT_S = 120.0
 
 def check_store_reachable(cfg: Config) -> None:
     """Before Ray starts: a `mooncake://HOST:PORT` master must accept connections from the driver's node."""
-    url = cfg.data_plane.backend
-    if not (cfg.data_plane.enabled and url.startswith("mooncake://")):
+    url = cfg.data_plane.url or ""
+    if not url.startswith("mooncake://"):
         return
     address = url[len("mooncake://"):].partition("?")[0]
     if not address:
@@ -43,9 +43,9 @@ def alive_nodes() -> list[dict]:
 
 def check_backend_spans(cfg: Config, nodes: list[dict]) -> None:
     """Refuse a store that only one machine can reach when actors may be placed on other nodes."""
-    if not cfg.data_plane.enabled or len(nodes) < 2:
+    url = cfg.data_plane.url
+    if url is None or len(nodes) < 2:
         return
-    url = cfg.data_plane.backend
     ips = sorted(n["NodeManagerAddress"] for n in nodes)
     where = f"the Ray cluster has {len(nodes)} nodes ({', '.join(ips)}) and actors may be placed on any of them"
     if url.startswith("shm://"):

@@ -18,9 +18,9 @@ from dataplane_rl.tasks.multiturn import is_multi_turn
 
 def open_run_store(cfg: Config):
     """The step store: the configured backend when the data plane is on, else the driver's own memory."""
-    if not cfg.data_plane.enabled:
+    url = cfg.data_plane.url
+    if url is None:
         return MemoryStore("driver")
-    url = cfg.data_plane.backend
     if url.startswith("mooncake://"):
         return open_store(url, config=cfg.data_plane.mooncake)
     if url.startswith("shm://"):  # the URL (store.url, which every actor opens) carries them on
@@ -118,7 +118,7 @@ def check_folders(cfg: Config) -> None:
     cache = cache_root(cfg.policy.model_cache_dir)
     if cfg.policy.model == "tiny" and not (cache / f"tiny-qwen2-seed{cfg.grpo.seed}").is_dir():  # built there now
         check_writable("policy.model_cache_dir", cache)
-    url = cfg.data_plane.backend if cfg.data_plane.enabled else ""
+    url = cfg.data_plane.url or ""
     if url.startswith("shm://"):
         path = url[len("shm://"):].partition("?")[0]
         # a named store's folder is made by the store; its parent must take it

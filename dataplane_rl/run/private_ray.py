@@ -56,7 +56,7 @@ def one_machine(cfg: Config) -> bool:
     """No cluster to join, and a store URL naming no host but this one's loopback."""
     if cfg.cluster.address:
         return False
-    url = cfg.data_plane.backend if cfg.data_plane.enabled else ""
+    url = cfg.data_plane.url or ""
     scheme, _, rest = url.partition("://")
     host = rest.partition("?")[0].rpartition(":")[0].strip("[]") if scheme in ("mooncake", "ray") else ""
     return not host or is_loopback(host)
