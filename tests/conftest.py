@@ -45,7 +45,7 @@ CAPABILITIES: dict[str, dict[str, bool]] = {
 # that started last. Measured in CI's --durations (the default runs, kills and resumes, the README's commands).
 LONGEST_FIRST = ("test_train_e2e.py", "test_real_model.py", "test_checkpoint.py", "test_async_grpo.py", "test_readme.py",
                  "test_resume.py", "test_multihost.py", "test_bench_cli.py", "test_preempt.py", "test_faults.py",
-                 "test_multiturn_e2e.py", "test_private_run.py", "test_packing_e2e.py", "test_cli.py")
+                 "test_replay.py", "test_multiturn_e2e.py", "test_private_run.py", "test_packing_e2e.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

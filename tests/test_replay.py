@@ -17,6 +17,7 @@ from dataplane_rl.config import load_config
 from dataplane_rl.config.replay import ReplayConfig
 from dataplane_rl.driver.replay import Entry, ReplayBuffer
 from dataplane_rl.errors import ConfigError
+from dataplane_rl.store import open_store
 
 
 def entry(pid: str, version: int, advantage: float = 1.0, rows=(0, 1)) -> Entry:
@@ -90,7 +91,7 @@ def test_the_config_refuses_replay_with_async_grpo_and_too_few_fresh_rows_for_th
 # ---- a real run ------------------------------------------------------------------------------------------
 REPLAY = ["grpo.replay.enabled=true", "grpo.replay.strategy=priority", "grpo.replay.max_reuse=2",
           "grpo.replay.max_staleness=2", "grpo.replay.capacity_groups=6", "grpo.max_num_steps=30",
-          "checkpointing.save_period=5", "data_plane.enabled=true"]
+          "checkpointing.save_period=15", "data_plane.enabled=true"]
 
 
 def made_at(sample_id: str) -> int:
@@ -152,8 +153,6 @@ def test_a_run_killed_at_step_15_resumes_onto_the_same_row_sets_and_its_store_he
     shm = Path("/dev/shm") / f"dataplane-rl-test-{os.getpid()}-{tmp_path.name}"  # kill -9 skips the store's close
     try:
         kill_after_checkpoint(run_dir, 15, *REPLAY, f"data_plane.backend=shm://{shm}")
-        from dataplane_rl.store import open_store
-
         left = open_store(f"shm://{shm}")
         try:
             live = set(left.list_partitions())
@@ -166,7 +165,16 @@ def test_a_run_killed_at_step_15_resumes_onto_the_same_row_sets_and_its_store_he
     assert pinned and len(pinned) <= 3 and all(made_at(p) > 15 - 3 for p in pinned)
     # what the killed run's store held: the pinned partitions, and at most the step under way when it died
     assert pinned <= live and live - pinned <= {"step-000016"}, (live, pinned)
-    summary = train(resume_config(run_dir, ["data_plane.backend=shm://"]), resume=True)
+    again = shm.with_name(shm.name + "-resumed")  # a named store outlives the run: what it holds after is seen
+    try:
+        summary = train(resume_config(run_dir, [f"data_plane.backend=shm://{again}"]), resume=True)
+        after = open_store(f"shm://{again}")
+        try:
+            assert after.list_partitions() == [], "the run's end drops the partitions the buffer still pinned"
+        finally:
+            after.close()
+    finally:
+        shutil.rmtree(again, ignore_errors=True)
     assert summary["status"] == "completed"
     got = read_metrics(run_dir)
     assert [m["step"] for m in got] == [m["step"] for m in expected]

@@ -71,8 +71,11 @@ def restore_replay(store, schema, folder: Path, saved: dict | None, replay) -> N
         return
     if saved is None:
         return
+    live = set(store.list_partitions())
     for p in saved["partitions"]:
         rows = np.asarray(p["rows"], dtype=np.int64)
+        if p["pid"] in live:  # a named store the killed run used: its copy may lack cells; the checkpoint's rows rule
+            store.drop_partition(p["pid"])
         store.create_partition(p["pid"], schema, int(p["size"]))
         write(store, [(p["pid"], rows)], read_table(folder, p["file"], len(rows)))
     replay.load_state_dict(saved["state"])

@@ -86,6 +86,15 @@ def check_finite(metrics: dict) -> None:
                                  "Lower policy.learning_rate or policy.max_grad_norm, or check the rewards")
 
 
+def release(store, pids) -> None:
+    """Drop the partitions the replay buffer pinned, at the run's end (best effort: the store may be gone)."""
+    for pid in sorted(pids) if store is not None else ():
+        try:
+            store.drop_partition(pid)
+        except Exception:  # noqa: BLE001 - closing after a failure: the store or partition may be gone
+            pass
+
+
 def ray_lost(stop: StopSignals, run: Run | None) -> bool:
     """After a SIGTERM: whether Ray's processes went with it (a signal to the whole process group); if so,
     neither the handler nor close() may wait on Ray any more."""
@@ -315,6 +324,8 @@ class RunLoop:
         run.close_loggers()
         self.memory.stop()  # its last sample while the actors live
         try:
+            if fleet is not None and self.replay is not None and not self.cfg.data_plane.keep_partitions:
+                release(fleet.store, self.replay.pinned())  # the checkpoint holds their rows; a named store keeps none
             if fleet is not None:
                 ray_lost(self.stop, run)  # a step that ended anyway: close() must not wait on a dead Ray either
                 fleet.close()
