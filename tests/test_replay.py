@@ -77,6 +77,27 @@ def test_uniform_draws_without_replacement_within_a_step():
     assert sorted(got) == [f"p{i}" for i in range(6)] and b.metrics()["replay/reused_groups"] == 6
 
 
+def test_difficulty_pools_give_their_fractions_and_a_short_pool_leaves_its_places_to_the_rest():
+    b = buffer(strategy="fifo", max_staleness=9, easy_threshold=0.8, hard_threshold=0.2, easy_fraction=0.25,
+               hard_fraction=0.5)
+    rewards = {"e1": 0.9, "e2": 0.85, "h1": 0.1, "h2": 0.2, "h3": 0.05, "m1": 0.5, "m2": 0.6}
+    b.admit([Entry(pid, [0], 0, 1, r, 0.3, 1.0, "count") for pid, r in rewards.items()])
+    # 4 places: round(4 x 0.25) = 1 easy, round(4 x 0.5) = 2 hard, 1 between; fifo in each, admission order out
+    assert [e.pid for e in b.take(4, version=0)] == ["e1", "h1", "h2", "m1"]
+    m = b.metrics()
+    assert (m["replay/reused_easy_groups"], m["replay/reused_hard_groups"]) == (1, 2)
+    short = buffer(strategy="fifo", max_staleness=9, hard_threshold=0.2, hard_fraction=1.0)
+    short.admit([Entry(pid, [0], 0, 1, r, 0.3, 1.0, "count") for pid, r in rewards.items()])
+    # 4 hard places, 3 hard groups: the fourth goes to the oldest group left
+    assert [e.pid for e in short.take(4, version=0)] == ["e1", "h1", "h2", "h3"]
+    for bad, match in ((["grpo.replay.easy_fraction=0.6", "grpo.replay.hard_fraction=0.6", "grpo.replay.easy_threshold=0.9",
+                         "grpo.replay.hard_threshold=0.1"], "more than all"),
+                       (["grpo.replay.hard_fraction=0.5"], "hard_threshold does not define"),
+                       (["grpo.replay.easy_threshold=0.3", "grpo.replay.hard_threshold=0.3"], "not below easy_threshold")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, ["grpo.replay.enabled=true", *bad])
+
+
 def test_the_config_refuses_replay_with_async_grpo_and_too_few_fresh_rows_for_the_ranks():
     with pytest.raises(ConfigError, match="grpo.replay.enabled=true needs grpo.async_grpo.enabled=false"):
         load_config(None, ["grpo.replay.enabled=true", "grpo.async_grpo.enabled=true",

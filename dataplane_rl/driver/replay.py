@@ -70,27 +70,44 @@ class ReplayBuffer:
 
     def take(self, n: int, version: int) -> list[Entry]:
         """Up to `n` eligible entries for a step training weights `version`, chosen by the strategy, in admission
-        order; each one's use is counted."""
+        order; each one's use is counted. With difficulty pools (grpo.replay.easy_/hard_threshold), easy_fraction
+        and hard_fraction of them come from the easy and hard pools and the rest from the groups between; places a
+        pool cannot fill go to every eligible group left."""
         pool = self.eligible(version)
+        n = min(n, len(pool))
+        if n <= 0:
+            return []
+        c = self.cfg
+        chosen: list[Entry] = []
+        if c.easy_threshold is not None or c.hard_threshold is not None:
+            easy = [e for e in pool if c.easy_threshold is not None and e.reward_mean >= c.easy_threshold]
+            hard = [e for e in pool if c.hard_threshold is not None and e.reward_mean <= c.hard_threshold]
+            between = [e for e in pool if e not in easy and e not in hard]
+            k_easy, k_hard = round(n * c.easy_fraction), round(n * c.hard_fraction)
+            for part, k in ((easy, k_easy), (hard, k_hard), (between, n - k_easy - k_hard)):
+                chosen += self.pick(part, k)
+        chosen += self.pick([e for e in pool if e not in chosen], n - len(chosen))
+        chosen.sort(key=lambda e: e.seq)
+        for e in chosen:
+            e.uses += 1
+            self.taken.append((e, version - e.version))
+        return chosen
+
+    def pick(self, pool: list[Entry], n: int) -> list[Entry]:
+        """Up to `n` of `pool` (in admission order) by the strategy."""
         n = min(n, len(pool))
         if n <= 0:
             return []
         s = self.cfg.strategy
         if s == "fifo":
-            picked = list(range(n))
-        elif s == "recency":
-            picked = list(range(len(pool) - n, len(pool)))
-        else:
-            w = None
-            if s == "priority":
-                w = np.array([max(e.advantage, PRIORITY_FLOOR) for e in pool], dtype=np.float64)
-                w /= w.sum()
-            picked = sorted(int(i) for i in self.rng.choice(len(pool), size=n, replace=False, p=w))
-        chosen = [pool[i] for i in picked]
-        for e in chosen:
-            e.uses += 1
-            self.taken.append((e, version - e.version))
-        return chosen
+            return pool[:n]
+        if s == "recency":
+            return pool[len(pool) - n:]
+        w = None
+        if s == "priority":
+            w = np.array([max(e.advantage, PRIORITY_FLOOR) for e in pool], dtype=np.float64)
+            w /= w.sum()
+        return [pool[int(i)] for i in sorted(self.rng.choice(len(pool), size=n, replace=False, p=w))]
 
     def admit(self, entries: list[Entry]) -> None:
         for e in entries:
@@ -123,6 +140,7 @@ class ReplayBuffer:
 
     def metrics(self) -> dict:
         """This step's replay/* metrics."""
+        c = self.cfg
         ages = [age for _, age in self.taken]
         uses = [e.uses for e, _ in self.taken]
         m = {"replay/size_groups": len(self.entries), "replay/reused_groups": len(self.taken),
@@ -131,6 +149,10 @@ class ReplayBuffer:
              "replay/staleness_max": int(max(ages, default=0)),
              "replay/reuse_mean": float(np.mean(uses)) if uses else 0.0, "replay/reuse_max": int(max(uses, default=0))}
         m.update({f"replay/evicted_groups/{r}": n for r, n in self.evicted.items()})
+        if c.easy_threshold is not None:
+            m["replay/reused_easy_groups"] = sum(e.reward_mean >= c.easy_threshold for e, _ in self.taken)
+        if c.hard_threshold is not None:
+            m["replay/reused_hard_groups"] = sum(e.reward_mean <= c.hard_threshold for e, _ in self.taken)
         return m
 
     # -- the checkpoint's part ------------------------------------------------------------------------
