@@ -100,9 +100,7 @@ class Fleet:
     def processes(self) -> dict:
         """Each rollout actor's and train rank's PID and node, and the processes of the run's own Mooncake store
         (its master and holders): what RUN_DIR/actors.json holds."""
-        rollout_nodes = self._nodes.get("rollout", [])
-        rows = [{"slot": i, "pid": pid, "node": rollout_nodes[i] if i < len(rollout_nodes) else None}
-                for i, pid in enumerate(self._rollout_pids)]
+        rows = [dict(zip(("slot", "pid", "node"), (i, *self.where(i)))) for i in range(len(self._rollout_pids))]
         train = [dict(zip(("rank", "pid", "node"), (r, *self.rank_where(r)))) for r in range(len(self._train_pids))]
         store = self._store.processes() if self._store is not None else []
         return {"rollout": rows, "train": train, "store": store}
