@@ -60,7 +60,10 @@ def write_table(path: Path, table: pa.Table) -> None:
 
 
 def read_table(folder: Path, file: str, rows: int) -> pa.Table:
-    """A saved partition's columns (an Arrow IPC file: no code runs on reading it), checked to hold `rows` rows."""
+    """A saved partition's columns (an Arrow IPC file: no code runs on reading it), checked to be inside the
+    checkpoint `folder` and to hold `rows` rows."""
+    if Path(file).is_absolute() or ".." in Path(file).parts:
+        raise CheckpointError(f"{folder}/driver.json: partition file {file!r} is outside the checkpoint")
     path = folder / file
     try:
         with pa.memory_map(str(path)) as f:
@@ -76,8 +79,6 @@ def check_partitions(folder: Path, entries: list) -> None:
     """Parse every saved partition and its schedule entry (before Ray starts)."""
     try:
         for e in entries:
-            if Path(e["file"]).is_absolute() or ".." in Path(e["file"]).parts:
-                raise CheckpointError(f"{folder}/driver.json: partition file {e['file']!r} is outside the checkpoint")
             read_table(folder, e["file"], e["rows"])
             for j in e["jobs"]:
                 RolloutJob(**j)

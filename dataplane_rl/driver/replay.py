@@ -80,18 +80,25 @@ class ReplayBuffer:
         c = self.cfg
         chosen: list[Entry] = []
         if c.easy_threshold is not None or c.hard_threshold is not None:
-            easy = [e for e in pool if c.easy_threshold is not None and e.reward_mean >= c.easy_threshold]
-            hard = [e for e in pool if c.hard_threshold is not None and e.reward_mean <= c.hard_threshold]
-            between = [e for e in pool if e not in easy and e not in hard]
             k_easy, k_hard = round(n * c.easy_fraction), round(n * c.hard_fraction)
-            for part, k in ((easy, k_easy), (hard, k_hard), (between, n - k_easy - k_hard)):
-                chosen += self.pick(part, k)
-        chosen += self.pick([e for e in pool if e not in chosen], n - len(chosen))
+            for pool_name, k in (("easy", k_easy), ("hard", k_hard), ("between", n - k_easy - k_hard)):
+                chosen += self.pick([e for e in pool if self.difficulty(e) == pool_name], k)
+        taken = {id(e) for e in chosen}
+        chosen += self.pick([e for e in pool if id(e) not in taken], n - len(chosen))
         chosen.sort(key=lambda e: e.seq)
         for e in chosen:
             e.uses += 1
             self.taken.append((e, version - e.version))
         return chosen
+
+    def difficulty(self, e: Entry) -> str:
+        """The entry's pool by its mean reward: easy, hard or between (the thresholds cannot overlap: config)."""
+        c = self.cfg
+        if c.easy_threshold is not None and e.reward_mean >= c.easy_threshold:
+            return "easy"
+        if c.hard_threshold is not None and e.reward_mean <= c.hard_threshold:
+            return "hard"
+        return "between"
 
     def pick(self, pool: list[Entry], n: int) -> list[Entry]:
         """Up to `n` of `pool` (in admission order) by the strategy."""
@@ -149,10 +156,9 @@ class ReplayBuffer:
              "replay/staleness_max": int(max(ages, default=0)),
              "replay/reuse_mean": float(np.mean(uses)) if uses else 0.0, "replay/reuse_max": int(max(uses, default=0))}
         m.update({f"replay/evicted_groups/{r}": n for r, n in self.evicted.items()})
-        if c.easy_threshold is not None:
-            m["replay/reused_easy_groups"] = sum(e.reward_mean >= c.easy_threshold for e, _ in self.taken)
-        if c.hard_threshold is not None:
-            m["replay/reused_hard_groups"] = sum(e.reward_mean <= c.hard_threshold for e, _ in self.taken)
+        for pool_name, threshold in (("easy", c.easy_threshold), ("hard", c.hard_threshold)):
+            if threshold is not None:
+                m[f"replay/reused_{pool_name}_groups"] = sum(self.difficulty(e) == pool_name for e, _ in self.taken)
         return m
 
     # -- the checkpoint's part ------------------------------------------------------------------------
